@@ -1,0 +1,12 @@
+"""hvd_sparse: gradient sparsification as a plug-in of Horovod.
+
+Framework-agnostic parts live here (``hvd_sparse.Compression``, ``hvd_sparse.core``,
+``hvd_sparse.testing``); the framework adapters are ``hvd_sparse.torch`` (and ``hvd_sparse.tensorflow``).
+"""
+
+__version__ = "0.1.0.dev0"
+
+from .compression import Compression, SparseCompression  # noqa: E402
+from .core.sparsifiers import TopK  # noqa: E402
+
+__all__ = ["Compression", "SparseCompression", "TopK", "__version__"]

@@ -1,0 +1,127 @@
+"""The Communicator protocol and the volume meter (spec oktopk.md §2.6-2.7).
+
+A reducer talks to the other ranks only through a :class:`Communicator`. Two implementations exist:
+:class:`hvd_sparse.core.sim.SimulatedCommunicator` (P virtual ranks in one process, the test oracle) and
+the Horovod communicators of the framework adapters (``hvd.allreduce`` / ``allgather`` / ``alltoall`` /
+``broadcast`` with explicit names ``hvd_sparse.<bucket>.<phase>`` and the process set).
+
+Every collective takes a ``phase`` (``"values"``, ``"indices"``, ``"count"``, ...) that names the
+collective and keys the volume meter. Collectives are issued by every rank of the process set in the
+same order (the engine guarantees it); nothing here is called from an autograd hook.
+
+Volume accounting is *logical*: Horovod and Gloo expose no traffic counters, so each communicator counts
+from its own sizes what a direct exchange would move, per rank and phase, self-copies excluded:
+
+=============  ==========================================  ==========================================
+collective     sent by rank r                              received by rank r
+=============  ==========================================  ==========================================
+allgather      ``len(x_r) * (P-1)``                        ``sum_{s != r} len(x_s)``
+alltoall       ``sum_{q != r} splits_r[q]``                ``sum_{s != r} splits_s[r]``
+allreduce      ``2 n (P-1) / P`` (ring / Rabenseifner)     same
+broadcast      root: ``n (P-1)``, others 0                 root 0, others ``n``
+=============  ==========================================  ==========================================
+
+One *word* is one element (one value or one index, paper Table 1); bytes use the dtype on the wire.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Protocol, runtime_checkable
+
+SUM = "sum"
+MAX = "max"
+
+
+class VolumeMeter:
+    """Counts words and bytes this rank sends and receives, per phase, since the last :meth:`reset`."""
+
+    __slots__ = ("sent_words", "recv_words", "sent_bytes", "recv_bytes", "calls")
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.sent_words = collections.Counter()
+        self.recv_words = collections.Counter()
+        self.sent_bytes = collections.Counter()
+        self.recv_bytes = collections.Counter()
+        self.calls = collections.Counter()
+
+    def add(self, phase, sent_words, recv_words, itemsize):
+        self.sent_words[phase] += int(sent_words)
+        self.recv_words[phase] += int(recv_words)
+        self.sent_bytes[phase] += int(sent_words) * int(itemsize)
+        self.recv_bytes[phase] += int(recv_words) * int(itemsize)
+        self.calls[phase] += 1
+
+    def totals(self):
+        """``{"sent_words", "recv_words", "sent_bytes", "recv_bytes", "collectives"}`` summed over phases."""
+        return {
+            "sent_words": sum(self.sent_words.values()),
+            "recv_words": sum(self.recv_words.values()),
+            "sent_bytes": sum(self.sent_bytes.values()),
+            "recv_bytes": sum(self.recv_bytes.values()),
+            "collectives": sum(self.calls.values()),
+        }
+
+    def stats(self):
+        """Per-phase counters as plain dicts (for logs and JSON)."""
+        return {
+            "sent_words": dict(self.sent_words),
+            "recv_words": dict(self.recv_words),
+            "sent_bytes": dict(self.sent_bytes),
+            "recv_bytes": dict(self.recv_bytes),
+            "calls": dict(self.calls),
+        }
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """What a reducer may call. Arrays are of the engine's backend (numpy or torch)."""
+
+    rank: int
+    size: int
+    meter: VolumeMeter
+
+    def allreduce(self, x, op, phase):
+        """Elementwise ``op`` (``"sum"`` or ``"max"``) of ``x`` over all ranks; same shape everywhere."""
+
+    def allgather(self, x, phase):
+        """Concatenation along dim 0 of every rank's ``x`` in rank order (first dims may differ)."""
+
+    def alltoall(self, x, splits, phase):
+        """Send ``splits[q]`` consecutive rows of ``x`` to rank ``q``; returns ``(received, recv_splits)``.
+
+        ``splits`` is a Python list of ``size`` ints; ``received`` is ordered by source rank.
+        """
+
+    def broadcast(self, x, root, phase):
+        """``x`` of rank ``root`` on every rank."""
+
+
+def meter_allgather(meter, rank, sizes, itemsize, phase):
+    """Record one allgather whose per-rank first-dim element counts are ``sizes``."""
+    P = len(sizes)
+    mine = sizes[rank]
+    meter.add(phase, mine * (P - 1), sum(sizes) - mine, itemsize)
+
+
+def meter_alltoall(meter, rank, splits, recv_splits, itemsize, phase, row_words=1):
+    sent = (sum(splits) - splits[rank]) * row_words
+    recv = (sum(recv_splits) - recv_splits[rank]) * row_words
+    meter.add(phase, sent, recv, itemsize)
+
+
+def meter_allreduce(meter, P, n, itemsize, phase):
+    w = 2 * n * (P - 1) // P if P > 1 else 0
+    meter.add(phase, w, w, itemsize)
+
+
+def meter_broadcast(meter, rank, root, P, n, itemsize, phase):
+    if P == 1:
+        meter.add(phase, 0, 0, itemsize)
+    elif rank == root:
+        meter.add(phase, n * (P - 1), 0, itemsize)
+    else:
+        meter.add(phase, 0, n, itemsize)

@@ -1,0 +1,49 @@
+"""The reducer interface: how the ranks combine their selections into one global sparse sum.
+
+    u, included = reducer.reduce(xp, acc, idx, k, comm, state)
+
+* ``acc``: this rank's float32 accumulator (length n); ``idx``: the sparsifier's sorted int64 selection;
+* ``u``: float32 length-n *sum* over ranks of the contributions that survive (the engine divides by P),
+  bit-identical on every rank (invariant 1);
+* ``included``: the indices of ``acc`` that reached ``u`` (error feedback zeroes exactly these, spec
+  oktopk.md §2.3), or :data:`ALL` when every entry did (dense).
+
+Reducers issue collectives only through ``comm``, in an order that depends on nothing but data every rank
+holds identically; with ``comm.size == 1`` they issue none (oracle O22).
+"""
+
+from __future__ import annotations
+
+#: ``included`` value meaning "every entry of acc reached the result" (dense reducer).
+ALL = "all"
+
+#: Largest n whose indices go on the wire as int32 (the padding slot ``n`` must fit too).
+INT32_INDEX_LIMIT = 2**31 - 2
+
+
+def wire_index_dtype(xp, n):
+    """int32 on the wire while every index fits, int64 beyond (spec oktopk.md §5: never float-encoded)."""
+    return xp.int32 if n <= INT32_INDEX_LIMIT else xp.index_dtype
+
+
+class Reducer:
+    """Base class. Subclasses set ``name`` and implement :meth:`reduce`."""
+
+    name = "base"
+    #: False for reducers that ignore the selection and keep no residual (dense).
+    sparse = True
+
+    def initial_state(self):
+        return {}
+
+    def reduce(self, xp, acc, idx, k, comm, state):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def __eq__(self, other):
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self):
+        return hash((type(self), tuple(sorted(vars(self).items()))))
+
+    def __repr__(self):
+        return f"{type(self).__name__}()"

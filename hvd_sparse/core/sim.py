@@ -1,0 +1,154 @@
+"""P virtual ranks in one process: the test oracle and the volume instrument.
+
+Each virtual rank runs the *same* engine code as a real Horovod rank, in its own thread, with a
+:class:`SimulatedCommunicator`. A collective is a rendezvous: every rank deposits its input, a barrier
+releases them, each rank computes its output from all inputs in rank order, a second barrier frees the
+slots. Outputs are therefore exactly what Horovod returns (allgather concatenates in rank order,
+alltoall delivers by source rank), and sums are added in rank order 0..P-1, which makes the simulator
+deterministic.
+
+The simulator also checks what Horovod would not: all ranks must issue the same collective (same phase
+name and kind) at the same time -- a mismatch raises :class:`CollectiveMismatchError` naming the ranks,
+instead of silently pairing different tensors. If one rank raises, the barrier is broken and every
+other rank raises too (no hang).
+
+    world = SimulatedWorld(4)
+    results = world.run(lambda comm: my_step(comm))   # list of 4 per-rank results
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from .comm import (MAX, SUM, VolumeMeter, meter_allgather, meter_allreduce, meter_alltoall,
+                   meter_broadcast)
+from .xp import backend_of
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks issued different collectives at the same point (a bug in the caller's ordering)."""
+
+
+class SimulatedWorld:
+    """The shared rendezvous of P virtual ranks."""
+
+    def __init__(self, size, timeout=600.0):
+        if int(size) < 1:
+            raise ValueError(f"SimulatedWorld: size must be >= 1, got {size}")
+        self.size = int(size)
+        self._barrier = threading.Barrier(self.size, timeout=timeout)
+        self._slots = [None] * self.size
+
+    def communicators(self):
+        return [SimulatedCommunicator(self, r) for r in range(self.size)]
+
+    def exchange(self, rank, item):
+        """All-to-all of Python objects: every rank gets the list of all ranks' items."""
+        if self.size == 1:
+            return [item]
+        self._slots[rank] = item
+        self._barrier.wait()
+        out = list(self._slots)
+        self._barrier.wait()
+        return out
+
+    def run(self, fn, comms=None):
+        """Run ``fn(comm)`` on every virtual rank in its own thread; returns the per-rank results.
+
+        The first exception of any rank is re-raised here (the others are released, not hung).
+        """
+        comms = comms or self.communicators()
+        if self.size == 1:
+            return [fn(comms[0])]
+        results = [None] * self.size
+        errors = [None] * self.size
+
+        def target(r):
+            try:
+                results[r] = fn(comms[r])
+            except BaseException as e:  # noqa: BLE001 - re-raised below
+                errors[r] = e
+                self._barrier.abort()
+
+        threads = [threading.Thread(target=target, args=(r,), name=f"sim-rank-{r}")
+                   for r in range(self.size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)),
+                     None) or next((e for e in errors if e is not None), None)
+        if first is not None:
+            self._barrier.reset()
+            raise first
+        return results
+
+
+class SimulatedCommunicator:
+    """One virtual rank's view of a :class:`SimulatedWorld` (implements ``Communicator``)."""
+
+    def __init__(self, world, rank):
+        self.world = world
+        self.rank = rank
+        self.size = world.size
+        self.meter = VolumeMeter()
+        self.num_collectives = 0
+
+    def _gather(self, kind, phase, payload):
+        items = self.world.exchange(self.rank, (kind, phase, payload))
+        self.num_collectives += 1
+        heads = [(k, p) for k, p, _ in items]
+        if any(h != heads[0] for h in heads):
+            raise CollectiveMismatchError(
+                "ranks issued different collectives: "
+                + ", ".join(f"rank {r}: {k} {p!r}" for r, (k, p) in enumerate(heads)))
+        return [x for _, _, x in items]
+
+    def allreduce(self, x, op, phase):
+        xp = backend_of(x)
+        xs = self._gather("allreduce", phase, x)
+        if any(xp.numel(y) != xp.numel(x) for y in xs):
+            raise ValueError(f"allreduce {phase!r}: shapes differ across ranks: "
+                             f"{[xp.numel(y) for y in xs]}")
+        out = xp.copy(xs[0])
+        for y in xs[1:]:                       # rank order 0..P-1: deterministic
+            if op == SUM:
+                out = out + y
+            elif op == MAX:
+                out = np.maximum(out, y) if xp.name == "numpy" else out.maximum(y)
+            else:
+                raise ValueError(f"allreduce: op must be 'sum' or 'max', got {op!r}")
+        meter_allreduce(self.meter, self.size, xp.numel(x), xp.itemsize(x), phase)
+        return out
+
+    def allgather(self, x, phase):
+        xp = backend_of(x)
+        xs = self._gather("allgather", phase, x)
+        meter_allgather(self.meter, self.rank, [xp.numel(y) for y in xs], xp.itemsize(x), phase)
+        return xp.concat(xs, like=x)
+
+    def alltoall(self, x, splits, phase):
+        xp = backend_of(x)
+        splits = [int(s) for s in splits]
+        if len(splits) != self.size or sum(splits) > xp.numel(x) or min(splits) < 0:
+            raise ValueError(f"alltoall {phase!r}: bad splits {splits} for {xp.numel(x)} rows on "
+                             f"rank {self.rank}")
+        items = self._gather("alltoall", phase, (x, splits))
+        offs = []
+        for _, sp in items:
+            o = [0]
+            for s in sp:
+                o.append(o[-1] + s)
+            offs.append(o)
+        parts = [items[s][0][offs[s][self.rank]:offs[s][self.rank + 1]] for s in range(self.size)]
+        recv_splits = [items[s][1][self.rank] for s in range(self.size)]
+        meter_alltoall(self.meter, self.rank, splits, recv_splits, xp.itemsize(x), phase)
+        return xp.concat(parts, like=x), recv_splits
+
+    def broadcast(self, x, root, phase):
+        xp = backend_of(x)
+        xs = self._gather("broadcast", phase, x)
+        meter_broadcast(self.meter, self.rank, root, self.size, xp.numel(x), xp.itemsize(x), phase)
+        return xp.copy(xs[root])

@@ -1,0 +1,53 @@
+"""The sparsifier interface: how one rank chooses which entries of its accumulator to send.
+
+A sparsifier is configuration only (frozen, hashable); everything that changes from step to step lives
+in the per-rank ``state`` dict the engine passes in, so it can be checkpointed (``state_dict``).
+
+    idx = sparsifier.select(xp, acc, k, state)    # sorted int64 indices into acc, no duplicates
+
+``acc`` is the float32 accumulator (residual + gradient), ``k = max(1, floor(density * n))`` the target.
+A sparsifier must never select a zero entry and must be deterministic (same input, same state -> same
+indices), so that the simulator and a Horovod run agree bit for bit.
+"""
+
+from __future__ import annotations
+
+from ..errors import check_density
+
+
+class Sparsifier:
+    """Base class. Subclasses set ``name`` and implement :meth:`select`.
+
+    Args:
+        density (float): target fraction of entries to select, in (0, 1]; ``k = max(1, floor(density*n))``.
+    """
+
+    name = "base"
+    #: True when ``select`` returns exactly min(k, nnz(acc)) indices; reducers may then skip size exchanges.
+    exact_k = False
+
+    def __init__(self, density):
+        self.density = check_density(density, f"hvd_sparse.{type(self).__name__}")
+
+    def k_for(self, n):
+        """The target count for a buffer of ``n`` entries: ``max(1, floor(density * n))``."""
+        return max(1, int(self.density * n))
+
+    def initial_state(self):
+        return {}
+
+    def select(self, xp, acc, k, state):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _key(self):
+        return tuple(sorted(vars(self).items()))
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other._key() == self._key()
+
+    def __hash__(self):
+        return hash((type(self), self._key()))
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={v!r}" for k, v in self._key())
+        return f"{type(self).__name__}({args})"

@@ -1,0 +1,25 @@
+"""Exact top-k (spec oktopk.md §2.1, §3.2 step 2): the k entries of largest ``|acc|``.
+
+    S = the min(k, nnz(acc)) indices of largest |acc_j|, ties at the k-th magnitude broken by lower index
+
+This is the sparsifier of TopkA, TopkDSA and gTopk (paper §5: "an exact torch.topk every step", their
+sparsification overhead). It never selects zeros, so with density 1 it selects every nonzero entry and
+the sparse reducers equal the dense allreduce (oracle O9).
+"""
+
+from __future__ import annotations
+
+from ..xp import topk_indices
+from .base import Sparsifier
+
+
+class TopK(Sparsifier):
+    """Exact, deterministic top-k by magnitude. Stateless."""
+
+    name = "topk"
+    exact_k = True
+
+    def select(self, xp, acc, k, state):
+        idx, th = topk_indices(xp, acc, k)
+        state["threshold"] = th
+        return idx

@@ -1,0 +1,74 @@
+"""The public simulator: run a compression on P virtual ranks in one process, exactly as Horovod would.
+
+    import numpy as np, hvd_sparse
+    from hvd_sparse.testing import simulate
+    grads = np.random.default_rng(0).standard_normal((10, 4, 1000)).astype(np.float32)  # (steps, P, n)
+    res = simulate(hvd_sparse.Compression.topka(0.01), grads)
+    res.updates      # (steps, P, n): the averaged gradient each rank applies
+    res.residuals    # (steps, P, n): each rank's error-feedback residual after each step
+    res.volume[t][r] # {"sent_words", "recv_words", "sent_bytes", "recv_bytes", "collectives"}
+    res.selected     # (steps, P): how many values each rank selected
+
+Each virtual rank runs the same engine code as a Horovod rank, over a
+:class:`~hvd_sparse.core.sim.SimulatedCommunicator` (sums in rank order, so results are deterministic).
+Test your own sparsifier with ``simulate(Compression.sparse(MySparsifier(0.01), allreduce=...), grads)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .core.sim import SimulatedWorld
+
+
+@dataclasses.dataclass
+class SimulationResult:
+    updates: np.ndarray
+    residuals: np.ndarray
+    volume: list
+    selected: np.ndarray
+    phases: list
+
+
+def simulate(compression, gradients, shapes=None, average=True):
+    """Run ``compression`` on ``gradients`` of shape (steps, P, n); see the module docstring.
+
+    Args:
+        compression (SparseCompression): a preset; its configuration is used, its own state is not
+            touched (every virtual rank gets a fresh engine).
+        gradients (array-like): float array (steps, P, n).
+        shapes (list of tuples, optional): split of n into parameter tensors (for per-tensor schemes).
+        average (bool): divide by P (``op=hvd.Average``) or not (``hvd.Sum``).
+    """
+    g = np.asarray(gradients)
+    if g.ndim != 3:
+        raise ValueError(f"hvd_sparse.testing.simulate: gradients must have shape (steps, P, n), got {g.shape}")
+    if shapes is not None and sum(int(np.prod(s)) for s in shapes) != g.shape[2]:
+        raise ValueError(f"hvd_sparse.testing.simulate: shapes {shapes} do not add up to n={g.shape[2]}")
+    steps, P, n = g.shape
+    world = SimulatedWorld(P)
+    comms = world.communicators()
+    engines = [compression.new_engine(c) for c in comms]
+    updates = np.zeros((steps, P, n), dtype=g.dtype)
+    residuals = np.zeros((steps, P, n), dtype=np.float32)
+    volume = [[None] * P for _ in range(steps)]
+    phases = [[None] * P for _ in range(steps)]
+    selected = np.zeros((steps, P), dtype=np.int64)
+
+    def run_rank(comm):
+        r = comm.rank
+        eng = engines[r]
+        for t in range(steps):
+            updates[t, r] = eng.step(np.ascontiguousarray(g[t, r]), average=average)
+            res = eng.memory.residual
+            residuals[t, r] = 0.0 if res is None else res
+            last = eng.last
+            volume[t][r] = {k: last[k] for k in ("sent_words", "recv_words", "sent_bytes", "recv_bytes",
+                                                 "collectives")}
+            phases[t][r] = comm.meter.stats()
+            selected[t, r] = last["selected"]
+
+    world.run(run_rank, comms)
+    return SimulationResult(updates, residuals, volume, selected, phases)

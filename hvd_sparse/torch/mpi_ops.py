@@ -1,0 +1,43 @@
+"""``sparse_allreduce``: the custom Horovod operation, shaped like ``hvd.allreduce``."""
+
+from __future__ import annotations
+
+from horovod.torch.mpi_ops import Average, global_process_set
+
+from .comm import HorovodTorchCommunicator
+from .compression import is_sparse
+from .optimizer import check_op, scale_factors
+
+_API = "hvd_sparse.torch.sparse_allreduce"
+
+
+def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=global_process_set):
+    """Average ``tensor`` over ``process_set``, sending only the entries that ``compression`` selects.
+
+    Collective: every rank calls it in the same order, with the same ``name``, shape and dtype. Entries
+    that do not reach the result stay in the residual kept for ``name`` for the next call.
+
+    Args:
+        tensor (torch.Tensor): dense tensor of any shape; not modified.
+        compression: a sparse preset, e.g. ``Compression.topka(density=0.01)``.
+        name (str): residual key and base of the op names (``hvd_sparse.<name>.<phase>``).
+            Default: ``"sparse_allreduce"`` (all unnamed calls share one residual).
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        process_set (ProcessSet): ranks taking part. Default: all ranks.
+
+    Returns:
+        torch.Tensor: same shape and dtype as ``tensor``, bit-identical on every rank.
+    """
+    if not is_sparse(compression):
+        raise TypeError(f"{_API}: compression must be a sparse preset such as Compression.topka(0.01), "
+                        f"got {compression!r}; for dense tensors use hvd.allreduce")
+    check_op(op, 1.0, _API)
+    if tensor.is_sparse:
+        raise TypeError(f"{_API}: tensor must be dense, got a torch.sparse tensor")
+    bucket = name or "sparse_allreduce"
+    engine = compression.engine(bucket, bucket, lambda: HorovodTorchCommunicator(process_set, bucket))
+    if engine.comm.process_set is not process_set:
+        raise ValueError(f"{_API}: name {bucket!r} was first used with another process_set")
+    _, _, average = scale_factors(op, 1.0)
+    out = engine.step(tensor.detach().reshape(-1), average=average)
+    return out.view(tensor.shape)

@@ -1,0 +1,271 @@
+"""``hvd_sparse.torch.DistributedOptimizer``: Horovod's DistributedOptimizer with sparse compression.
+
+Same signature, same contract as ``horovod.torch.DistributedOptimizer``: it returns an instance of a
+subclass of your optimizer's class (same name), ``step()`` reduces the gradients first, and
+``synchronize()`` / ``skip_synchronize()`` work as in Horovod (e.g. for gradient clipping).
+
+With a Horovod compressor (``Compression.none``, ``Compression.fp16``, or any object that is not a sparse
+preset) the optimizer *is* Horovod's, built by Horovod's own factory: bit-identical behaviour.
+
+With a sparse preset the whole model is one sparsification unit:
+
+1. backward hooks only count passes (no collective is ever issued from a hook);
+2. ``synchronize()`` concatenates the gradients of all parameters that require grad into one flat float32
+   buffer in sorted parameter-name order (identical on every rank; a parameter without a gradient
+   contributes zeros), runs one engine step -- error feedback, the sparsifier, the sparse allreduce over
+   ``process_set`` -- and writes the averaged result back into ``p.grad``;
+3. ``step()`` then runs your optimizer on those gradients.
+
+The same code runs at every size, P = 1 included (selection and error feedback happen there too, so
+results do not depend on how many processes you launch). torch.sparse gradients (embeddings with
+``sparse=True``) are reduced by Horovod's own sparse allreduce unless ``sparse_as_dense=True``, which
+densifies them into the sparsified buffer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager
+
+import horovod.torch as hvd
+import torch
+from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
+
+from ..core.errors import check_positive_int
+from .comm import HorovodTorchCommunicator
+from .compression import Compression, is_sparse
+
+_API = "hvd_sparse.torch.DistributedOptimizer"
+
+
+def check_op(op, gradient_predivide_factor, api):
+    """Shared validation of ``op`` and ``gradient_predivide_factor`` for the sparse path."""
+    if op == Adasum:
+        raise NotImplementedError(f"{api}: op=hvd.Adasum cannot be combined with sparse compression "
+                                  "(Adasum combines whole dense deltas); use op=hvd.Average or hvd.Sum")
+    if op not in (Average, Sum):
+        raise ValueError(f"{api}: op must be hvd.Average or hvd.Sum, got {op!r}")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError(f"{api}: gradient_predivide_factor is only valid with op=hvd.Average, "
+                         f"got op={op!r} and gradient_predivide_factor={gradient_predivide_factor!r}")
+    if not gradient_predivide_factor > 0:
+        raise ValueError(f"{api}: gradient_predivide_factor must be > 0, got {gradient_predivide_factor!r}")
+
+
+def scale_factors(op, gradient_predivide_factor):
+    """Horovod's split of the average: (prescale, postscale, average?)."""
+    if op == Average:
+        return 1.0 / gradient_predivide_factor, gradient_predivide_factor, True
+    return 1.0, 1.0, False
+
+
+class _SparseDistributedOptimizer(torch.optim.Optimizer):
+    # Methods of this class are copied into a subclass of the user's optimizer class; ``_hvds_inner`` is
+    # that class. We call it explicitly instead of ``super(self.__class__, self)``, which would recurse
+    # forever once the result is subclassed. As in Horovod, the inner ``__init__`` runs again with the
+    # param groups (which carry every hyper-parameter).
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, sparse_as_dense, process_set):
+        self._hvds_inner.__init__(self, params)
+        self._compression = compression
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+            if any(not isinstance(t, tuple) or len(t) != 2 for t in named_parameters):
+                raise ValueError(f"{_API}: named_parameters must be a sequence of (name, parameter) tuples, "
+                                 "usually model.named_parameters()")
+        else:
+            named_parameters = [(f"allreduce.noname.{i}.{j}", p) for i, group in enumerate(self.param_groups)
+                                for j, p in enumerate(group["params"])]
+        names = [n for n, _ in named_parameters]
+        dups = sorted({n for n in names if names.count(n) > 1})
+        if dups:
+            raise ValueError(f"{_API}: parameter names in named_parameters must be unique, "
+                             f"found duplicates: {', '.join(dups)}")
+        named_ids = {id(p) for _, p in named_parameters}
+        unnamed = [i for i, p in enumerate(all_params) if id(p) not in named_ids]
+        if unnamed:
+            raise ValueError(f"{_API}: named_parameters was given, but {len(unnamed)} parameter(s) of the "
+                             "optimizer are not in it; pass model.named_parameters() of the whole model")
+        in_opt = {id(p) for p in all_params}
+        # Canonical order: sorted by name, the same on every rank. Only parameters the optimizer updates
+        # and that require grad take part (Horovod's ``_requires_update``).
+        self._hvds_params = [(n, p) for n, p in sorted(named_parameters, key=lambda t: t[0])
+                             if id(p) in in_opt and p.requires_grad]
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._hvds_passes = {p: 0 for _, p in self._hvds_params}
+        self._hvds_grad_accs = []
+        self._synchronized = False
+        self._should_synchronize = True
+        self._hvds_exchanges = 0
+        for _, p in self._hvds_params:
+            grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
+            grad_acc.register_hook(self._hvds_make_hook(p))
+            self._hvds_grad_accs.append(grad_acc)
+
+    # -- hooks: count passes only --------------------------------------------------------------------
+    def _hvds_make_hook(self, p):
+        def hook(*_):
+            if self._hvds_passes[p] >= self.backward_passes_per_step:
+                raise AssertionError("Gradients were computed more than backward_passes_per_step times "
+                                     "before call to step(). Increase backward_passes_per_step to "
+                                     "accumulate gradients locally.")
+            self._hvds_passes[p] += 1
+        return hook
+
+    def _hvds_engine(self):
+        return self._compression.engine(
+            "model", self, lambda: HorovodTorchCommunicator(self.process_set, "model"))
+
+    # -- the exchange ------------------------------------------------------------------------------------
+    def synchronize(self):
+        """Reduce the gradients now (sparse exchange over the process set) and write them into ``p.grad``."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        dense_params, sparse_params = [], []
+        for name, p in self._hvds_params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)     # unused on this rank: contributes zeros, as in Horovod
+            if p.grad.is_sparse and not self.sparse_as_dense:
+                sparse_params.append((name, p))
+            else:
+                dense_params.append((name, p))
+        if dense_params:
+            flat = torch.cat([(p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)
+                              .to(torch.float32) for _, p in dense_params])
+            prescale, postscale, average = scale_factors(self.op, self.gradient_predivide_factor)
+            out = self._hvds_engine().step(flat, average=average, prescale=prescale, postscale=postscale)
+            offset = 0
+            for _, p in dense_params:
+                m = p.numel()
+                piece = out[offset:offset + m].view(p.shape).to(p.dtype)
+                offset += m
+                if p.grad.is_sparse:
+                    p.grad = piece.to_sparse()
+                else:
+                    p.grad.copy_(piece)
+        for name, p in sparse_params:            # Horovod's own allgather-based sparse allreduce
+            handle = hvd.sparse_allreduce_async(p.grad, name=f"hvd_sparse.sparse_grad.{name}", op=self.op,
+                                                process_set=self.process_set)
+            p.grad = handle()
+        for p in self._hvds_passes:
+            self._hvds_passes[p] = 0
+        self._hvds_exchanges += 1
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Make ``step()`` skip the exchange, after an explicit ``synchronize()``:
+
+        .. code-block:: python
+
+            loss.backward()
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to "
+                              "consider using optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        return self._hvds_inner.step(self, closure)
+
+    def zero_grad(self, *args, **kwargs):
+        if any(self._hvds_passes.values()):
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but before "
+                                 "optimizer.step() or optimizer.synchronize(). This is prohibited: the "
+                                 "accumulated gradients would be lost before the exchange.")
+        return self._hvds_inner.zero_grad(self, *args, **kwargs)
+
+    def set_backward_passes_per_step(self, passes):
+        self.backward_passes_per_step = check_positive_int(passes, "backward_passes_per_step", _API)
+        for p in self._hvds_passes:
+            self._hvds_passes[p] = 0
+
+    def load_state_dict(self, *args, **kwargs):
+        for p in self._hvds_passes:
+            self._hvds_passes[p] = 0
+        self._synchronized = False
+        self._should_synchronize = True
+        return self._hvds_inner.load_state_dict(self, *args, **kwargs)
+
+    # -- sparse state and statistics --------------------------------------------------------------------
+    def sparse_stats(self):
+        """Statistics of the last exchange on this rank: ``n, k, selected, density, sent_bytes,
+        recv_bytes, sent_words, recv_words, collectives`` (empty before the first step)."""
+        return dict(self._hvds_engine().last) if self._hvds_exchanges else {}
+
+    def residual_norm(self):
+        """L2 norm of this rank's error-feedback residual."""
+        return self._hvds_engine().residual_norm()
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=global_process_set):
+    """Wrap a ``torch.optim.Optimizer`` so that ``step()`` first averages the gradients over Horovod
+    ranks -- sparsely, when ``compression`` is a sparse preset.
+
+    Arguments are Horovod's, in Horovod's order (``horovod.torch.DistributedOptimizer``):
+
+    Args:
+        optimizer: the optimizer to wrap; the result is an instance of a subclass of its class.
+        named_parameters: ``model.named_parameters()``; names fix the exchange order on every rank.
+            Default: ``allreduce.noname.<group>.<index>`` (the same on every rank if the model is).
+        compression: ``Compression.none`` / ``Compression.fp16`` (Horovod's optimizer is returned,
+            unchanged), or a sparse preset such as ``Compression.topka(density=0.01)``. Default: none.
+        backward_passes_per_step (int): backward passes accumulated locally before each exchange.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``; ``hvd.Adasum`` is rejected with sparse compression.
+        gradient_predivide_factor (float): with ``op=hvd.Average``, scale by 1/f before the sum and by
+            f/size after it (numerically the same for the float32 sparse path).
+        num_groups, groups: Horovod's tensor grouping of the dense path. The sparse path always exchanges
+            the whole model as one unit (one global top-k), so they are validated and otherwise unused.
+        sparse_as_dense (bool): densify torch.sparse gradients into the sparsified buffer.
+        process_set: ranks that take part. Default: all ranks.
+
+    Returns:
+        an instance of ``type(optimizer)`` (same class name) with ``synchronize()``,
+        ``skip_synchronize()``, ``set_backward_passes_per_step()``, and for sparse presets
+        ``sparse_stats()`` and ``residual_norm()``.
+
+    Raises:
+        NotImplementedError: ``op=hvd.Adasum`` with a sparse preset.
+        ValueError: bad ``op``, ``gradient_predivide_factor``, ``backward_passes_per_step``, ``groups``,
+            duplicate or missing parameter names, or a sparse preset already used by another optimizer.
+    """
+    if not is_sparse(compression):
+        return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters, compression=compression,
+                                        backward_passes_per_step=backward_passes_per_step, op=op,
+                                        gradient_predivide_factor=gradient_predivide_factor,
+                                        num_groups=num_groups, groups=groups, sparse_as_dense=sparse_as_dense,
+                                        process_set=process_set)
+    check_op(op, gradient_predivide_factor, _API)
+    check_positive_int(backward_passes_per_step, "backward_passes_per_step", _API)
+    check_positive_int(num_groups, "num_groups", _API, minimum=0)
+    if groups is not None and not isinstance(groups, list):
+        check_positive_int(groups, "groups", _API, minimum=0)
+    if compression._engines:
+        raise ValueError(f"{_API}: {compression!r} is already used by another optimizer; a sparse preset "
+                         "keeps per-model state (residuals, thresholds): create one per optimizer")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_SparseDistributedOptimizer.__dict__, _hvds_inner=optimizer.__class__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
+               gradient_predivide_factor, sparse_as_dense, process_set)

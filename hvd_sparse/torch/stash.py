@@ -1,0 +1,111 @@
+"""A sparse preset as ``compression=`` of the *unmodified* ``horovod.torch.DistributedOptimizer``.
+
+Horovod calls ``compress(p.grad)`` per parameter (from backward hooks or ``synchronize()``), allreduces what
+it returns, then calls ``decompress(output, ctx)`` per parameter in ``synchronize()``. On each rank every
+compress of a step precedes the first decompress (spec horovod_integration.md §1.2). So:
+
+* ``compress`` stashes the gradient and returns a 1-element placeholder; it never communicates (the
+  order of compress calls differs across ranks when some parameters are unused);
+* the first ``decompress`` of a step runs one whole-model engine step over the stashed gradients in
+  sorted parameter-name order, with explicit collective names, then every ``decompress`` returns its
+  parameter's slice.
+
+Horovod passes the compressor neither parameter names, nor ``op``, nor the process set. We read them from
+the calling optimizer (the frame of Horovod's ``_allreduce_grad_async`` whose ``self._compression`` is this
+preset): Horovod 0.28.1 is its last release, so these attributes are fixed. Configurations in which the
+exchange cannot be correct raise a clear error: ``op=hvd.Adasum`` (Horovod then compresses parameter
+deltas, not gradients) and ``sparse_as_dense=True`` (Horovod compresses a densified copy it does not
+name). At ``np=1`` Horovod registers no hooks and never calls the compressor: nothing is sparsified --
+use ``hvd_sparse.torch.DistributedOptimizer`` for the same semantics at every size.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from horovod.torch.mpi_ops import Adasum
+
+from .comm import HorovodTorchCommunicator
+from .optimizer import check_op, scale_factors
+
+_API = "horovod.torch.DistributedOptimizer(compression=<hvd_sparse preset>)"
+
+
+class StashAdapter:
+    def __init__(self, compression):
+        self.compression = compression
+        self.optimizer = None
+        self.stash = {}       # name -> (param, gradient tensor)
+        self.results = None   # name -> reduced slice, after the exchange of this step
+
+    def _caller(self, tensor):
+        """The Horovod optimizer that called compress(), and the parameter whose gradient ``tensor`` is."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            owner = frame.f_locals.get("self")
+            if owner is not None and getattr(owner, "_compression", None) is self.compression \
+                    and hasattr(owner, "_parameter_names"):
+                break
+            frame = frame.f_back
+        else:
+            raise RuntimeError(f"{self.compression!r}: compress() was called outside "
+                               "horovod.torch.DistributedOptimizer; for a single tensor use "
+                               "hvd_sparse.torch.sparse_allreduce(tensor, compression, name=...)")
+        opt = owner
+        if self.optimizer is None:
+            if getattr(opt, "op", None) is None:        # _DistributedAdasumOptimizer has no `op`
+                check_op(Adasum, 1.0, _API)
+            check_op(opt.op, opt.gradient_predivide_factor, _API)
+            if opt.sparse_as_dense:
+                raise ValueError(f"{_API}: sparse_as_dense=True hands the compressor unnamed dense copies; "
+                                 "use hvd_sparse.torch.DistributedOptimizer(..., sparse_as_dense=True)")
+            self.optimizer = opt
+        elif opt is not self.optimizer:
+            raise ValueError(f"{self.compression!r} is already used by another optimizer; a sparse preset "
+                             "keeps per-model state (residuals, thresholds): create one per optimizer")
+        p = frame.f_locals.get("p")
+        if p is None or p.grad is not tensor:
+            p = next((q for q in opt._parameter_names if q.grad is tensor), None)
+            if p is None:
+                raise RuntimeError(f"{_API}: compress() received a tensor that is no parameter's gradient")
+        return opt, p
+
+    def compress(self, tensor):
+        opt, p = self._caller(tensor)
+        if self.results is not None:
+            raise RuntimeError(f"{_API}: compress() after the exchange of this step started; this happens "
+                               "only if a step was left unfinished (an exception inside synchronize())")
+        self.stash[opt._parameter_names[p]] = (p, tensor)
+        return torch.ones(1, dtype=tensor.dtype, device=tensor.device), ("hvd_sparse", opt._parameter_names[p])
+
+    def decompress(self, output, ctx):
+        name = ctx[1]
+        if self.results is None:
+            self._exchange()
+        out = self.results.pop(name)
+        if not self.results:
+            self.results = None
+            self.stash = {}
+        return out
+
+    def _exchange(self):
+        opt = self.optimizer
+        expected = sorted(opt._parameter_names[p] for p in opt._requires_update)
+        names = sorted(self.stash)
+        if names != expected:
+            missing = sorted(set(expected) - set(names))
+            raise RuntimeError(f"{_API}: the step's first decompress() came before the gradients of "
+                               f"{missing[:5]} were compressed")
+        flat = torch.cat([self.stash[n][1].reshape(-1).to(torch.float32) for n in names])
+        prescale, postscale, average = scale_factors(opt.op, opt.gradient_predivide_factor)
+        engine = self.compression.engine(
+            "model", opt, lambda: HorovodTorchCommunicator(opt.process_set, "model"))
+        out = engine.step(flat, average=average, prescale=prescale, postscale=postscale)
+        self.results = {}
+        offset = 0
+        for n in names:
+            t = self.stash[n][1]
+            m = t.numel()
+            self.results[n] = out[offset:offset + m].view(t.shape).to(t.dtype)
+            offset += m

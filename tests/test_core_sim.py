@@ -1,0 +1,202 @@
+"""Simulator tests of the engine core against the spec's oracles (oktopk.md §6): O1, O2, O10, O12, O22, O23."""
+
+import numpy as np
+import pytest
+
+import hvd_sparse
+from hvd_sparse.core.sim import CollectiveMismatchError, SimulatedWorld
+from hvd_sparse.core.xp import backend_of, topk_indices
+from hvd_sparse.testing import simulate
+
+from conftest import int_grads, ref_topk
+
+PS = [1, 2, 3, 4, 8]
+
+
+def topka_reference(g, density, average):
+    """Spec §3.2 written out directly: per rank a = eps + g, S = TopK(a), u = sum_r a[S], eps[S] = 0."""
+    steps, P, n = g.shape
+    k = max(1, int(density * n))
+    eps = np.zeros((P, n), np.float32)
+    ups, res = [], []
+    for t in range(steps):
+        u = np.zeros(n, np.float32)
+        for r in range(P):
+            a = eps[r] + g[t, r]
+            m = ref_topk(a, k)
+            u[m] += a[m]
+            eps[r] = np.where(m, 0, a)
+        ups.append(u / P if average else u)
+        res.append(eps.copy())
+    return np.array(ups), np.array(res)
+
+
+@pytest.mark.parametrize("P", PS)
+def test_o1_dense_is_the_mean(P):
+    g = int_grads(3, P, 257, seed=P)
+    res = simulate(hvd_sparse.Compression.dense(), g)
+    total = g.sum(axis=1)
+    for t in range(3):
+        for r in range(P):
+            if P & (P - 1) == 0:
+                np.testing.assert_array_equal(res.updates[t, r], total[t] / P)
+            else:
+                np.testing.assert_allclose(res.updates[t, r] * P, total[t], rtol=1e-7)
+    assert not res.residuals.any()
+
+
+@pytest.mark.parametrize("P", PS)
+@pytest.mark.parametrize("density", [0.01, 0.1, 1.0])
+def test_o2_topka_equals_sum_of_local_topk(P, density):
+    g = int_grads(4, P, 400, seed=10 + P)
+    res = simulate(hvd_sparse.Compression.topka(density), g, average=False)
+    ref_u, ref_eps = topka_reference(g, density, average=False)
+    k = max(1, int(density * 400))
+    for t in range(4):
+        for r in range(P):
+            np.testing.assert_array_equal(res.updates[t, r], ref_u[t])
+            np.testing.assert_array_equal(res.residuals[t, r], ref_eps[t, r])
+            assert np.count_nonzero(res.updates[t, r]) <= min(400, P * k)
+            # exactly 2k(P-1) words received per rank per step (k values + k indices from each other rank)
+            assert res.volume[t][r]["recv_words"] == 2 * k * (P - 1)
+            assert res.volume[t][r]["sent_words"] == 2 * k * (P - 1)
+            assert res.volume[t][r]["collectives"] == (0 if P == 1 else 2)
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_o2_topka_average_is_exact_for_powers_of_two(P):
+    g = int_grads(2, P, 300, seed=3)
+    res = simulate(hvd_sparse.Compression.topka(0.05), g)
+    ref_u, _ = topka_reference(g, 0.05, average=True)
+    np.testing.assert_array_equal(res.updates[:, 0], ref_u)
+
+
+@pytest.mark.parametrize("P", PS)
+def test_o10_mass_conservation(P):
+    g = int_grads(12, P, 500, seed=20 + P)
+    res = simulate(hvd_sparse.Compression.topka(0.02), g, average=False)
+    for t in range(12):
+        applied = res.updates[: t + 1, 0].sum(axis=0, dtype=np.float64)
+        kept = res.residuals[t].sum(axis=0, dtype=np.float64)
+        np.testing.assert_array_equal(applied + kept, g[: t + 1].sum(axis=(0, 1), dtype=np.float64))
+
+
+@pytest.mark.parametrize("P", PS)
+@pytest.mark.parametrize("preset", ["dense", "topka"])
+def test_o12_replica_consistency(P, preset):
+    rng = np.random.default_rng(P)
+    g = rng.standard_normal((5, P, 1000)).astype(np.float32) * rng.lognormal(0, 2, size=1000).astype(np.float32)
+    comp = hvd_sparse.Compression.dense() if preset == "dense" else hvd_sparse.Compression.topka(0.01)
+    res = simulate(comp, g)
+    for r in range(1, P):
+        assert res.updates[:, r].tobytes() == res.updates[:, 0].tobytes()
+
+
+@pytest.mark.parametrize("preset", ["dense", "topka"])
+def test_o22_single_rank_issues_no_collective_and_keeps_semantics(preset):
+    g = int_grads(5, 1, 200, seed=5)
+    comp = hvd_sparse.Compression.dense() if preset == "dense" else hvd_sparse.Compression.topka(0.05)
+    res = simulate(comp, g)
+    assert all(v[0]["collectives"] == 0 and v[0]["recv_words"] == 0 for v in res.volume)
+    if preset == "topka":
+        ref_u, ref_eps = topka_reference(g, 0.05, average=True)
+        np.testing.assert_array_equal(res.updates[:, 0], ref_u)
+        np.testing.assert_array_equal(res.residuals[:, 0], ref_eps[:, 0])
+    else:
+        np.testing.assert_array_equal(res.updates[:, 0], g[:, 0])
+
+
+@pytest.mark.parametrize("P", PS)
+@pytest.mark.parametrize("preset", ["dense", "topka"])
+def test_o23_all_zero_gradients(P, preset):
+    g = np.zeros((3, P, 100), np.float32)
+    comp = hvd_sparse.Compression.dense() if preset == "dense" else hvd_sparse.Compression.topka(0.1)
+    res = simulate(comp, g)
+    assert not res.updates.any() and not res.residuals.any()
+    assert not res.selected.any() or preset == "dense"
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 8])
+def test_o23_one_rank_all_zero_matches_reference(P):
+    g = int_grads(4, P, 300, seed=7, zero_ranks=(P - 1,))
+    res = simulate(hvd_sparse.Compression.topka(0.05), g, average=False)
+    ref_u, ref_eps = topka_reference(g, 0.05, average=False)
+    assert (res.selected[:, P - 1] == 0).all()
+    np.testing.assert_array_equal(res.updates[:, 0], ref_u)
+    np.testing.assert_array_equal(res.residuals, ref_eps)
+
+
+def test_torch_and_numpy_backends_agree():
+    torch = pytest.importorskip("torch")
+    from hvd_sparse.core.sim import SimulatedWorld
+
+    g = np.random.default_rng(1).standard_normal((3, 3, 777)).astype(np.float32)
+    ref = simulate(hvd_sparse.Compression.topka(0.03), g)
+    comp = hvd_sparse.Compression.topka(0.03)
+    world = SimulatedWorld(3)
+    comms = world.communicators()
+    engines = [comp.new_engine(c) for c in comms]
+
+    def run(comm):
+        return [engines[comm.rank].step(torch.from_numpy(g[t, comm.rank].copy())).numpy() for t in range(3)]
+
+    outs = world.run(run, comms)
+    for r in range(3):
+        assert np.stack(outs[r]).tobytes() == ref.updates[:, r].tobytes()
+
+
+# -- topk selection -----------------------------------------------------------------------------------
+def test_topk_ties_broken_by_lower_index_and_zeros_never_selected():
+    x = np.array([0, 3, -5, 3, 0, 5, 3, 1], np.float32)
+    idx, th = topk_indices(backend_of(x), x, 4)
+    assert idx.tolist() == [1, 2, 3, 5] and th == 3.0
+    idx, _ = topk_indices(backend_of(x), x, 8)
+    assert idx.tolist() == [1, 2, 3, 5, 6, 7]
+    z = np.zeros(10, np.float32)
+    assert topk_indices(backend_of(z), z, 3)[0].size == 0
+
+
+def test_simulator_detects_mismatched_collectives_instead_of_pairing_them():
+    world = SimulatedWorld(2)
+
+    def body(comm):
+        x = np.ones(3, np.float32)
+        return comm.allgather(x, "values" if comm.rank == 0 else "indices")
+
+    with pytest.raises(CollectiveMismatchError, match="rank 0: allgather 'values'"):
+        world.run(body)
+
+
+def test_simulator_one_rank_raising_does_not_hang_the_others():
+    world = SimulatedWorld(3, timeout=30)
+
+    def body(comm):
+        if comm.rank == 1:
+            raise RuntimeError("boom on rank 1")
+        return comm.allreduce(np.ones(2, np.float32), "sum", "x")
+
+    with pytest.raises(RuntimeError, match="boom on rank 1"):
+        world.run(body)
+
+
+# -- arguments ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad, exc", [(0, ValueError), (-0.1, ValueError), (1.5, ValueError),
+                                      (float("nan"), ValueError), ("0.01", TypeError), (True, TypeError)])
+def test_density_is_validated_with_a_message_naming_it(bad, exc):
+    with pytest.raises(exc, match="density"):
+        hvd_sparse.Compression.topka(bad)
+
+
+def test_density_given_in_percent_gets_a_hint():
+    with pytest.raises(ValueError, match="pass density=0.05"):
+        hvd_sparse.Compression.topka(5)
+
+
+def test_sparse_rejects_unknown_allreduce_listing_valid_names():
+    with pytest.raises(ValueError, match="must be one of .*topka"):
+        hvd_sparse.Compression.sparse(hvd_sparse.TopK(0.1), allreduce="nope")
+
+
+def test_simulate_validates_shapes():
+    with pytest.raises(ValueError, match="steps, P, n"):
+        simulate(hvd_sparse.Compression.topka(0.1), np.zeros((2, 3)))
