@@ -1,0 +1,27 @@
+# hvd_sparse: `make demo` and `make test` each set up everything they need (idempotently) in .venv/.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+NP     ?= 2
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# Horovod's launcher, quiet about the machine's missing MPI; Gloo over the loopback interface.
+HOROVODRUN := $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo
+
+.PHONY: venv test test-fast demo check-build clean
+
+venv:
+	@bash scripts/setup_env.sh
+
+test: venv
+	$(PY) -m pytest -q tests
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not horovod" tests
+
+demo: venv
+	$(HOROVODRUN) $(PY) examples/pytorch_digits.py
+
+check-build: venv
+	$(VENV)/bin/horovodrun --check-build
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

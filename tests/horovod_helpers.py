@@ -1,0 +1,37 @@
+"""Launch real `horovodrun --gloo` jobs from tests and load what each rank wrote."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+HERE = Path(__file__).parent
+BIN = Path(sys.executable).parent
+
+
+def horovodrun_available():
+    return (BIN / "horovodrun").exists()
+
+
+requires_horovod = pytest.mark.skipif(not horovodrun_available(), reason="horovodrun not installed "
+                                      "(run `make test`, which builds it)")
+
+
+def horovodrun(np_, script, *args, timeout=300, env=None):
+    """Run ``script args`` on ``np_`` local Gloo workers; fail the test with the job's output on error."""
+    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
+           sys.executable, str(HERE / "hvd_workers" / script), *map(str, args)]
+    full_env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
+                    PYTHONPATH=str(HERE.parent), **(env or {}))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
+    if proc.returncode != 0:
+        pytest.fail(f"horovodrun -np {np_} {script} {' '.join(map(str, args))} failed "
+                    f"({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def load_ranks(outdir, scenario, np_):
+    return [dict(np.load(Path(outdir) / f"{scenario}.rank{r}.npz")) for r in range(np_)]

@@ -1,0 +1,175 @@
+"""Runs under `horovodrun -np P --gloo`; each rank writes <outdir>/<scenario>.rank<r>.npz for the test to check.
+
+Scenarios:
+  optimizer   hvd_sparse.torch.DistributedOptimizer(topka) for 50 steps: raw grads, reduced grads, final params
+  stash       horovod.torch.DistributedOptimizer(compression=hvd_sparse preset): raw and reduced grads
+  none        hvd_sparse DistributedOptimizer(Compression.none / fp16) vs Horovod's own: final params of both
+  op          hvd_sparse.torch.sparse_allreduce on a 2-D tensor: inputs and outputs
+  errors      misuse raises clear errors on every rank (Adasum, sparse_as_dense via horovod, shared preset)
+"""
+
+import sys
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+
+import hvd_sparse.torch as hvds
+
+STEPS = 50
+DENSITY = 0.05
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(12, 16)
+        self.b = torch.nn.Linear(16, 8)
+        self.c = torch.nn.Conv1d(1, 2, 3)
+
+    def forward(self, x):
+        y = torch.tanh(self.a(x))
+        z = self.c(y.unsqueeze(1)).flatten(1)
+        return self.b(y) .sum(1) + z.sum(1)
+
+
+def model_and_data(seed=0):
+    torch.manual_seed(seed)
+    model = Net()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    g = torch.Generator().manual_seed(1000 + hvd.rank())
+    xs = [torch.randn(8, 12, generator=g) for _ in range(STEPS)]
+    return model, xs
+
+
+def flat_grads(model):
+    return torch.cat([p.grad.reshape(-1) for _, p in sorted(model.named_parameters())]).numpy().copy()
+
+
+def flat_params(model):
+    return torch.cat([p.detach().reshape(-1) for _, p in sorted(model.named_parameters())]).numpy().copy()
+
+
+def run_recorded(opt, model, xs, explicit_sync):
+    raw, red = [], []
+    for x in xs:
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        raw.append(flat_grads(model))
+        if explicit_sync:
+            opt.synchronize()
+            red.append(flat_grads(model))
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+            red.append(flat_grads(model))
+    return np.array(raw), np.array(red)
+
+
+def scenario_optimizer(out):
+    model, xs = model_and_data()
+    base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = hvds.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                    compression=hvds.Compression.topka(DENSITY))
+    assert type(opt).__name__ == "SGD" and isinstance(opt, torch.optim.SGD)
+    raw, red = run_recorded(opt, model, xs, explicit_sync=hvd.rank() % 2 == 0)
+    stats = opt.sparse_stats()
+    np.savez(out, raw=raw, red=red, params=flat_params(model), selected=stats["selected"],
+             recv_words=stats["recv_words"], k=stats["k"])
+
+
+def scenario_stash(out):
+    model, xs = model_and_data(seed=1)
+    base = torch.optim.SGD(model.parameters(), lr=0.05)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                   compression=hvds.Compression.topka(DENSITY))
+    raw, red = run_recorded(opt, model, xs[:10], explicit_sync=False)
+    np.savez(out, raw=raw, red=red, params=flat_params(model))
+
+
+def scenario_none(out):
+    res = {}
+    for comp_name in ("none", "fp16"):
+        for impl in ("hvd_sparse", "horovod"):
+            model, xs = model_and_data(seed=2)
+            base = torch.optim.Adam(model.parameters(), lr=0.01)
+            factory = hvds.DistributedOptimizer if impl == "hvd_sparse" else hvd.DistributedOptimizer
+            comp = getattr(hvds.Compression if impl == "hvd_sparse" else hvd.Compression, comp_name)
+            opt = factory(base, named_parameters=model.named_parameters(), compression=comp,
+                          backward_passes_per_step=2)
+            for i in range(0, 40, 2):
+                opt.zero_grad()
+                for x in xs[i:i + 2]:
+                    model(x).pow(2).mean().backward()
+                opt.step()
+            res[f"{comp_name}_{impl}"] = flat_params(model)
+    np.savez(out, **res)
+
+
+def scenario_op(out):
+    g = torch.Generator().manual_seed(7 + hvd.rank())
+    comp = hvds.Compression.topka(0.1)
+    ins, outs = [], []
+    for _ in range(5):
+        t = torch.randn(6, 11, generator=g)
+        r = hvds.sparse_allreduce(t, comp, name="op.test")
+        assert r.shape == t.shape and r.dtype == t.dtype
+        ins.append(t.reshape(-1).numpy().copy())
+        outs.append(r.reshape(-1).numpy().copy())
+    np.savez(out, ins=np.array(ins), outs=np.array(outs))
+
+
+def scenario_errors(out):
+    msgs = []
+    for kwargs, exc in [(dict(op=hvd.Adasum), NotImplementedError),
+                        (dict(gradient_predivide_factor=2.0, op=hvd.Sum), ValueError),
+                        (dict(backward_passes_per_step=0), ValueError)]:
+        model, _ = model_and_data()
+        try:
+            hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                      named_parameters=model.named_parameters(),
+                                      compression=hvds.Compression.topka(0.1), **kwargs)
+        except exc as e:
+            msgs.append(str(e))
+        else:
+            raise AssertionError(f"no error for {kwargs}")
+    # Horovod's own optimizer with sparse_as_dense=True and a sparse preset: raises in the first compress()
+    model, xs = model_and_data()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(),
+                                   compression=hvds.Compression.topka(0.1), sparse_as_dense=True)
+    try:
+        model(xs[0]).pow(2).mean().backward()
+        opt.step()
+    except ValueError as e:
+        msgs.append(str(e))
+    else:
+        raise AssertionError("sparse_as_dense with a sparse preset in horovod's optimizer did not raise")
+    # one preset shared by the optimizers of two models: the second one's first step raises
+    comp = hvds.Compression.topka(0.1)
+    opts = []
+    for seed in (3, 4):
+        model, xs = model_and_data(seed)
+        opts.append((model, hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                      named_parameters=model.named_parameters(),
+                                                      compression=comp)))
+    for i, (model, opt) in enumerate(opts):
+        model(xs[0]).pow(2).mean().backward()
+        try:
+            opt.step()
+        except ValueError as e:
+            assert i == 1
+            msgs.append(str(e))
+        else:
+            assert i == 0, "a preset shared by two optimizers did not raise"
+    np.savez(out, msgs=np.array(msgs))
+
+
+if __name__ == "__main__":
+    hvd.init()
+    torch.set_num_threads(1)
+    outdir, scenarios = sys.argv[1], sys.argv[2:]
+    for name in scenarios:
+        globals()[f"scenario_{name}"](f"{outdir}/{name}.rank{hvd.rank()}.npz")
+    hvd.shutdown()

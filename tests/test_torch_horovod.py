@@ -1,0 +1,87 @@
+"""The PyTorch adapter through real `horovodrun -np 2` and `-np 3` (Gloo), checked against the simulator.
+
+One job per process count runs every scenario of hvd_workers/torch_worker.py; the tests read what each
+rank wrote. The simulator (hvd_sparse.testing.simulate) is the oracle for the sparse results.
+"""
+
+import numpy as np
+import pytest
+
+import hvd_sparse
+from hvd_sparse.testing import simulate
+
+from horovod_helpers import horovodrun, load_ranks, requires_horovod
+
+pytestmark = [pytest.mark.horovod, requires_horovod]
+
+SCENARIOS = ["optimizer", "stash", "none", "op", "errors"]
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"np{p}")
+def job(request, tmp_path_factory):
+    P = request.param
+    out = tmp_path_factory.mktemp(f"torch_np{P}")
+    # Tensor fusion packs whatever gradients are ready in the same cycle, so the fused layout -- and at
+    # P >= 3 the ring's summation order -- depends on timing: Horovod's own dense result then differs by
+    # an ulp from run to run (seen at np=3). Fusion off makes Horovod itself reproducible, so the
+    # bit-for-bit comparison with it below is meaningful. The sparse path issues unfused named ops anyway.
+    horovodrun(P, "torch_worker.py", out, *SCENARIOS, timeout=600, env={"HOROVOD_FUSION_THRESHOLD": "0"})
+    return P, {s: load_ranks(out, s, P) for s in SCENARIOS}
+
+
+def test_parameters_bit_identical_on_all_ranks_after_50_steps(job):
+    P, res = job
+    ranks = res["optimizer"]
+    assert ranks[0]["raw"].shape[0] == 50
+    for r in range(1, P):
+        assert ranks[r]["params"].tobytes() == ranks[0]["params"].tobytes()
+        assert ranks[r]["red"].tobytes() == ranks[0]["red"].tobytes()
+    # the ranks really trained on different data, so identity is not vacuous
+    assert not np.array_equal(ranks[0]["raw"], ranks[1]["raw"])
+
+
+@pytest.mark.parametrize("scenario", ["optimizer", "stash"])
+def test_horovod_run_equals_simulator_on_the_same_gradients(job, scenario):
+    P, res = job
+    ranks = res[scenario]
+    grads = np.stack([r["raw"] for r in ranks], axis=1)          # (steps, P, n)
+    sim = simulate(hvd_sparse.Compression.topka(0.05), grads)
+    for r in range(P):
+        assert ranks[r]["red"].tobytes() == sim.updates[:, r].tobytes(), f"rank {r} differs from simulator"
+    # sparse for real: the update has at most P*k nonzeros
+    k = max(1, int(0.05 * grads.shape[2]))
+    assert max(np.count_nonzero(u) for u in sim.updates[:, 0]) <= P * k
+
+
+def test_volume_counted_by_the_horovod_communicator(job):
+    P, res = job
+    r0 = res["optimizer"][0]
+    assert int(r0["recv_words"]) == 2 * int(r0["k"]) * (P - 1)
+
+
+@pytest.mark.parametrize("comp", ["none", "fp16"])
+def test_horovod_compressors_match_horovods_optimizer_to_the_bit(job, comp):
+    P, res = job
+    for r in range(P):
+        ours, theirs = res["none"][r][f"{comp}_hvd_sparse"], res["none"][r][f"{comp}_horovod"]
+        assert ours.tobytes() == theirs.tobytes()
+
+
+def test_sparse_allreduce_op_equals_simulator(job):
+    P, res = job
+    ranks = res["op"]
+    grads = np.stack([r["ins"] for r in ranks], axis=1)
+    sim = simulate(hvd_sparse.Compression.topka(0.1), grads)
+    for r in range(P):
+        assert ranks[r]["outs"].tobytes() == sim.updates[:, r].tobytes()
+
+
+def test_misuse_raises_clear_errors_on_every_rank(job):
+    P, res = job
+    for r in range(P):
+        msgs = list(res["errors"][r]["msgs"])
+        assert "Adasum" in msgs[0] and "hvd.Average" in msgs[0]
+        assert "gradient_predivide_factor" in msgs[1]
+        assert "backward_passes_per_step" in msgs[2]
+        assert "sparse_as_dense" in msgs[3] and "hvd_sparse.torch.DistributedOptimizer" in msgs[3]
+        assert "another optimizer" in msgs[4]
