@@ -3,6 +3,8 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 NP     ?= 2
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# TensorFlow (imported by horovodrun) logs a page of CPU-feature notes otherwise.
+export TF_CPP_MIN_LOG_LEVEL ?= 2
 # Horovod's launcher, quiet about the machine's missing MPI; Gloo over the loopback interface.
 HOROVODRUN := $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo
 

@@ -30,7 +30,7 @@ def parse_args(argv=None):
     p.add_argument("--density", type=float, default=0.01, help="fraction of gradient entries sent (default: 0.01)")
     p.add_argument("--epochs", type=int, default=12, help="epochs per run (default: 12)")
     p.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default: 32)")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: 0.05)")
+    p.add_argument("--lr", type=float, default=0.05, help="initial SGD learning rate, cosine-decayed to 0 (default: 0.05)")
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args(argv)
 
@@ -76,6 +76,8 @@ def train(args, compression, train_set, test_set, label):
     x_tr, y_tr = train_set
     shard = torch.arange(hvd.rank(), len(x_tr), hvd.size())
     steps_per_epoch = len(shard) // args.batch_size
+    # cosine decay to 0 over the run: both runs end on a settled model, not on one noisy SGD step
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch)
     history = []
     for epoch in range(1, args.epochs + 1):
         g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
@@ -88,6 +90,7 @@ def train(args, compression, train_set, test_set, label):
             loss = F.cross_entropy(model(x_tr[idx]), y_tr[idx])
             loss.backward()
             optimizer.step()
+            schedule.step()
             loss_sum += loss.item()
             if hasattr(optimizer, "sparse_stats"):
                 st = optimizer.sparse_stats()
