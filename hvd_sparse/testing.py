@@ -51,6 +51,9 @@ def simulate(compression, gradients, shapes=None, average=True):
     world = SimulatedWorld(P)
     comms = world.communicators()
     engines = [compression.new_engine(c) for c in comms]
+    if shapes is not None:
+        for e in engines:
+            e.layout = [int(np.prod(s)) for s in shapes]
     updates = np.zeros((steps, P, n), dtype=g.dtype)
     residuals = np.zeros((steps, P, n), dtype=np.float32)
     volume = [[None] * P for _ in range(steps)]

@@ -3,9 +3,10 @@ communicator meet (DESIGN.md "Layers"). Framework adapters and the simulator bot
 
     step(grad):
         acc = residual + grad                         # memory.py (float32)
-        S   = sparsifier.select(acc, k)               # sparsifiers/<scheme>.py, k = max(1, floor(d·n))
-        u, I = reducer.reduce(acc, S, comm)           # reducers/<scheme>.py: global sum, included set
-        residual = acc with acc[I] = 0                # memory.py
+        S   = sparsifier.select(acc, k, ctx)          # sparsifiers/<scheme>.py, k = max(1, floor(d·n))
+        u, I, info = reducer.reduce(acc, S, comm)     # reducers/<scheme>.py: global sum, included set
+        residual = acc with acc[I] = 0                # memory.py (or info["residual"], e.g. SparDL)
+        sparsifier.update(info, ctx)                  # threshold / partition controllers, if any
         return u · prescale · postscale / P           # average (op=Average) or u (op=Sum), grad dtype
 
 The dense reducer skips selection and residual. Per-step statistics (selected count, achieved density,
@@ -14,8 +15,33 @@ words and bytes sent and received) are kept in :attr:`Engine.last`.
 
 from __future__ import annotations
 
+import dataclasses
+
 from .memory import ErrorFeedback
 from .xp import backend_of
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What a sparsifier or reducer may know about the step besides the data.
+
+    Attributes:
+        rank, size: this rank and the number of ranks (== comm.rank, comm.size).
+        step: 0-based count of previous steps of this unit (identical on every rank).
+        layout: numels of the parameter tensors that make up the flat buffer, in order (sum == n), or
+            ``None`` when unknown (then the buffer is one tensor). Per-tensor schemes (DCT) use it.
+        comm: the Communicator. A sparsifier may issue collectives from ``select``/``update`` (e.g. to
+            agree on a count); every rank calls them in the same order, so that is safe.
+        exact_k: the sparsifier's ``exact_k`` flag: every rank selects at most k entries, so reducers
+            may use fixed-size messages without exchanging counts.
+    """
+
+    rank: int
+    size: int
+    step: int
+    layout: tuple
+    comm: object
+    exact_k: bool = False
 
 
 class StepStats(dict):
@@ -43,6 +69,7 @@ class Engine:
         self.reducer_state = compression.reducer.initial_state()
         self.steps = 0
         self.numel = None
+        self.layout = None      # numels of the tensors in the flat buffer (set by adapters / simulate)
         self.last = StepStats()
 
     # -- one step ------------------------------------------------------------------------------------
@@ -63,21 +90,29 @@ class Engine:
         reducer = comp.reducer
         self.comm.meter.reset()
         grad32 = xp.astype(grad, xp.float32)
+        ctx = StepContext(self.comm.rank, self.comm.size, self.steps,
+                          tuple(self.layout) if self.layout is not None else (n,), self.comm,
+                          bool(comp.sparsifier is not None and comp.sparsifier.exact_k))
         if reducer.sparse:
-            k = comp.sparsifier.k_for(n)
+            sparsifier = comp.sparsifier
+            k = sparsifier.k_for(n)
             acc = self.memory.compensate(xp, grad32)
-            idx = comp.sparsifier.select(xp, acc, k, self.sparsifier_state)
+            idx = sparsifier.select(xp, acc, k, self.sparsifier_state, ctx)
             selected = xp.numel(idx)
-            u, included = reducer.reduce(xp, acc, idx, k, self.comm, self.reducer_state)
-            self.memory.update(xp, acc, included)
+            u, included, info = reducer.reduce(xp, acc, idx, k, self.comm, self.reducer_state, ctx)
+            if "residual" in info:
+                self.memory.residual = info.pop("residual")
+            else:
+                self.memory.update(xp, acc, included)
+            sparsifier.update(xp, self.sparsifier_state, info, ctx)
         else:
             k = selected = n
-            u, _ = reducer.reduce(xp, grad32, None, n, self.comm, self.reducer_state)
+            u, _, info = reducer.reduce(xp, grad32, None, n, self.comm, self.reducer_state, ctx)
         scale = float(prescale) * float(postscale) / (self.comm.size if average else 1)
         out = xp.mul(u, scale) if scale != 1.0 else xp.copy(u)
         self.steps += 1
         self.last = StepStats(n=n, k=k, selected=selected, density=selected / n if n else 0.0,
-                              **self.comm.meter.totals())
+                              info=info, **self.comm.meter.totals())
         return xp.astype(out, xp.dtype_of(grad))
 
     # -- state -------------------------------------------------------------------------------------

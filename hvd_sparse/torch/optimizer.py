@@ -139,7 +139,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             flat = torch.cat([(p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)
                               .to(torch.float32) for _, p in dense_params])
             prescale, postscale, average = scale_factors(self.op, self.gradient_predivide_factor)
-            out = self._hvds_engine().step(flat, average=average, prescale=prescale, postscale=postscale)
+            engine = self._hvds_engine()
+            engine.layout = [p.numel() for _, p in dense_params]
+            out = engine.step(flat, average=average, prescale=prescale, postscale=postscale)
             offset = 0
             for _, p in dense_params:
                 m = p.numel()

@@ -1,12 +1,17 @@
 """The reducer interface: how the ranks combine their selections into one global sparse sum.
 
-    u, included = reducer.reduce(xp, acc, idx, k, comm, state)
+    u, included, info = reducer.reduce(xp, acc, idx, k, comm, state, ctx)
 
 * ``acc``: this rank's float32 accumulator (length n); ``idx``: the sparsifier's sorted int64 selection;
 * ``u``: float32 length-n *sum* over ranks of the contributions that survive (the engine divides by P),
   bit-identical on every rank (invariant 1);
 * ``included``: the indices of ``acc`` that reached ``u`` (error feedback zeroes exactly these, spec
-  oktopk.md §2.3), or :data:`ALL` when every entry did (dense).
+  oktopk.md §2.3), or :data:`ALL` when every entry did (dense);
+* ``info``: a dict of what the step learned (e.g. ``"counts"``: every rank's selection size, ``"K"``:
+  the global count, thresholds), handed to ``sparsifier.update`` and kept in the engine's statistics.
+  A reducer whose residual is not "acc with the included entries zeroed" (SparDL's global residual
+  collection) returns the new residual as ``info["residual"]``;
+* ``ctx``: the :class:`hvd_sparse.core.engine.StepContext` (rank, size, step, layout).
 
 Reducers issue collectives only through ``comm``, in an order that depends on nothing but data every rank
 holds identically; with ``comm.size == 1`` they issue none (oracle O22).
@@ -36,7 +41,7 @@ class Reducer:
     def initial_state(self):
         return {}
 
-    def reduce(self, xp, acc, idx, k, comm, state):  # pragma: no cover - interface
+    def reduce(self, xp, acc, idx, k, comm, state, ctx):  # pragma: no cover - interface
         raise NotImplementedError
 
     def __eq__(self, other):

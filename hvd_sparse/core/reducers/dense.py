@@ -15,7 +15,7 @@ class Dense(Reducer):
     name = "dense"
     sparse = False
 
-    def reduce(self, xp, acc, idx, k, comm, state):
+    def reduce(self, xp, acc, idx, k, comm, state, ctx):
         if comm.size == 1:
-            return acc, ALL
-        return comm.allreduce(acc, SUM, "dense"), ALL
+            return xp.copy(acc), ALL, {}
+        return comm.allreduce(acc, SUM, "dense"), ALL, {}

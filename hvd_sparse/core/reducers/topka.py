@@ -1,14 +1,17 @@
-"""TopkA: allgather of every rank's local top-k (spec oktopk.md §3.2; paper Table 1 row "TopkA").
+"""TopkA: allgather of every rank's local selection (spec oktopk.md §3.2; paper Table 1 row "TopkA").
+Also the exchange of Gaussiank (§3.5 step 5) and of DCT-DP (dct.md §A.6, "allgather").
 
-Per step, on every rank r (``acc`` = residual + gradient, S^r its top-k, chosen by the sparsifier):
+Per step, on every rank r (``acc`` = residual + gradient, S^r its selection, chosen by the sparsifier):
 
-    1. send (S^r, acc[S^r]) padded to exactly k pairs     # pad: index n (a dummy slot), value 0
-    2. allgather indices, allgather values                # rank order; k pairs from each rank
-    3. u = 0;  for s in 0..P-1: u.index_add_(idx_s, val_s) # rank order: bit-identical on every rank
-    4. included I^r = S^r                                  # every sent value reaches u
+    1. send (S^r, acc[S^r])
+         exact-k sparsifier (TopK): padded to exactly k pairs     # pad: index n (a dummy slot), value 0
+         otherwise (Gaussiank, DCT): counts = allgather(|S^r|)   # variable sizes (allgatherv)
+    2. allgather indices, allgather values                        # concatenated in rank order
+    3. u = 0;  for s in 0..P-1: u.index_add_(idx_s, val_s)        # rank order: bit-identical everywhere
+    4. included I^r = S^r                                         # every sent value reaches u
 
-Padding to k keeps every rank's message the same size, so no count exchange is needed and each rank
-receives exactly 2k(P-1) words (oracle O2). Output support <= min(n, Pk) (fill-in; no global top-k).
+With an exact-k sparsifier every message has the same size, so no count exchange is needed and each
+rank receives exactly 2k(P-1) words (oracle O2). Output support <= min(n, Pk) (fill-in; no global top-k).
 """
 
 from __future__ import annotations
@@ -16,29 +19,54 @@ from __future__ import annotations
 from .base import Reducer, wire_index_dtype
 
 
-class TopkA(Reducer):
-    name = "topka"
+def allgather_selection(xp, acc, idx, comm, pad_to=None):
+    """Allgather every rank's (indices, acc[indices]); returns (all_idx int64, all_vals, counts).
 
-    def reduce(self, xp, acc, idx, k, comm, state):
-        n = xp.numel(acc)
-        vals = xp.take(acc, idx)
-        P = comm.size
-        if P == 1:
-            u = xp.zeros(n, xp.float32, like=acc)
-            return xp.put_(u, idx, vals), idx
-        m = xp.numel(idx)
-        if m > k:
-            raise ValueError(f"topka: the sparsifier selected {m} > k={k} entries; TopkA needs at most k "
-                             "(pair it with TopK)")
-        wire = wire_index_dtype(xp, n)
-        pad = k - m
-        send_idx = xp.astype(idx, wire)
+    With ``pad_to`` (a size every rank respects) messages are padded with index ``n``/value 0 and no
+    count is exchanged; otherwise the per-rank counts are allgathered first (phase ``count``).
+    """
+    n = xp.numel(acc)
+    wire = wire_index_dtype(xp, n)
+    vals = xp.take(acc, idx)
+    send_idx = xp.astype(idx, wire)
+    m = xp.numel(idx)
+    if pad_to is not None:
+        if m > pad_to:
+            raise ValueError(f"{comm.rank}: the sparsifier selected {m} > k={pad_to} entries although it "
+                             "declares exact_k")
+        pad = pad_to - m
         if pad:
             send_idx = xp.concat([send_idx, xp.full(pad, n, wire, like=acc)], like=acc)
             vals = xp.concat([vals, xp.zeros(pad, xp.float32, like=acc)], like=acc)
-        all_idx = xp.astype(comm.allgather(send_idx, "indices"), xp.index_dtype)
-        all_vals = comm.allgather(vals, "values")
-        u = xp.zeros(n + 1, xp.float32, like=acc)
-        for s in range(P):
-            xp.scatter_add_(u, all_idx[s * k:(s + 1) * k], all_vals[s * k:(s + 1) * k])
-        return u[:n], idx
+        counts = [pad_to] * comm.size
+    else:
+        counts = [int(c) for c in xp.to_numpy(comm.allgather(xp.asarray([m], xp.index_dtype, like=acc),
+                                                             "count"))]
+    all_idx = xp.astype(comm.allgather(send_idx, "indices"), xp.index_dtype)
+    all_vals = comm.allgather(vals, "values")
+    return all_idx, all_vals, counts
+
+
+def sum_in_rank_order(xp, n, all_idx, all_vals, counts, like):
+    """u[j] = sum over sources s = 0..P-1 of their value at j (one scatter-add per source)."""
+    u = xp.zeros(n + 1, xp.float32, like=like)      # slot n takes the padding
+    off = 0
+    for c in counts:
+        if c:
+            xp.scatter_add_(u, all_idx[off:off + c], all_vals[off:off + c])
+        off += c
+    return u[:n]
+
+
+class TopkA(Reducer):
+    name = "topka"
+
+    def reduce(self, xp, acc, idx, k, comm, state, ctx):
+        n = xp.numel(acc)
+        if comm.size == 1:
+            u = xp.zeros(n, xp.float32, like=acc)
+            return xp.put_(u, idx, xp.take(acc, idx)), idx, {"counts": [xp.numel(idx)]}
+        all_idx, all_vals, counts = allgather_selection(xp, acc, idx, comm, pad_to=k if ctx.exact_k else None)
+        u = sum_in_rank_order(xp, n, all_idx, all_vals, counts, acc)
+        info = {} if ctx.exact_k else {"counts": counts}
+        return u, idx, info

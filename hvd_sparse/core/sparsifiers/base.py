@@ -3,7 +3,11 @@
 A sparsifier is configuration only (frozen, hashable); everything that changes from step to step lives
 in the per-rank ``state`` dict the engine passes in, so it can be checkpointed (``state_dict``).
 
-    idx = sparsifier.select(xp, acc, k, state)    # sorted int64 indices into acc, no duplicates
+    idx = sparsifier.select(xp, acc, k, state, ctx)   # sorted int64 indices into acc, no duplicates
+    sparsifier.update(xp, state, info, ctx)           # after the reducer: controllers (thresholds, ...)
+
+``ctx`` is a :class:`hvd_sparse.core.engine.StepContext` (rank, size, step, layout, comm); ``info`` is
+the dict the reducer returned (e.g. global counts).
 
 ``acc`` is the float32 accumulator (residual + gradient), ``k = max(1, floor(density * n))`` the target.
 A sparsifier must never select a zero entry and must be deterministic (same input, same state -> same
@@ -36,8 +40,11 @@ class Sparsifier:
     def initial_state(self):
         return {}
 
-    def select(self, xp, acc, k, state):  # pragma: no cover - interface
+    def select(self, xp, acc, k, state, ctx):  # pragma: no cover - interface
         raise NotImplementedError
+
+    def update(self, xp, state, info, ctx):
+        """Called after the reducer with its ``info``; default: nothing."""
 
     def _key(self):
         return tuple(sorted(vars(self).items()))

@@ -19,7 +19,7 @@ class TopK(Sparsifier):
     name = "topk"
     exact_k = True
 
-    def select(self, xp, acc, k, state):
+    def select(self, xp, acc, k, state, ctx):
         idx, th = topk_indices(xp, acc, k)
         state["threshold"] = th
         return idx
