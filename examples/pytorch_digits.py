@@ -12,13 +12,11 @@ import argparse
 import time
 
 import horovod.torch as hvd
-import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
 
 import hvd_sparse.torch as hvds
+from hvd_sparse.bench.digits import Net, load_data   # the CNN and the 80/20 split of sklearn's digits
 
 PRESETS = {"topka": hvds.Compression.topka}
 
@@ -33,30 +31,6 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05, help="initial SGD learning rate, cosine-decayed to 0 (default: 0.05)")
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args(argv)
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 4 * 4, 64)
-        self.fc2 = nn.Linear(64, 10)
-
-    def forward(self, x):
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-def load_data(seed):
-    """Digits split 80/20 with a fixed permutation (identical on every rank); pixel values scaled to [0, 1]."""
-    x, y = load_digits(return_X_y=True)
-    perm = np.random.default_rng(seed).permutation(len(x))
-    x = torch.tensor(x[perm] / 16.0, dtype=torch.float32).view(-1, 1, 8, 8)
-    y = torch.tensor(y[perm], dtype=torch.long)
-    cut = int(0.8 * len(x))
-    return (x[:cut], y[:cut]), (x[cut:], y[cut:])
 
 
 def evaluate(model, test):

@@ -16,13 +16,19 @@ speaks Horovod's compressor protocol (``compress``/``decompress``) so that the u
 from __future__ import annotations
 
 from .core.engine import Engine
-from .core.reducers import Dense, Reducer, TopkA
-from .core.sparsifiers import Sparsifier, TopK
+from .core.reducers import Dense, ExDynaReducer, GTopk, OkTopk, Reducer, SparDL, TopkA, TopkDSA
+from .core.reducers.oktopk import OKTOPK_PRESETS
+from .core.sparsifiers import DCT, ExDyna, GaussianK, Sparsifier, ThresholdReuse, TopK
 
 #: Reducers by name (``Compression.sparse(..., allreduce=<name>)``).
 REDUCERS = {
+    "oktopk": OkTopk,
     "dense": Dense,
     "topka": TopkA,
+    "topk_dsa": TopkDSA,
+    "gtopk": GTopk,
+    "exdyna": ExDynaReducer,
+    "spardl": SparDL,
 }
 
 
@@ -103,6 +109,40 @@ class Compression:
     """Sparse presets, one factory per scheme. Every call returns a new object with fresh state."""
 
     @staticmethod
+    def oktopk(density, threshold_period=32, repartition_period=64, balance="auto", *, variant="library"):
+        """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
+        spec oktopk.md §3.6): the O(k) sparse allreduce. Each rank selects with a local threshold that is
+        exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
+        split into P regions re-balanced every ``repartition_period`` steps; each region's owner reduces what
+        falls in it (one alltoall), keeps the values above a global threshold (exact every
+        ``threshold_period`` steps) and the results are balanced and allgathered. Error feedback keeps
+        S \\ G. Cost: at most 6k(P-1)/P words per rank on threshold-reuse steps of balanced input.
+
+        Args:
+            density (float): k = max(1, floor(density·n)), in (0, 1].
+            threshold_period (int): tau', steps between exact local and global threshold evaluations (32).
+            repartition_period (int): tau, steps between region repartitions (64).
+            balance (str): "auto" (balance before the allgather iff the largest owner holds > 4x the mean,
+                the paper's rule), "always" or "never".
+            variant (str): the threshold controllers, one of ``OKTOPK_PRESETS``. "library" (default): exact-k
+                selection, a guard that brings the local count back to <= k in one step and a ladder that keeps
+                the global count K <= k (see ThresholdReuse.guard_target and OkTopk.global_control); "paper"
+                (no controllers), "ref_lstm", "ref_vgg", "ref_bert" (the authors' code, per model). For the
+                "paper"/"ref_*" variants the variant fixes the three knobs above.
+        """
+        if variant not in OKTOPK_PRESETS:
+            raise ValueError(f"hvd_sparse.Compression.oktopk: variant must be one of {sorted(OKTOPK_PRESETS)}, "
+                             f"got {variant!r}")
+        kw = OKTOPK_PRESETS[variant]
+        sp, rd = dict(kw["sparsifier"]), dict(kw["reducer"])
+        if variant == "library":
+            sp["threshold_period"] = rd["threshold_period"] = threshold_period
+            rd.update(repartition_period=repartition_period, balance=balance)
+        name = f"oktopk(density={density!r})" if variant == "library" else \
+            f"oktopk(density={density!r}, variant={variant!r})"
+        return SparseCompression(ThresholdReuse(density, **sp), OkTopk(**rd), preset=name)
+
+    @staticmethod
     def topka(density):
         """TopkA (Li & Hoefler, PPoPP'22, §5 baseline; spec oktopk.md §3.2): exact local top-k on every
         rank, allgather of the k (index, value) pairs, sum in rank order. Error feedback keeps what was not
@@ -114,6 +154,88 @@ class Compression:
         return SparseCompression(TopK(density), TopkA(), preset=f"topka(density={density!r})")
 
     @staticmethod
+    def topk_dsa(density):
+        """TopkDSA (SparCML's dynamic sparse allreduce as benchmarked by Li & Hoefler, PPoPP'22; spec
+        oktopk.md §3.3): exact local top-k, sparse reduce-scatter over P equal regions (one alltoall), then
+        an allgather of the reduced regions -- sparse, or dense when the reduced nonzeros N reach n/3.
+        Same result as TopkA. Cost: between 4k(P-1)/P and (2k+n)(P-1)/P words per rank.
+
+        Args:
+            density (float): fraction of entries each rank sends, in (0, 1].
+        """
+        return SparseCompression(TopK(density), TopkDSA(), preset=f"topk_dsa(density={density!r})")
+
+    @staticmethod
+    def gtopk(density):
+        """gTopk (Shi et al., ICDCS'19, as benchmarked by Li & Hoefler; spec oktopk.md §3.4): exact local
+        top-k, then a reduction tree of log2 P rounds, each merging two lists and keeping the top k, and a
+        broadcast of the final k entries. Any P (fold-in pre-round when P is not a power of two). Error
+        feedback keeps S \\ G; not mass-conserving (values pruned in a subtree are lost). Cost 4k log2 P words.
+
+        Args:
+            density (float): k = max(1, floor(density·n)) entries in the global result, in (0, 1].
+        """
+        return SparseCompression(TopK(density), GTopk(), preset=f"gtopk(density={density!r})")
+
+    @staticmethod
+    def gaussiank(density, adjust="lstm"):
+        """Gaussiank (Shi et al., 2019, as benchmarked by Li & Hoefler; spec oktopk.md §3.5): threshold
+        mu + z·sigma from a Gaussian fit of the accumulator (z = Phi^-1(1 - density/2)), scaled down until at
+        least 3k/4 entries pass, then the TopkA exchange (counts + allgatherv). Cost about 2k(P-1) words.
+
+        Args:
+            density (float): target fraction of entries, in (0, 1].
+            adjust (str): the threshold adjustment loop of the reference code: "lstm" (default), "bert", "vgg".
+        """
+        return SparseCompression(GaussianK(density, adjust=adjust), TopkA(),
+                                 preset=f"gaussiank(density={density!r})")
+
+    @staticmethod
+    def exdyna(density, threshold_rule="reference", init_threshold="topk_once"):
+        """ExDyna (Yoon & Oh, CCGrid'24; spec exdyna.md): the flat gradient is cut into blocks grouped in P
+        exclusive partitions that rotate over the ranks every step; each rank selects |acc| >= tau inside its
+        partition only (no index is ever selected twice), the indices are allgathered and every rank's values
+        at the union are allreduced. Between steps partitions trade blocks with their neighbours (balance) and
+        tau is scaled toward k. Cost about 3k(P-1)/P words.
+
+        Args:
+            density (float): target global fraction of entries, in (0, 1].
+            threshold_rule (str): "reference" (the authors' code, settles near 0.94k) or "symmetric".
+            init_threshold: "topk_once" (default here: tau0 from one top-k at the first step, so the target is
+                reached at once) or None for the reference tau0 = 1/(2 sqrt(k)), which needs hundreds of steps
+                when the gradient scale is far from it, or a positive float.
+        """
+        return SparseCompression(ExDyna(density, threshold_rule=threshold_rule, init_threshold=init_threshold),
+                                 ExDynaReducer(), preset=f"exdyna(density={density!r})")
+
+    @staticmethod
+    def dct(density, lifespan=1000):
+        """DCT-DP (Gupta et al., KDD'21, "Dynamic Communication Thresholding"; spec dct.md part A): a hard
+        threshold per parameter tensor, the K-th largest |acc| of the tensor (K = ceil(density·n_l)),
+        recomputed only every ``lifespan`` steps and reused in between; the selections are allgathered.
+
+        Args:
+            density (float): fraction of each tensor sent on recompute steps, in (0, 1].
+            lifespan (int): steps between threshold recomputations (default 1000, the paper's value).
+        """
+        return SparseCompression(DCT(density, lifespan), TopkA(),
+                                 preset=f"dct(density={density!r}, lifespan={lifespan!r})")
+
+    @staticmethod
+    def spardl(density, groups=1):
+        """SparDL (ICDE'24; spec spardl.md): Spar-Reduce-Scatter (block-wise top-k/P at every hop, dropped
+        values kept as residuals where they fall -- global residual collection), then, with ``groups=d > 1``,
+        Spar-All-Gather across d teams, then an all-gather inside each team. SparDL picks its own entries
+        inside the exchange; ``density`` sets the budget k. Cost about 4k(P-1)/P words for groups=1.
+
+        Args:
+            density (float): budget k = max(1, floor(density·n)), in (0, 1].
+            groups (int): number of teams d; must divide the number of ranks (default 1).
+        """
+        return SparseCompression(TopK(density), SparDL(groups=groups),
+                                 preset=f"spardl(density={density!r}, groups={groups!r})")
+
+    @staticmethod
     def dense():
         """Dense allreduce through the engine (spec oktopk.md §3.1): the baseline, no selection, no residual.
         Use it to compare schemes on the same run; for plain training prefer Horovod's own ``Compression.none``.
@@ -121,11 +243,12 @@ class Compression:
         return SparseCompression(None, Dense(), preset="dense()")
 
     @staticmethod
-    def sparse(sparsifier, allreduce="topka"):
-        """Any pairing of a sparsifier and a sparse allreduce, e.g. ``sparse(TopK(0.01), allreduce="topka")``.
+    def sparse(sparsifier, allreduce="oktopk"):
+        """Any pairing of a sparsifier and a sparse allreduce, e.g. ``sparse(GaussianK(0.01))`` (Gaussiank
+        selection, Ok-Topk's O(k) allreduce) or ``sparse(TopK(0.01), allreduce="topka")``.
 
         Args:
             sparsifier (Sparsifier): how each rank chooses its entries (carries the density).
-            allreduce (str): one of ``REDUCERS``: how the choices are combined.
+            allreduce (str): one of ``REDUCERS``: how the choices are combined. Default: "oktopk".
         """
         return SparseCompression(sparsifier, _reducer(allreduce))

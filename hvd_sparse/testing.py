@@ -32,7 +32,7 @@ class SimulationResult:
     phases: list
 
 
-def simulate(compression, gradients, shapes=None, average=True):
+def simulate(compression, gradients, shapes=None, average=True, backend="numpy"):
     """Run ``compression`` on ``gradients`` of shape (steps, P, n); see the module docstring.
 
     Args:
@@ -41,12 +41,30 @@ def simulate(compression, gradients, shapes=None, average=True):
         gradients (array-like): float array (steps, P, n).
         shapes (list of tuples, optional): split of n into parameter tensors (for per-tensor schemes).
         average (bool): divide by P (``op=hvd.Average``) or not (``hvd.Sum``).
+        backend (str): ``"numpy"`` (default) or ``"torch"``: the array type the engines run on. The
+            results are the same bits except where an algorithm computes float64 statistics whose last
+            bit may differ between numpy and torch (Gaussiank's mean and std); use ``"torch"`` as the
+            oracle of a PyTorch run.
     """
     g = np.asarray(gradients)
     if g.ndim != 3:
         raise ValueError(f"hvd_sparse.testing.simulate: gradients must have shape (steps, P, n), got {g.shape}")
     if shapes is not None and sum(int(np.prod(s)) for s in shapes) != g.shape[2]:
         raise ValueError(f"hvd_sparse.testing.simulate: shapes {shapes} do not add up to n={g.shape[2]}")
+    if backend not in ("numpy", "torch"):
+        raise ValueError(f"hvd_sparse.testing.simulate: backend must be 'numpy' or 'torch', got {backend!r}")
+    if backend == "torch":
+        import torch
+
+        def convert(x):
+            return torch.from_numpy(np.array(x))
+    else:
+        def convert(x):
+            return np.ascontiguousarray(x)
+
+    def to_numpy(x):
+        return np.asarray(x) if backend == "numpy" else x.numpy()
+
     steps, P, n = g.shape
     world = SimulatedWorld(P)
     comms = world.communicators()
@@ -64,9 +82,9 @@ def simulate(compression, gradients, shapes=None, average=True):
         r = comm.rank
         eng = engines[r]
         for t in range(steps):
-            updates[t, r] = eng.step(np.ascontiguousarray(g[t, r]), average=average)
+            updates[t, r] = to_numpy(eng.step(convert(g[t, r]), average=average))
             res = eng.memory.residual
-            residuals[t, r] = 0.0 if res is None else res
+            residuals[t, r] = 0.0 if res is None else to_numpy(res)
             last = eng.last
             volume[t][r] = {k: last[k] for k in ("sent_words", "recv_words", "sent_bytes", "recv_bytes",
                                                  "collectives")}

@@ -97,8 +97,11 @@ class Engine:
             sparsifier = comp.sparsifier
             k = sparsifier.k_for(n)
             acc = self.memory.compensate(xp, grad32)
-            idx = sparsifier.select(xp, acc, k, self.sparsifier_state, ctx)
-            selected = xp.numel(idx)
+            if reducer.uses_selection:
+                idx = sparsifier.select(xp, acc, k, self.sparsifier_state, ctx)
+                selected = xp.numel(idx)
+            else:
+                idx, selected = None, k
             u, included, info = reducer.reduce(xp, acc, idx, k, self.comm, self.reducer_state, ctx)
             if "residual" in info:
                 self.memory.residual = info.pop("residual")

@@ -44,15 +44,26 @@ class SimulatedWorld:
     def communicators(self):
         return [SimulatedCommunicator(self, r) for r in range(self.size)]
 
-    def exchange(self, rank, item):
-        """All-to-all of Python objects: every rank gets the list of all ranks' items."""
+    def exchange(self, rank, item, combine=None):
+        """All-to-all of Python objects: every rank gets the list of all ranks' items.
+
+        With ``combine``, rank 0 computes ``combine(items)`` once and every rank gets that same object
+        (used for allgather results, which are identical everywhere: P times less memory and work).
+        """
         if self.size == 1:
-            return [item]
+            return combine([item]) if combine else [item]
         self._slots[rank] = item
         self._barrier.wait()
-        out = list(self._slots)
+        if combine is None:
+            out = list(self._slots)
+        elif rank == 0:
+            try:
+                self._combined = combine(list(self._slots))
+            except BaseException:
+                self._barrier.abort()
+                raise
         self._barrier.wait()
-        return out
+        return out if combine is None else self._combined
 
     def run(self, fn, comms=None):
         """Run ``fn(comm)`` on every virtual rank in its own thread; returns the per-rank results.
@@ -96,38 +107,58 @@ class SimulatedCommunicator:
         self.meter = VolumeMeter()
         self.num_collectives = 0
 
-    def _gather(self, kind, phase, payload):
-        items = self.world.exchange(self.rank, (kind, phase, payload))
+    def _gather(self, kind, phase, payload, combine=None):
+        def checked(items):
+            heads = [(k, p) for k, p, _ in items]
+            if any(h != heads[0] for h in heads):
+                raise CollectiveMismatchError(
+                    "ranks issued different collectives: "
+                    + ", ".join(f"rank {r}: {k} {p!r}" for r, (k, p) in enumerate(heads)))
+            xs = [x for _, _, x in items]
+            return combine(xs) if combine else xs
+
         self.num_collectives += 1
-        heads = [(k, p) for k, p, _ in items]
-        if any(h != heads[0] for h in heads):
-            raise CollectiveMismatchError(
-                "ranks issued different collectives: "
-                + ", ".join(f"rank {r}: {k} {p!r}" for r, (k, p) in enumerate(heads)))
-        return [x for _, _, x in items]
+        if combine is None:
+            return checked(self.world.exchange(self.rank, (kind, phase, payload)))
+        return self.world.exchange(self.rank, (kind, phase, payload), combine=checked)
 
     def allreduce(self, x, op, phase):
         xp = backend_of(x)
-        xs = self._gather("allreduce", phase, x)
-        if any(xp.numel(y) != xp.numel(x) for y in xs):
-            raise ValueError(f"allreduce {phase!r}: shapes differ across ranks: "
-                             f"{[xp.numel(y) for y in xs]}")
-        out = xp.copy(xs[0])
-        for y in xs[1:]:                       # rank order 0..P-1: deterministic
-            if op == SUM:
-                out = out + y
-            elif op == MAX:
-                out = np.maximum(out, y) if xp.name == "numpy" else out.maximum(y)
-            else:
-                raise ValueError(f"allreduce: op must be 'sum' or 'max', got {op!r}")
+        if op not in (SUM, MAX):
+            raise ValueError(f"allreduce: op must be 'sum' or 'max', got {op!r}")
+
+        def combine(xs):
+            if any(xp.numel(y) != xp.numel(x) for y in xs):
+                raise ValueError(f"allreduce {phase!r}: sizes differ across ranks: {[xp.numel(y) for y in xs]}")
+            out = xp.copy(xs[0])
+            for y in xs[1:]:                   # rank order 0..P-1: deterministic
+                out = out + y if op == SUM else (np.maximum(out, y) if xp.name == "numpy" else out.maximum(y))
+            if xp.name == "numpy":
+                out.flags.writeable = False
+            return out
+
+        if xp.name == "numpy":   # identical on every rank: computed once, shared read-only
+            out = self._gather("allreduce", phase, x, combine=combine)
+        else:
+            out = combine(self._gather("allreduce", phase, x))
         meter_allreduce(self.meter, self.size, xp.numel(x), xp.itemsize(x), phase)
         return out
 
     def allgather(self, x, phase):
         xp = backend_of(x)
-        xs = self._gather("allgather", phase, x)
-        meter_allgather(self.meter, self.rank, [xp.numel(y) for y in xs], xp.itemsize(x), phase)
-        return xp.concat(xs, like=x)
+        if xp.name == "numpy":
+            # identical on every rank: built once, shared read-only (an in-place write raises)
+            def combine(xs):
+                out = np.concatenate(xs)
+                out.flags.writeable = False
+                return out, [y.size for y in xs]
+
+            out, sizes = self._gather("allgather", phase, x, combine=combine)
+        else:
+            xs = self._gather("allgather", phase, x)
+            out, sizes = xp.concat(xs, like=x), [xp.numel(y) for y in xs]
+        meter_allgather(self.meter, self.rank, sizes, xp.itemsize(x), phase)
+        return out
 
     def alltoall(self, x, splits, phase):
         xp = backend_of(x)
@@ -136,15 +167,13 @@ class SimulatedCommunicator:
             raise ValueError(f"alltoall {phase!r}: bad splits {splits} for {xp.numel(x)} rows on "
                              f"rank {self.rank}")
         items = self._gather("alltoall", phase, (x, splits))
-        offs = []
-        for _, sp in items:
-            o = [0]
-            for s in sp:
-                o.append(o[-1] + s)
-            offs.append(o)
-        parts = [items[s][0][offs[s][self.rank]:offs[s][self.rank + 1]] for s in range(self.size)]
-        recv_splits = [items[s][1][self.rank] for s in range(self.size)]
-        meter_alltoall(self.meter, self.rank, splits, recv_splits, xp.itemsize(x), phase)
+        table = np.array([sp for _, sp in items], dtype=np.int64).reshape(self.size, self.size)
+        starts = table[:, :self.rank].sum(axis=1)
+        recv_splits = table[:, self.rank].tolist()
+        rows = xp.numel(x) and x.shape[0]
+        row_words = xp.numel(x) // rows if rows else 1
+        parts = [items[s][0][int(starts[s]):int(starts[s]) + recv_splits[s]] for s in range(self.size)]
+        meter_alltoall(self.meter, self.rank, splits, recv_splits, xp.itemsize(x), phase, row_words=row_words)
         return xp.concat(parts, like=x), recv_splits
 
     def broadcast(self, x, root, phase):

@@ -111,6 +111,12 @@ class NumpyBackend:
         return dst
 
     @staticmethod
+    def add_unique_(dst, idx, values):
+        """``dst[idx] += values`` where ``idx`` has no duplicates (much faster than scatter_add_)."""
+        dst[idx] += values
+        return dst
+
+    @staticmethod
     def put_(dst, idx, value):
         dst[idx] = value
         return dst
@@ -215,6 +221,10 @@ class TorchBackend:
 
     @staticmethod
     def scatter_add_(dst, idx, values):
+        return dst.index_add_(0, idx, values)
+
+    @staticmethod
+    def add_unique_(dst, idx, values):
         return dst.index_add_(0, idx, values)
 
     @staticmethod

@@ -47,7 +47,9 @@ class HorovodTorchCommunicator:
         sp = torch.tensor([int(s) for s in splits], dtype=torch.int32)
         out, recv = self._hvd.alltoall(x, splits=sp, name=self._name(phase), process_set=self.process_set)
         recv_splits = [int(s) for s in recv.tolist()]
-        meter_alltoall(self.meter, self.rank, list(map(int, splits)), recv_splits, x.element_size(), phase)
+        row_words = x.numel() // x.shape[0] if x.numel() else 1
+        meter_alltoall(self.meter, self.rank, list(map(int, splits)), recv_splits, x.element_size(), phase,
+                       row_words=row_words)
         return out, recv_splits
 
     def broadcast(self, x, root, phase):

@@ -79,6 +79,22 @@ def scenario_optimizer(out):
              recv_words=stats["recv_words"], k=stats["k"])
 
 
+def scenario_presets(out):
+    """Every preset of hvd_sparse.bench.presets through the optimizer, 12 steps each."""
+    from hvd_sparse.bench.presets import make, names
+
+    res = {}
+    for name in names():
+        model, xs = model_and_data(seed=5)
+        base = torch.optim.SGD(model.parameters(), lr=0.01)
+        opt = hvds.DistributedOptimizer(base, named_parameters=model.named_parameters(),
+                                        compression=make(name, DENSITY))
+        raw, red = run_recorded(opt, model, xs[:12], explicit_sync=False)
+        res[f"{name}.raw"], res[f"{name}.red"], res[f"{name}.params"] = raw, red, flat_params(model)
+    res["layout"] = np.array([p.numel() for _, p in sorted(model.named_parameters())])
+    np.savez(out, **res)
+
+
 def scenario_stash(out):
     model, xs = model_and_data(seed=1)
     base = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -2,6 +2,11 @@
 
 from .base import ALL, Reducer
 from .dense import Dense
+from .exdyna import ExDynaReducer
+from .gtopk import GTopk
+from .oktopk import OkTopk
+from .spardl import SparDL
+from .topk_dsa import TopkDSA
 from .topka import TopkA
 
-__all__ = ["ALL", "Reducer", "Dense", "TopkA"]
+__all__ = ["ALL", "Reducer", "Dense", "ExDynaReducer", "GTopk", "OkTopk", "SparDL", "TopkA", "TopkDSA"]

@@ -37,6 +37,9 @@ class Reducer:
     name = "base"
     #: False for reducers that ignore the selection and keep no residual (dense).
     sparse = True
+    #: False for reducers that choose their own entries from ``acc`` and use only the budget k (SparDL):
+    #: the engine then skips the sparsifier's selection and passes ``idx=None``.
+    uses_selection = True
 
     def initial_state(self):
         return {}

@@ -48,12 +48,13 @@ def allgather_selection(xp, acc, idx, comm, pad_to=None):
 
 
 def sum_in_rank_order(xp, n, all_idx, all_vals, counts, like):
-    """u[j] = sum over sources s = 0..P-1 of their value at j (one scatter-add per source)."""
+    """u[j] = sum over sources s = 0..P-1 of their value at j (one add per source; indices are unique
+    within a source except the padding slot n, which only ever receives zeros and is dropped)."""
     u = xp.zeros(n + 1, xp.float32, like=like)      # slot n takes the padding
     off = 0
     for c in counts:
         if c:
-            xp.scatter_add_(u, all_idx[off:off + c], all_vals[off:off + c])
+            xp.add_unique_(u, all_idx[off:off + c], all_vals[off:off + c])
         off += c
     return u[:n]
 

@@ -29,6 +29,9 @@ class Sparsifier:
     name = "base"
     #: True when ``select`` returns exactly min(k, nnz(acc)) indices; reducers may then skip size exchanges.
     exact_k = False
+    #: True when the ranks' selections are disjoint parts of one global selection (ExDyna): the achieved
+    #: density is then the sum over ranks, not the mean.
+    partitioned = False
 
     def __init__(self, density):
         self.density = check_density(density, f"hvd_sparse.{type(self).__name__}")

@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m hvd_sparse.bench <command> ...`` (see ``--help``)."""

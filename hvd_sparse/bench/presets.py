@@ -1,0 +1,19 @@
+"""Algorithm names of the benchmarks -> fresh compression objects (one factory, configured by strings)."""
+
+from __future__ import annotations
+
+from .. import compression as _c
+
+
+def names():
+    """Every preset name ``make`` accepts, in a stable order."""
+    return [n for n in ("dense", "topka", "gaussiank", "topk_dsa", "gtopk", "oktopk", "exdyna", "dct", "spardl")
+            if hasattr(_c.Compression, n)]
+
+
+def make(name, density):
+    """``Compression.<name>(density)`` (``dense`` takes no density)."""
+    if name not in names():
+        raise ValueError(f"hvd_sparse.bench: unknown algorithm {name!r}; choose from {', '.join(names())}")
+    factory = getattr(_c.Compression, name)
+    return factory() if name == "dense" else factory(density)

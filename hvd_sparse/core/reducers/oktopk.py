@@ -1,0 +1,418 @@
+"""Ok-Topk: the O(k) sparse allreduce (spec oktopk.md §3.6; Li & Hoefler, PPoPP'22, Algorithm 1).
+
+    oktopk_step(g):                                 # engine: a = eps + g; S = ThresholdReuse.select(a)
+      reev  = (t % tau_p == 0)                      # t = 0 is always a re-eval AND repartition step
+      if t % tau == 0: off = repartition(a, L)      # §3.6.4, one allreduce
+      rho   = split_and_reduce(a, S, off)           # §3.6.5, region r of the sum
+      if reev:                                      # §3.6.6
+          C   = allgather( (x+off[r], rho[x]) for x with rho[x] != 0 )    # identical on all ranks
+          Gam = kth_abs(C.val, min(k, |C|));  G = deterministic top-min(k,|C|) of C
+      else:                                         # §3.6.7
+          mine = ((x+off[r], rho[x]) for x with |rho[x]| > Gam)           # or >= / nonzero per select_rule
+          G    = balance_and_allgatherv(mine)       # sorted by global index
+          Gam  = band_adjust(Gam, |G|, k, lo_G, hi_G, /relax, *tighten)
+      I   = S ∩ G.idx;  eps = a;  eps[I] = 0        # Alg.2 line 6 (engine zeroes I)
+      t += 1
+      out = zeros(n); out[G.idx] = G.val            # the SUM (the engine divides by P)
+      return out, I
+
+    repartition(a, L):                              # §3.6.4
+      idx = sorted global indexes of S;  m = len(idx);  c = m // P
+      prop[j] = idx[j*c] (j = 1..P-1) if c >= 1 else floor(j*n/P)
+      B = allreduce(prop as int64, op=Sum) // P;  return off = [0, B_1, ..., B_{P-1}, n]
+
+    balance_and_allgatherv(mine):                   # §3.6.7
+      c = allgather([len(mine)])
+      if policy == always or (policy == auto and max(c) > 4 * sum(c) / P):
+          T = sum(c); b_q = T//P + (1 if q < T % P else 0); O_r = sum(c[:r]); Bo_q = sum(b[:q])
+          splits[q] = | [O_r, O_r+c_r) ∩ [Bo_q, Bo_q+b_q) |;  mine = alltoall(mine, splits)
+      return allgather(mine)
+
+Collectives (phase names, each a distinct, stable collective; none at all when P = 1):
+    boundaries     allreduce int64 (P-1)               repartition steps
+    split          alltoall  (rel. index, value) pairs every step (sources reduced in rank order)
+    reeval_count   allgather 1 int64                   re-eval steps
+    reeval_gather  allgather (global index, value)     re-eval steps (skipped when every U_r = 0)
+    count          allgather 1 int64                   other steps
+    balance        alltoall  (global index, value)     other steps, when the balance policy triggers
+    gather         allgather (global index, value)     other steps (skipped when K = 0, known to all)
+
+Wire format (spec §2.6): one (index, value) pair = two words of one array, the index followed by the
+float32 value bit-cast to int32 (int64 words, value bits sign-extended in the low half, only when an index
+does not fit int32). Indexes are never float-encoded. The split phase sends region-relative indexes
+(int32 while every region has < 2^31 entries), the gathers global ones (int32 while n < 2^31).
+
+Decisions (spec §5/§7): the global re-evaluation takes the exact top-min(k, |C|) of the gathered
+candidates in the same step (ref; ties by ascending global index); the residual rule is the exact
+intersection S ∩ G (§3.6.8); K = 0 is legal (Γ is then invalid and the next step re-evaluates);
+P = 1 runs the same algorithm without any collective (G ⊆ S, out = a on G).
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..comm import SUM
+from ..errors import check_positive_int
+from ..sparsifiers.threshold_reuse import band_adjust, check_real, check_select_rule, rule_mask
+from ..xp import topk_indices
+from .base import Reducer, wire_index_dtype
+from .topka import sum_in_rank_order
+
+BALANCE_POLICIES = ("auto", "always", "never")
+
+
+# -- local xp helpers (numpy / torch) -------------------------------------------------------------------
+def searchsorted(xp, sorted_x, values, right=False):
+    """Insertion points (int64) of ``values`` in the ascending 1-D ``sorted_x``; ``right`` = side right."""
+    side = "right" if right else "left"
+    if xp.name == "numpy":
+        import numpy as np
+
+        return np.searchsorted(sorted_x, values, side=side).astype(np.int64, copy=False)
+    if xp.name == "torch":
+        return xp.torch.searchsorted(sorted_x.contiguous(), values.contiguous(), side=side)
+    raise NotImplementedError(f"searchsorted: backend {xp.name!r}")  # pragma: no cover
+
+
+def clamp_max(xp, x, c):
+    """Elementwise ``min(x, c)`` with a Python scalar ``c``."""
+    if xp.name == "numpy":
+        import numpy as np
+
+        return np.minimum(x, c)
+    if xp.name == "torch":
+        return x.clamp(max=c)
+    raise NotImplementedError(f"clamp_max: backend {xp.name!r}")  # pragma: no cover
+
+
+def bitcast(xp, x, dtype):
+    """Reinterpret the bits of ``x`` as ``dtype`` (same item size)."""
+    if xp.name in ("numpy", "torch"):
+        return x.view(dtype)
+    raise NotImplementedError(f"bitcast: backend {xp.name!r}")  # pragma: no cover
+
+
+# -- wire format and index helpers ----------------------------------------------------------------------
+def pack_pairs(xp, idx, vals, wire, like):
+    """One flat ``wire`` array of 2·m words: index_0, bits(value_0), index_1, bits(value_1), ...
+
+    ``vals`` are float32; their bits travel as int32 (sign-extended into int64 words when ``wire`` is
+    int64). Indexes are cast to ``wire`` (the caller checks they fit)."""
+    m = xp.numel(idx)
+    bits = bitcast(xp, xp.copy(xp.astype(vals, xp.float32)), xp.int32)
+    if wire != xp.int32:
+        bits = xp.astype(bits, wire)
+    out = xp.zeros(2 * m, wire, like=like)
+    out[0::2] = xp.astype(idx, wire)
+    out[1::2] = bits
+    return out
+
+
+def unpack_pairs(xp, flat):
+    """Inverse of :func:`pack_pairs`: (int64 indexes, float32 values). ``flat`` is not modified."""
+    idx = xp.astype(flat[0::2], xp.index_dtype)
+    bits = xp.copy(xp.astype(flat[1::2], xp.int32))     # own, contiguous buffer before the bit-cast
+    return idx, bitcast(xp, bits, xp.float32)
+
+
+def region_split(xp, idx, offsets):
+    """Split the sorted global indexes ``idx`` by regions ``offsets`` (o_0..o_P, non-decreasing).
+
+    Returns ``(splits, rel)``: ``splits[j] = |idx ∩ [o_j, o_{j+1})|`` (Python ints) and the region-relative
+    indexes ``rel = idx - o_{region(idx)}`` (int64), in the order of ``idx`` (= grouped by region)."""
+    P = len(offsets) - 1
+    bounds = xp.asarray(offsets, xp.index_dtype, like=idx)
+    pos = [int(p) for p in xp.to_numpy(searchsorted(xp, idx, bounds))]
+    splits = [pos[j + 1] - pos[j] for j in range(P)]
+    if xp.numel(idx) == 0:
+        return splits, idx
+    region = searchsorted(xp, bounds[1:P], idx, right=True)     # j with o_j <= x < o_{j+1}
+    return splits, idx - xp.take(bounds, region)
+
+
+def intersect_sorted(xp, a, b):
+    """The elements of the sorted unique int64 ``a`` that occur in the sorted unique ``b`` (exact)."""
+    if xp.numel(a) == 0 or xp.numel(b) == 0:
+        return a[:0]
+    pos = clamp_max(xp, searchsorted(xp, b, a), xp.numel(b) - 1)
+    return xp.take(a, xp.nonzero(xp.eq(xp.take(b, pos), a)))
+
+
+def balance_splits(counts, rank):
+    """Send splits of ``rank`` for the balancing alltoall (spec §3.6.7): the interval intersections of
+    its slice [O_r, O_r + c_r) of the global concatenation with the balanced blocks [Bo_q, Bo_q + b_q)."""
+    P = len(counts)
+    T = sum(counts)
+    b = [T // P + (1 if q < T % P else 0) for q in range(P)]
+    lo = sum(counts[:rank])
+    hi = lo + counts[rank]
+    splits, bo = [], 0
+    for q in range(P):
+        splits.append(max(0, min(hi, bo + b[q]) - max(lo, bo)))
+        bo += b[q]
+    return splits
+
+
+def global_topk(xp, c_idx, c_val, k):
+    """Deterministic top-min(k, |C|) of candidates sorted by global index (ties: ascending index).
+
+    Returns ``(G.idx, G.val, Γ)`` with Γ the K-th largest |value| (``inf`` when C is empty)."""
+    m = xp.numel(c_val)
+    if m == 0:
+        return c_idx, c_val, math.inf
+    if m > k:
+        pos, th = topk_indices(xp, c_val, k)
+        return xp.take(c_idx, pos), xp.take(c_val, pos), th
+    return c_idx, c_val, float(xp.kth_largest(xp.abs(c_val), m))
+
+
+def _allgather_count(xp, m, comm, phase, like):
+    return [int(c) for c in xp.to_numpy(comm.allgather(xp.asarray([m], xp.index_dtype, like=like), phase))]
+
+
+def _allgather_counts(xp, counts, comm, phase, like):
+    """Allgather a vector of counts per rank; returns a P x len(counts) list of lists."""
+    flat = xp.to_numpy(comm.allgather(xp.asarray(counts, xp.index_dtype, like=like), phase))
+    w = len(counts)
+    return [[int(c) for c in flat[r * w:(r + 1) * w]] for r in range(comm.size)]
+
+
+#: exponents j of the Γ ladder Γ·f^j (global_control="ladder")
+LADDER_STEPS = tuple(range(-4, 9))
+
+
+class OkTopk(Reducer):
+    """Ok-Topk O(k) sparse allreduce (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep
+    Learning", PPoPP'22, Algorithm 1; spec oktopk.md §3.6). Pair it with
+    :class:`hvd_sparse.core.sparsifiers.threshold_reuse.ThresholdReuse` (its local selection).
+
+    Args:
+        threshold_period (int): τ', re-evaluate the global threshold Γ exactly every τ' sparse steps
+            (t % τ' == 0, t = this reducer's own step counter from 0). Default 32.
+        repartition_period (int): τ, recompute the region boundaries every τ steps. Default 64.
+        balance (str): data balancing before the final allgatherv: ``"auto"`` (default, paper: iff
+            max c_j > balance_factor·Σc/P), ``"always"`` (ref:BERT) or ``"never"`` (ref:LSTM/VGG).
+        balance_factor (float): the ``auto`` trigger factor. Default 4.0.
+        global_band_lo, global_band_hi (float): band [lo·k, hi·k] for K on reuse steps. Default 0.75, 1.25.
+        global_relax (float): Γ /= global_relax when K < lo·k. Default 1.01 (1.0 disables).
+        global_tighten (float): Γ *= global_tighten when K > hi·k. Default 1.008 (1.0 disables).
+        select_rule (str): owners' candidates on reuse steps: ``"ge_nonzero"`` (default, |ρ| >= Γ and
+            ρ != 0) or ``"gt"`` (ref: |ρ| > Γ). Re-evaluation steps always take the exact top-k.
+        max_select_ratio (float or None): optional hard cap (spec §5): when K > ratio·k on a reuse step
+            (known from the allgathered counts), keep the exact top-k of the gathered values and
+            re-evaluate Γ from them. Default None (off, as ref).
+        global_control (str): how Γ follows K between re-evaluations. ``"band"`` (default, ref): the
+            authors' post-hoc controller (Γ·``global_tighten`` above hi·k, Γ/``global_relax`` below lo·k, one
+            small step per iteration); it lags behind a growing residual (measured: K = 2-8k on synthetic and
+            digits gradients, see docs/benchmarks.md). ``"ladder"`` (the ``Compression.oktopk`` preset):
+            each owner counts its candidates at the thresholds Γ·f^j, j = -4..8 (f = ``ladder_factor``),
+            the P count vectors travel in the count allgather the step needs anyway (13 words per rank
+            instead of 1), and every rank takes the smallest Γ·f^j whose global count is <= k; Γ keeps it.
+            So K <= k on reuse steps whenever the ladder reaches (the paper's volume bound assumes K <= k).
+        ladder_factor (float): f of the ladder. Default 1.1 (Γ moves by up to x2.14 up or /1.46 down a step).
+
+    Per-rank state: ``t`` (sparse steps so far), ``gamma`` (Γ, identical on all ranks), ``offsets``
+    (o_0..o_P, Python ints, identical on all ranks), ``size`` (P). Info returned each step: ``K``,
+    ``threshold`` (Γ used this step), ``next_threshold``, ``reeval``, ``repartition``, ``balanced``,
+    ``capped``, ``offsets``, ``owner_counts`` (per-owner candidate counts: U_r on re-eval steps, c_r on
+    others), ``t``.
+    """
+
+    name = "oktopk"
+
+    def __init__(self, threshold_period=32, repartition_period=64, balance="auto", *, balance_factor=4.0,
+                 global_band_lo=0.75, global_band_hi=1.25, global_relax=1.01, global_tighten=1.008,
+                 select_rule="ge_nonzero", max_select_ratio=None, global_control="band", ladder_factor=1.1):
+        api = "hvd_sparse.OkTopk"
+        if global_control not in ("ladder", "band"):
+            raise ValueError(f"{api}: global_control must be 'ladder' or 'band', got {global_control!r}")
+        self.global_control = global_control
+        self.ladder_factor = check_real(ladder_factor, "ladder_factor", api, 1.0, low_incl=False, fix="e.g. 1.1")
+        self.threshold_period = check_positive_int(threshold_period, "threshold_period", api)
+        self.repartition_period = check_positive_int(repartition_period, "repartition_period", api)
+        if balance not in BALANCE_POLICIES:
+            raise ValueError(f"{api}: balance must be one of {BALANCE_POLICIES}, got {balance!r}; 'auto' "
+                             "balances when the largest owner holds > balance_factor x the average")
+        self.balance = balance
+        self.balance_factor = check_real(balance_factor, "balance_factor", api, 0.0, low_incl=False,
+                                          fix="e.g. 4.0 (paper)")
+        self.global_band_lo = check_real(global_band_lo, "global_band_lo", api, 0.0, fix="e.g. 0.75")
+        self.global_band_hi = check_real(global_band_hi, "global_band_hi", api, self.global_band_lo,
+                                          fix="global_band_hi must be >= global_band_lo")
+        self.global_relax = check_real(global_relax, "global_relax", api, 1.0, fix="e.g. 1.01 (1.0 disables)")
+        self.global_tighten = check_real(global_tighten, "global_tighten", api, 1.0,
+                                          fix="e.g. 1.008 (1.0 disables)")
+        self.select_rule = check_select_rule(select_rule, api)
+        self.max_select_ratio = check_real(max_select_ratio, "max_select_ratio", api, 1.0, allow_none=True,
+                                            fix="e.g. 4 (or None for no cap)")
+
+    def __repr__(self):
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+
+    def initial_state(self):
+        return {"t": 0, "gamma": None, "offsets": None, "size": None}
+
+    # -- §3.6.4 -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _repartition(xp, idx, n, comm):
+        P = comm.size
+        if P == 1:
+            return [0, n]
+        m = xp.numel(idx)
+        c = m // P
+        if c >= 1:       # this rank's balanced boundaries
+            prop = xp.take(idx, xp.asarray([j * c for j in range(1, P)], xp.index_dtype, like=idx))
+        else:            # library fallback (ref: c = 0 -> idx[0]; m = 0 -> crash)
+            prop = xp.asarray([(j * n) // P for j in range(1, P)], xp.index_dtype, like=idx)
+        total = comm.allreduce(prop, SUM, "boundaries")            # int64: no overflow
+        return [0] + [int(b) // P for b in xp.to_numpy(total)] + [n]
+
+    # -- §3.6.5 -----------------------------------------------------------------------------------------
+    @staticmethod
+    def _split_and_reduce(xp, acc, idx, offsets, comm):
+        """Region r of the sum of the selections: its nonzeros as (global int64 idx, float32 value)."""
+        r = comm.rank
+        splits, rel = region_split(xp, idx, offsets)
+        wire = wire_index_dtype(xp, max(offsets[j + 1] - offsets[j] for j in range(comm.size)))
+        packed = pack_pairs(xp, rel, xp.take(acc, idx), wire, acc)
+        recv, recv_splits = comm.alltoall(packed, [2 * s for s in splits], "split")
+        rel_r, val_r = unpack_pairs(xp, recv)
+        # 4. reduction: rho^r = zeros(|R_r|); sources added in rank order 0..P-1
+        rho = sum_in_rank_order(xp, offsets[r + 1] - offsets[r], rel_r, val_r,
+                                [s // 2 for s in recv_splits], acc)
+        nz = xp.nonzero(xp.gt(xp.abs(rho), 0.0))
+        return xp.add(nz, offsets[r]), xp.take(rho, nz)
+
+    def _gather(self, xp, c_idx, c_val, n, comm, phase, like):
+        flat = comm.allgather(pack_pairs(xp, c_idx, c_val, wire_index_dtype(xp, n), like), phase)
+        return unpack_pairs(xp, flat)
+
+    # -- one step ----------------------------------------------------------------------------------------
+    def reduce(self, xp, acc, idx, k, comm, state, ctx):
+        P, r, n = comm.size, comm.rank, xp.numel(acc)
+        offsets = state.get("offsets")
+        if state.get("size") != P or (offsets is not None and (len(offsets) != P + 1 or offsets[-1] != n)):
+            state.update(t=0, gamma=None, offsets=None, size=P)      # elastic / new layout: start over
+            offsets = None
+        t = state["t"]
+        gamma = state["gamma"]
+        reev = t % self.threshold_period == 0 or gamma is None or not math.isfinite(gamma)
+        repart = t % self.repartition_period == 0 or offsets is None
+
+        if repart:                                                  # §3.6.4
+            offsets = self._repartition(xp, idx, n, comm)
+        if P == 1:                                                  # rho = a on S (no collective)
+            vals = xp.take(acc, idx)
+            nz = xp.nonzero(xp.gt(xp.abs(vals), 0.0))
+            c_idx, c_val = xp.take(idx, nz), xp.take(vals, nz)
+        else:                                                       # §3.6.5
+            c_idx, c_val = self._split_and_reduce(xp, acc, idx, offsets, comm)
+
+        balanced = capped = False
+        if reev:                                                    # §3.6.6 global re-evaluation
+            if P > 1:
+                owner_counts = _allgather_count(xp, xp.numel(c_idx), comm, "reeval_count", acc)
+                if sum(owner_counts):                               # (skipped when K = 0 everywhere)
+                    c_idx, c_val = self._gather(xp, c_idx, c_val, n, comm, "reeval_gather", acc)
+            else:
+                owner_counts = [xp.numel(c_idx)]
+            g_idx, g_val, gamma = global_topk(xp, c_idx, c_val, k)
+            used = gamma_next = gamma
+        else:                                                       # §3.6.7 threshold Γ + balance
+            used = gamma
+            mag = xp.abs(c_val)
+            if self.global_control == "ladder":
+                ladder = [gamma * self.ladder_factor ** j for j in LADDER_STEPS]
+                mine = [xp.sum_int(rule_mask(xp, mag, th, self.select_rule)) for th in ladder]
+                table = _allgather_counts(xp, mine, comm, "count", acc) if P > 1 else [mine]
+                totals = [sum(row[j] for row in table) for j in range(len(ladder))]
+                j = next((j for j, tot in enumerate(totals) if tot <= k), len(ladder) - 1)
+                used = ladder[j]
+                ladder_counts = [row[j] for row in table]
+            keep = xp.nonzero(rule_mask(xp, mag, used, self.select_rule))
+            m_idx, m_val = xp.take(c_idx, keep), xp.take(c_val, keep)
+            if P > 1:
+                if self.global_control == "ladder":
+                    owner_counts = ladder_counts
+                else:
+                    owner_counts = _allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
+                T = sum(owner_counts)
+                if T == 0:                                          # K = 0, known to every rank
+                    g_idx, g_val = m_idx, m_val
+                else:
+                    packed = pack_pairs(xp, m_idx, m_val, wire_index_dtype(xp, n), acc)
+                    balanced = self.balance == "always" or (
+                        self.balance == "auto" and max(owner_counts) * P > self.balance_factor * T)
+                    if balanced:
+                        packed, _ = comm.alltoall(packed, [2 * s for s in balance_splits(owner_counts, r)],
+                                                  "balance")
+                    g_idx, g_val = unpack_pairs(xp, comm.allgather(packed, "gather"))
+            else:
+                owner_counts = [xp.numel(m_idx)]
+                g_idx, g_val = m_idx, m_val
+            T = sum(owner_counts)
+            if self.max_select_ratio is not None and T > self.max_select_ratio * k:
+                g_idx, g_val, gamma_next = global_topk(xp, g_idx, g_val, k)    # hard cap (§5)
+                capped = True
+            elif self.global_control == "ladder":
+                gamma_next = used
+            else:
+                gamma_next = band_adjust(gamma, T, k, self.global_band_lo, self.global_band_hi,
+                                         self.global_relax, self.global_tighten)
+
+        # §3.6.8 output and included set I = S ∩ G (exact)
+        u = xp.zeros(n, xp.float32, like=acc)
+        if xp.numel(g_idx):
+            xp.put_(u, g_idx, g_val)
+        included = intersect_sorted(xp, idx, g_idx)
+        state.update(t=t + 1, gamma=gamma_next, offsets=list(offsets), size=P)
+        info = {"K": xp.numel(g_idx), "threshold": used, "next_threshold": gamma_next, "reeval": bool(reev),
+                "repartition": bool(repart), "balanced": balanced, "capped": capped, "offsets": list(offsets),
+                "owner_counts": owner_counts, "t": t}
+        return u, included, info
+
+
+# -- presets (spec §3.6.1); the dense warm-up W (128 / 512 / 0) is the engine's, not listed here ----------
+OKTOPK_PRESETS = {
+    # the library's default (Compression.oktopk): the paper's algorithm and balancing, exact-k selection,
+    # controllers that keep |S| <= k and K <= k on reuse steps (the assumptions of the 6k(P-1)/P bound)
+    "library": {
+        "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": 1.25,
+                       "guard_factor": 1.1, "guard_iters": 8, "guard_target": 1.0},
+        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "auto",
+                    "select_rule": "ge_nonzero", "global_control": "ladder"},
+    },
+    # the paper's algorithm: periodic exact re-evaluation only (no guard, no band controllers: 1.0 = off),
+    # balancing iff max c_j > 4·avg, "values above the threshold" with exact k (ge_nonzero, spec §7.4)
+    "paper": {
+        "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": None,
+                       "band_relax": 1.0, "band_tighten": 1.0},
+        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "auto", "balance_factor": 4.0,
+                    "global_relax": 1.0, "global_tighten": 1.0, "select_rule": "ge_nonzero",
+                    "global_control": "band"},
+    },
+    "ref_lstm": {
+        "sparsifier": {"threshold_period": 32, "select_rule": "gt", "guard_ratio": 1.5, "guard_factor": 1.03,
+                       "guard_iters": 5, "band_lo": 0.75, "band_hi": 1.25, "band_relax": 1.012,
+                       "band_tighten": 1.012},
+        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "never",
+                    "global_band_lo": 0.75, "global_band_hi": 1.25, "global_relax": 1.01,
+                    "global_tighten": 1.008, "select_rule": "gt", "global_control": "band"},
+    },
+    "ref_vgg": {
+        "sparsifier": {"threshold_period": 32, "select_rule": "gt", "guard_ratio": 4 / 3, "guard_factor": 1.03,
+                       "guard_iters": 5, "band_lo": 2 / 3, "band_hi": 1.25, "band_relax": 1.012,
+                       "band_tighten": 1.012},
+        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "never",
+                    "global_band_lo": 2 / 3, "global_band_hi": 4 / 3, "global_relax": 1.008,
+                    "global_tighten": 1.008, "select_rule": "gt", "global_control": "band"},
+    },
+    "ref_bert": {
+        "sparsifier": {"threshold_period": 128, "select_rule": "gt", "guard_ratio": None, "band_lo": 0.8,
+                       "band_hi": 1.25, "band_relax": 1.025, "band_tighten": 1.025},
+        "reducer": {"threshold_period": 128, "repartition_period": 64, "balance": "always",
+                    "global_band_lo": 0.8, "global_band_hi": 1.25, "global_relax": 1.036,
+                    "global_tighten": 1.025, "select_rule": "gt", "global_control": "band"},
+    },
+}

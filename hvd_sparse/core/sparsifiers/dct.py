@@ -1,0 +1,177 @@
+"""DCT-DP (spec dct.md §A.4): per-tensor hard threshold, refreshed by a top-K once every ``lifespan`` steps.
+Exchanged by :class:`hvd_sparse.core.reducers.topka.TopkA` with counts (the spec's ``comm="allgather"``).
+
+Rank p, step t (``ctx.step``), tensor l of ``ctx.layout`` (numels n_l, offsets = prefix sums):
+
+    Gt   = G + E_l                          # error feedback (the engine's ``acc``)
+    if t % L == 0 (or the layout changed):  # threshold life-span expired (t = 0 included)
+        a     = nan_to_num(|Gt|, nan=0, posinf=0, neginf=0)
+        K     = clamp(ceil(rho * n_l), 1, n_l)          # k_rounding="paper": n_l - floor(n_l*(1-rho)) + 1
+        tau_l = K-th largest value of a
+        if sync_threshold: tau_l = allreduce(tau_l, SUM)/P   # all tensors in one call, phase "dct_tau"
+    M    = (|Gt| >= tau_l)                  # zero_tau_guard and tau_l == 0: M = (|Gt| > 0)
+    send (nonzero(M) + offset_l, Gt[M])     # TopkA: allgather counts, indices, values; rank-order sum
+    E_l  = where(M, 0, Gt)                  # the engine's error feedback (residual[included] = 0)
+
+Between recomputes tau_l is stale (nnz drifts, §A.4); NaN never passes the mask (it stays in E), ±Inf passes.
+Optional drain (§A.5), mode "flush" only: with ``ef_drain_period = T_d`` a Bernoulli(1/T_d) draw keyed by
+(drain_seed, t) -- identical on every rank -- selects every entry this step (Ghat = Gt, E = 0). Mode "discard"
+(drop E without sending) needs the residual to be cleared by the engine and is not available through the
+sparsifier interface.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from ..comm import SUM
+from ..errors import check_positive_int
+from .base import Sparsifier
+
+_API = "hvd_sparse.DCT"
+K_ROUNDINGS = ("ceil", "paper")
+DRAIN_MODES = ("flush",)
+
+
+# -- local xp helpers (candidates for xp.py) ------------------------------------------------------------
+def _ge(xp, x, th):
+    """``x >= th`` elementwise (th a Python float; compared in x's dtype by both numpy and torch)."""
+    return x >= th
+
+
+def _nan_to_zero(xp, x):
+    """A copy of ``x`` with NaN and ±Inf replaced by 0 (only called when ``x`` is not all finite)."""
+    if xp.name == "numpy":
+        return np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    if xp.name == "torch":
+        return xp.torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    raise NotImplementedError(f"{_API}: nan_to_num for backend {xp.name!r}")
+
+
+def _snap(x):
+    """``x`` rounded to the nearest integer when it is within float noise of it (0.07*100 -> 7), else None."""
+    r = round(x)
+    return int(r) if abs(x - r) <= 1e-9 * max(1.0, abs(x)) else None
+
+
+def dct_k(n_l, density, k_rounding="ceil"):
+    """K for a tensor of n_l entries (§A.4): ceil(rho·n_l) ("ceil") or the paper's n_l - floor(n_l·(1-rho)) + 1
+    ("paper"), clamped to [1, n_l]; products within float noise of an integer count as that integer."""
+    if k_rounding == "ceil":
+        x = density * n_l
+        s = _snap(x)
+        K = s if s is not None else math.ceil(x)
+    else:
+        x = (1.0 - density) * n_l
+        s = _snap(x)
+        K = n_l - (s if s is not None else math.floor(x)) + 1
+    return min(max(K, 1), n_l)
+
+
+class DCT(Sparsifier):
+    """DCT-DP (Gupta et al., "Training Recommender Systems at Scale: Communication-Efficient Model and Data
+    Parallelism", KDD 2021; spec dct.md Part A): one hard threshold per parameter tensor, recomputed as the
+    K-th largest |Gt| only every ``lifespan`` steps; every entry with |Gt| >= tau is sent. Pair it with the
+    TopkA reducer (allgather with counts, rank-order sum). Not exact-k.
+
+    Args:
+        density (float): rho in (0, 1]; K = clamp(ceil(rho·n_l), 1, n_l) per tensor. Required.
+        lifespan (int): L, steps between threshold recomputes (t % L == 0); default 1000.
+        k_rounding (str): "ceil" (default) or "paper" (K = n_l - floor(n_l·(1-rho)) + 1, clamped).
+        zero_tau_guard (bool): when tau_l == 0 select |Gt| > 0 instead of >= 0; default True.
+        sync_threshold (bool): average tau over ranks on recompute steps (one allreduce of the per-tensor
+            thresholds, phase ``dct_tau``); default False (each rank keeps its own tau, as in the paper).
+        ef_drain_period (int or None): T_d of the stochastic drain (§A.5); default None (off).
+        ef_drain_mode (str): "flush" (default; the only mode available, see the module docstring).
+        drain_seed (int): seed of the rank-identical drain draws; default 0.
+
+    State (per rank): ``tau`` (list, one per tensor), ``layout``, and statistics ``nnz`` (list),
+    ``recomputed``, ``drained``, ``density_actual``.
+    """
+
+    name = "dct"
+    exact_k = False
+
+    def __init__(self, density, lifespan=1000, *, k_rounding="ceil", zero_tau_guard=True, sync_threshold=False,
+                 ef_drain_period=None, ef_drain_mode="flush", drain_seed=0):
+        super().__init__(density)
+        self.lifespan = check_positive_int(lifespan, "lifespan", _API)
+        if k_rounding not in K_ROUNDINGS:
+            raise ValueError(f"{_API}: k_rounding must be one of {K_ROUNDINGS}, got {k_rounding!r}")
+        self.k_rounding = k_rounding
+        for name, v in (("zero_tau_guard", zero_tau_guard), ("sync_threshold", sync_threshold)):
+            if not isinstance(v, bool):
+                raise TypeError(f"{_API}: {name} must be a bool, got {v!r}")
+        self.zero_tau_guard = zero_tau_guard
+        self.sync_threshold = sync_threshold
+        if ef_drain_period is not None:
+            ef_drain_period = check_positive_int(ef_drain_period, "ef_drain_period", _API)
+        self.ef_drain_period = ef_drain_period
+        if ef_drain_mode not in DRAIN_MODES:
+            raise ValueError(f"{_API}: ef_drain_mode must be one of {DRAIN_MODES}, got {ef_drain_mode!r}; "
+                             "'discard' (drop the error buffer without sending it) is not available through "
+                             "the sparsifier interface")
+        self.ef_drain_mode = ef_drain_mode
+        if isinstance(drain_seed, bool) or not isinstance(drain_seed, numbers.Integral) or drain_seed < 0:
+            raise ValueError(f"{_API}: drain_seed must be an integer >= 0, got {drain_seed!r}")
+        self.drain_seed = int(drain_seed)
+
+    def _drain_now(self, t):
+        """§A.5: Bernoulli(1/T_d) keyed by (drain_seed, t): the same draw on every rank, no communication."""
+        if self.ef_drain_period is None:
+            return False
+        if self.ef_drain_period == 1:
+            return True
+        return bool(np.random.default_rng([self.drain_seed, int(t)]).random() < 1.0 / self.ef_drain_period)
+
+    def select(self, xp, acc, k, state, ctx):
+        n = xp.numel(acc)
+        layout = [int(x) for x in (ctx.layout if ctx.layout is not None else (n,))]
+        if sum(layout) != n:
+            raise ValueError(f"{_API}: the layout {layout} does not add up to the buffer size n={n}")
+        t = ctx.step
+        recompute = t % self.lifespan == 0 or state.get("layout") != layout or "tau" not in state
+        mag = xp.abs(acc)
+        offsets = [0]
+        for nl in layout:
+            offsets.append(offsets[-1] + nl)
+        if recompute:                                          # threshold life-span expired
+            taus = []
+            for l, nl in enumerate(layout):
+                if nl == 0:
+                    taus.append(0.0)
+                    continue
+                a = mag[offsets[l]:offsets[l + 1]]
+                if not xp.all_finite(a):
+                    a = _nan_to_zero(xp, a)
+                taus.append(float(xp.kth_largest(a, dct_k(nl, self.density, self.k_rounding))))
+            if self.sync_threshold and ctx.size > 1 and taus:
+                s = xp.to_numpy(ctx.comm.allreduce(xp.asarray(taus, xp.float32, like=acc), SUM, "dct_tau"))
+                taus = [float(v) / ctx.size for v in s]
+            state["tau"] = taus
+            state["layout"] = layout
+        taus = state["tau"]
+        if self._drain_now(t):                                 # §A.5 "flush": M = all-true
+            state.update(nnz=list(layout), recomputed=recompute, drained=True, density_actual=1.0 if n else 0.0)
+            return xp.arange(n, xp.index_dtype, like=acc)
+        parts, nnz = [], []
+        for l, nl in enumerate(layout):
+            if nl == 0:
+                nnz.append(0)
+                continue
+            a = mag[offsets[l]:offsets[l + 1]]
+            tau = taus[l]
+            mask = xp.gt(a, 0.0) if (tau == 0.0 and self.zero_tau_guard) else _ge(xp, a, tau)
+            sel = xp.nonzero(mask)
+            c = xp.numel(sel)
+            nnz.append(c)
+            if c:
+                parts.append(xp.add(sel, offsets[l]) if offsets[l] else sel)
+        state.update(nnz=nnz, recomputed=recompute, drained=False,
+                     density_actual=sum(nnz) / n if n else 0.0)
+        if not parts:
+            return xp.zeros(0, xp.index_dtype, like=acc)
+        return parts[0] if len(parts) == 1 else xp.concat(parts, like=acc)

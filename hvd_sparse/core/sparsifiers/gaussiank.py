@@ -1,0 +1,149 @@
+"""Gaussiank (spec oktopk.md §3.5): a threshold predicted from a Gaussian fit of the accumulator.
+
+Per step, on every rank (``acc`` = a = residual + gradient, k = max(1, floor(d·n))):
+
+    1. mu = mean(a) (signed);  sigma = std(a) (unbiased, N-1)
+    2. th = mu + z·sigma,  z = Phi^-1(1 - d/2)         # 2.5758 for d=1%, 2.3263 for d=2%
+    3. adjustment, cnt(th) = |{|a| > th}|, k34 = floor(3k/4):
+         lstm (default): repeat <= 50 times: if cnt < k34: th /= 1.012 else stop
+         bert:           if cnt < k34: repeat <= 20 times while cnt < floor(5k/6): th /= 1.012
+         vgg:            if cnt < k34: repeat <= 20 times while cnt < k34: th /= 1.02
+                         elif cnt > floor(5k/4): repeat <= 20 times while cnt > floor(5k/4): th *= 1.02
+    4. S = {|a| > th}                                   # residual: eps = a; eps[S] = 0 (engine, I = S)
+    5. exchange: the ``topka`` reducer (counts allgather, then allgatherv of indices and values,
+       sum in rank order) -- that pairing is the paper's Gaussiank baseline (Table 1: 2k(P-1) words).
+
+Not exact-k: |S| can be larger or smaller than k (the paper's Fig. 6: the Gaussian fit under-estimates
+k late in training; the loop only guarantees |S| >= floor(3k/4) unless it ran out of iterations).
+
+Numerics. mu and sigma are computed in float64 (deterministic for a given backend; numpy and torch may
+differ in the last float64 bit, which changes the selection only if a float32 value lies exactly on the
+rounded threshold). The threshold is kept as a Python float (as in ref) and every comparison is done in
+float32 against the largest float32 <= th, which is the same set as the exact comparison |a| > th.
+Zeros are never selected (S = {|a| > max(th, 0)}): with th < 0 (a strongly negative mean) the spec's
+rule would select zero entries, which a sparsifier must not do; for th <= 0 the loop stops early because
+no further scaling can change the count.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from .base import Sparsifier
+
+#: Adjustment loops of §3.5 step 3 (ref:LSTM, ref:BERT, ref:VGG).
+ADJUST_VARIANTS = ("lstm", "bert", "vgg")
+
+
+@functools.lru_cache(maxsize=64)
+def gaussian_z(density):
+    """z = Phi^-1(1 - d/2), the two-sided normal quantile of density ``d`` (scipy.special.ndtri)."""
+    from scipy.special import ndtri
+
+    return float(ndtri(1.0 - float(density) / 2.0))
+
+
+def _mean_std(xp, a):
+    """(mean, unbiased std) of float32 ``a`` as Python floats, computed in float64 (local xp helper)."""
+    n = xp.numel(a)
+    if n == 0:
+        return 0.0, 0.0
+    if xp.name == "numpy":
+        a64 = a.astype(np.float64)
+        mu = float(a64.mean())
+        sd = float(a64.std(ddof=1)) if n > 1 else 0.0
+    elif xp.name == "torch":
+        a64 = a.double()
+        mu = float(a64.mean())
+        sd = float(a64.std(correction=1)) if n > 1 else 0.0
+    else:  # pragma: no cover - future backends
+        raise NotImplementedError(f"GaussianK: backend {xp.name!r} has no mean/std helper")
+    return mu, sd
+
+
+def _f32_floor(th):
+    """The largest float32 <= ``th`` (as a Python float): ``|a| > it`` equals ``|a| > th`` for float32 a."""
+    t = np.float32(th)
+    if float(t) > th:
+        t = np.nextafter(t, np.float32(-np.inf))
+    return float(t)
+
+
+class GaussianK(Sparsifier):
+    """Gaussiank sparsifier (Shi et al., "Understanding Top-k Sparsification in Distributed Deep
+    Learning", 2019; baseline of Li & Hoefler, PPoPP'22, §5; spec oktopk.md §3.5).
+
+    Predicts the threshold of the k largest magnitudes from a normal fit (mean, unbiased std) of the
+    accumulator and rescales it until enough values pass (one O(n) count per iteration). Pair it with
+    the ``topka`` reducer (variable-size allgather) to get the paper's Gaussiank baseline.
+
+    Args:
+        density (float): target fraction d = k/n in (0, 1]; sets z = Phi^-1(1 - d/2) and
+            k = max(1, floor(d·n)).
+        adjust (str): the threshold adjustment loop of §3.5 step 3: ``"lstm"`` (ref:LSTM; the paper's
+            "scale until more than 3k/4 values are selected"), ``"bert"`` or ``"vgg"``.
+            Default: ``"lstm"``.
+
+    State (per rank): ``threshold_initial`` (mu + z·sigma), ``threshold`` (after the adjustment, the
+    value actually used), ``iterations`` (adjustment iterations run), ``mean``, ``std``.
+    """
+
+    name = "gaussiank"
+    exact_k = False
+
+    def __init__(self, density, *, adjust="lstm"):
+        super().__init__(density)
+        if adjust not in ADJUST_VARIANTS:
+            raise ValueError(f"hvd_sparse.GaussianK: adjust must be one of {list(ADJUST_VARIANTS)}, "
+                             f"got {adjust!r}; use 'lstm' (the default) for the paper's loop")
+        self.adjust = adjust
+
+    def initial_state(self):
+        return {"threshold": 0.0, "threshold_initial": 0.0, "iterations": 0}
+
+    def select(self, xp, acc, k, state, ctx):
+        mag = xp.abs(acc)
+
+        def count(th):
+            return xp.sum_int(xp.gt(mag, _f32_floor(max(th, 0.0))))
+
+        # 1-2. Gaussian prediction of the k-th largest |a|
+        mu, sd = _mean_std(xp, acc)
+        th = mu + gaussian_z(self.density) * sd
+        th0 = th
+        # 3. adjustment loop (a threshold <= 0 already selects every nonzero: nothing left to change)
+        k34 = (3 * k) // 4
+        it = 0
+        if self.adjust == "lstm":
+            while it < 50 and th > 0.0 and count(th) < k34:
+                th /= 1.012
+                it += 1
+        elif self.adjust == "bert":
+            if th > 0.0 and count(th) < k34:
+                k56 = (5 * k) // 6
+                while it < 20 and th > 0.0 and count(th) < k56:
+                    th /= 1.012
+                    it += 1
+        else:  # vgg
+            k54 = (5 * k) // 4
+            c = count(th) if th > 0.0 else None
+            if c is not None and c < k34:
+                while it < 20 and c < k34:
+                    th /= 1.02
+                    it += 1
+                    c = count(th)
+            elif c is not None and c > k54:
+                while it < 20 and c > k54:
+                    th *= 1.02
+                    it += 1
+                    c = count(th)
+        # 4. S = {|a| > th}, zeros excluded
+        idx = xp.nonzero(xp.gt(mag, _f32_floor(max(th, 0.0))))
+        state["mean"] = mu
+        state["std"] = sd
+        state["threshold_initial"] = th0
+        state["threshold"] = th
+        state["iterations"] = it
+        return idx

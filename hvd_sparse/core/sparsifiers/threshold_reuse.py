@@ -1,0 +1,199 @@
+"""Ok-Topk's local selection with threshold reuse (spec oktopk.md §3.6.3, §3.6.1, §5; paper §3.1.3).
+
+    select(a):                                      # t = ctx.step (sparse-step counter, from 0)
+      reev  = (t % tau_p == 0)                      # t = 0 is always a re-evaluation step
+      if reev:   L = kth_abs(a, k)                  # exact k-th largest |a| (per rank)
+                 S = exact top-k of |a|             # ge_nonzero: topk_indices (ties -> lower index)
+      else:
+        if guard:                                   # ref:LSTM/VGG only
+          repeat guard_iters(5): if count(a, L) > guard_ratio*k: L *= guard_factor(1.03) else break
+        S = select(a, L)                            # ge_nonzero: |a| >= L and a != 0;  gt: |a| > L
+        if max_select_ratio and |S| > max_select_ratio*k:      # optional hard cap (§5)
+          L = kth_abs(a, k); S = exact top-k        # local, no consensus needed
+      L_nxt = band_adjust(L, |S|, k, lo_L, hi_L, /s_L, *s_L)    # takes effect next step
+      L = L_nxt
+    band_adjust(th, cnt, k, lo, hi, relax, tighten): cnt < lo*k -> th/relax ; cnt > hi*k -> th*tighten ; else th
+
+Thresholds are kept as Python floats (fp64, as in ref) and compared in fp32 (the rounded value is used for
+every comparison, so numpy and torch select bit-identically). ``count(a, L)`` in the guard counts what the
+configured rule would select (ref: strict ``>``, which is also what ``select_rule="gt"`` does).
+
+Edge cases (§5): a stored L <= 0 (the accumulator had fewer than k nonzeros at the last evaluation, or
+density 1) would select every nonzero on reuse steps and no controller could ever raise it, so such a step
+re-evaluates L exactly instead (local decision, no collective); zeros are never selected.
+
+This sparsifier is Ok-Topk's (pair it with :class:`hvd_sparse.core.reducers.oktopk.OkTopk`), but it is a
+standalone sparsifier too: with the TopkA reducer it gives "TopkA with a reused threshold".
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import numpy as np
+
+from ..errors import check_positive_int
+from ..xp import topk_indices
+from .base import Sparsifier
+
+SELECT_RULES = ("ge_nonzero", "gt")
+
+
+# -- local xp helpers (numpy / torch) -------------------------------------------------------------------
+def _ge(xp, x, th):
+    """Elementwise ``x >= th`` for a Python scalar ``th`` (numpy and torch share the operator)."""
+    if xp.name in ("numpy", "torch"):
+        return x >= th
+    raise NotImplementedError(f"_ge: backend {xp.name!r}")  # pragma: no cover
+
+
+def f32(x):
+    """``x`` rounded to float32, as a Python float: the value thresholds are compared with (spec §2.1)."""
+    return float(np.float32(x))
+
+
+def rule_mask(xp, mag, th, rule):
+    """Boolean mask of the entries ``rule`` selects from the magnitudes ``mag`` at threshold ``th``.
+
+    ``ge_nonzero``: ``mag >= th and mag != 0``; ``gt``: ``mag > th``. ``th`` is compared in fp32.
+    """
+    t = f32(th)
+    if rule == "gt":
+        return xp.gt(mag, t)
+    if t > 0.0:
+        return _ge(xp, mag, t)          # mag >= t > 0 implies nonzero
+    return xp.gt(mag, 0.0)
+
+
+def band_adjust(th, cnt, k, lo, hi, relax, tighten):
+    """The post-hoc band controller of ref (spec §3.6.3): ``th/relax`` below ``lo·k``, ``th·tighten`` above
+    ``hi·k``, else ``th``. Pure Python floats (fp64, as ref)."""
+    if cnt < lo * k:
+        return th / relax
+    if cnt > hi * k:
+        return th * tighten
+    return th
+
+
+def check_real(value, name, api, low, low_incl=True, allow_none=False, fix=""):
+    if value is None and allow_none:
+        return None
+    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(float(value))
+          and (float(value) >= low if low_incl else float(value) > low))
+    if not ok:
+        rule = f"must be a finite number {'>=' if low_incl else '>'} {low:g}" + (" or None" if allow_none else "")
+        raise ValueError(f"{api}: {name} {rule}, got {value!r}{'; ' + fix if fix else ''}")
+    return float(value)
+
+
+def check_select_rule(rule, api):
+    if rule not in SELECT_RULES:
+        raise ValueError(f"{api}: select_rule must be one of {SELECT_RULES}, got {rule!r}; use 'ge_nonzero' "
+                         "(exactly k without ties, library default) or 'gt' (strict >, ref-compatible)")
+    return rule
+
+
+class ThresholdReuse(Sparsifier):
+    """Ok-Topk local selection (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning",
+    PPoPP'22, §3.1.3; spec oktopk.md §3.6.3): the exact k-th largest ``|acc|`` is computed every
+    ``threshold_period`` steps and reused in between, with ref's pre-selection guard and band controller.
+
+    Args:
+        density (float): target fraction in (0, 1]; k = max(1, floor(density·n)).
+        threshold_period (int): τ', re-evaluate L exactly on steps t % τ' == 0 (t = ctx.step). Default 32.
+        select_rule (str): ``"ge_nonzero"`` (default: |a| >= L and a != 0; exactly the deterministic top-k
+            on re-evaluation steps) or ``"gt"`` (ref-compatible strict |a| > L; k-1 values on re-eval steps).
+        guard_ratio (float or None): pre-selection guard on reuse steps: while count > guard_ratio·k raise L
+            by ``guard_factor``, at most ``guard_iters`` times. Default 1.5 (ref:LSTM); None disables (ref:BERT).
+        guard_factor (float): default 1.03.
+        guard_iters (int): default 5.
+        guard_target (float or None): once triggered, keep raising L until count <= guard_target·k (at most
+            ``guard_iters`` times). Default None = guard_ratio (ref). The library's ``Compression.oktopk``
+            uses guard_ratio=1.25, guard_factor=1.1, guard_iters=8, guard_target=1.0: after a cold start
+            or a gradient spike the ref guard (at most x1.16 per step) lets |S| reach 5k for several
+            steps; this one reaches |S| <= k within one step (each extra raise costs one count pass, and
+            only on overshooting steps).
+        band_lo, band_hi (float): local band [lo·k, hi·k] of the post-hoc controller. Default 0.75, 1.25.
+        band_relax (float): L /= band_relax when |S| < lo·k. Default 1.012 (1.0 disables).
+        band_tighten (float): L *= band_tighten when |S| > hi·k. Default 1.012 (1.0 disables).
+        max_select_ratio (float or None): optional hard cap (spec §5): if |S| > ratio·k on a reuse step,
+            recompute L exactly and select the exact top-k for this step. Default None (off, as ref).
+
+    Per-rank state (``state``): ``threshold`` (L for the next step), ``threshold_used`` (L of this step),
+    ``selected`` (|S|), ``reeval`` (bool), ``guard_raises`` (int), ``capped`` (bool), ``size`` (P).
+    The guard and band are heuristics of the reference code (spec §7.5), not part of the paper.
+    """
+
+    name = "threshold_reuse"
+    exact_k = False
+
+    def __init__(self, density, threshold_period=32, *, select_rule="ge_nonzero", guard_ratio=1.5,
+                 guard_factor=1.03, guard_iters=5, band_lo=0.75, band_hi=1.25, band_relax=1.012,
+                 band_tighten=1.012, max_select_ratio=None, guard_target=None):
+        super().__init__(density)
+        api = "hvd_sparse.ThresholdReuse"
+        self.threshold_period = check_positive_int(threshold_period, "threshold_period", api)
+        self.select_rule = check_select_rule(select_rule, api)
+        self.guard_ratio = check_real(guard_ratio, "guard_ratio", api, 0.0, low_incl=False, allow_none=True,
+                                       fix="e.g. 1.5 (ref:LSTM), 4/3 (ref:VGG) or None (no guard)")
+        self.guard_factor = check_real(guard_factor, "guard_factor", api, 1.0, low_incl=False,
+                                        fix="e.g. 1.03")
+        self.guard_iters = check_positive_int(guard_iters, "guard_iters", api, minimum=0)
+        self.guard_target = check_real(guard_target, "guard_target", api, 0.0, low_incl=False, allow_none=True,
+                                        fix="e.g. 1.0 (or None: the same as guard_ratio)")
+        self.band_lo = check_real(band_lo, "band_lo", api, 0.0, fix="e.g. 0.75")
+        self.band_hi = check_real(band_hi, "band_hi", api, self.band_lo, fix="band_hi must be >= band_lo")
+        self.band_relax = check_real(band_relax, "band_relax", api, 1.0, fix="e.g. 1.012 (1.0 disables)")
+        self.band_tighten = check_real(band_tighten, "band_tighten", api, 1.0, fix="e.g. 1.012 (1.0 disables)")
+        self.max_select_ratio = check_real(max_select_ratio, "max_select_ratio", api, 1.0, allow_none=True,
+                                            fix="e.g. 4 (or None for no cap)")
+
+    def initial_state(self):
+        return {"threshold": None}
+
+    def _exact(self, xp, acc, mag, k):
+        """Exact re-evaluation: (S, L). ge_nonzero: exactly the deterministic top-k; gt: |a| > k-th |a|."""
+        if self.select_rule == "ge_nonzero":
+            return topk_indices(xp, acc, k)
+        n = xp.numel(acc)
+        th = float(xp.kth_largest(mag, min(k, n)))
+        return xp.nonzero(xp.gt(mag, f32(th))), th
+
+    def select(self, xp, acc, k, state, ctx):
+        n = xp.numel(acc)
+        L = state.get("threshold")
+        reev = (ctx.step % self.threshold_period == 0 or L is None or not L > 0.0
+                or state.get("size", ctx.size) != ctx.size)
+        raises, capped = 0, False
+        if n == 0:
+            idx, L = xp.zeros(0, xp.index_dtype, like=acc), 0.0
+        else:
+            mag = xp.abs(acc)
+            if reev:                                        # exact k-th |a| (re-evaluation step)
+                idx, L = self._exact(xp, acc, mag, k)
+            else:
+                if self.guard_ratio is not None:            # pre-selection guard (ref:LSTM/VGG)
+                    limit = self.guard_ratio * k
+                    for _ in range(self.guard_iters):
+                        if xp.sum_int(rule_mask(xp, mag, L, self.select_rule)) > limit:
+                            L *= self.guard_factor
+                            raises += 1
+                            if self.guard_target is not None:
+                                limit = self.guard_target * k
+                        else:
+                            break
+                idx = xp.nonzero(rule_mask(xp, mag, L, self.select_rule))
+                if self.max_select_ratio is not None and xp.numel(idx) > self.max_select_ratio * k:
+                    idx, L = self._exact(xp, acc, mag, k)   # hard cap (§5): exact for this step
+                    capped = True
+        m = xp.numel(idx)
+        state["threshold_used"] = L
+        state["threshold"] = band_adjust(L, m, k, self.band_lo, self.band_hi, self.band_relax,
+                                         self.band_tighten)
+        state["selected"] = m
+        state["reeval"] = bool(reev)
+        state["guard_raises"] = raises
+        state["capped"] = capped
+        state["size"] = ctx.size
+        return idx
