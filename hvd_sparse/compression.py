@@ -191,7 +191,7 @@ class Compression:
                                  preset=f"gaussiank(density={density!r})")
 
     @staticmethod
-    def exdyna(density, threshold_rule="reference", init_threshold="topk_once"):
+    def exdyna(density, threshold_rule="proportional", init_threshold="topk_once"):
         """ExDyna (Yoon & Oh, CCGrid'24; spec exdyna.md): the flat gradient is cut into blocks grouped in P
         exclusive partitions that rotate over the ranks every step; each rank selects |acc| >= tau inside its
         partition only (no index is ever selected twice), the indices are allgathered and every rank's values
@@ -200,7 +200,10 @@ class Compression:
 
         Args:
             density (float): target global fraction of entries, in (0, 1].
-            threshold_rule (str): "reference" (the authors' code, settles near 0.94k) or "symmetric".
+            threshold_rule (str): "proportional" (default here: tau *= (|S|/k)^0.25 each step, clipped to
+                [0.8, 1.25]; see docs/benchmarks.md for the density it reaches), "reference" (the
+                authors' code: +-0.5% a step; settles near 0.94k on stationary data, but takes hundreds of
+                steps to follow an error-fed gradient whose right threshold grows tens of times) or "symmetric".
             init_threshold: "topk_once" (default here: tau0 from one top-k at the first step, so the target is
                 reached at once) or None for the reference tau0 = 1/(2 sqrt(k)), which needs hundreds of steps
                 when the gradient scale is far from it, or a positive float.

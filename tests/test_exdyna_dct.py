@@ -908,3 +908,14 @@ def test_dct_property_matches_reference(sizes, P, d6, L, steps, guard, rounding,
 def test_dct_arguments_are_validated(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         DCT(0.01, **kwargs)
+
+
+def test_proportional_threshold_rule_is_clipped_fourth_root():
+    from hvd_sparse.core.sparsifiers.exdyna import threshold_factor
+
+    assert threshold_factor(16.0, "proportional") == 1.25          # 16^0.25 = 2 -> clipped
+    assert threshold_factor(1.5, "proportional") == pytest.approx(1.5 ** 0.25)
+    assert threshold_factor(0.5, "proportional") == pytest.approx(0.5 ** 0.25)
+    assert threshold_factor(0.01, "proportional") == 0.8
+    assert threshold_factor(0.0, "proportional") == 0.8
+    assert threshold_factor(1.0, "proportional") == 1.0

@@ -11,7 +11,8 @@ from hvd_sparse.compression import SparseCompression
 from hvd_sparse.core.engine import StepContext
 from hvd_sparse.core.reducers import Dense, TopkA
 from hvd_sparse.core.reducers.gtopk import GTopk, merge, top_k_list
-from hvd_sparse.core.reducers.topk_dsa import TopkDSA, pack_pairs, regions, unpack_pairs
+from hvd_sparse.core.reducers.base import pack_pairs, unpack_pairs
+from hvd_sparse.core.reducers.topk_dsa import TopkDSA, regions
 from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.core.sparsifiers import TopK
 from hvd_sparse.core.sparsifiers.gaussiank import GaussianK

@@ -159,8 +159,8 @@ def oktopk_reference(g, density, tp=32, sp=None, rd=None):
             used = gam
         else:
             used = gam
-            if rdk["global_control"] == "ladder":      # smallest gam·f^j (j = -4..8) with count <= k
-                ladder = [gam * rdk["ladder_factor"] ** j for j in range(-4, 9)]
+            if rdk["global_control"] == "ladder":      # smallest gam·f^j (j = -2..6) with count <= k
+                ladder = [gam * rdk["ladder_factor"] ** j for j in range(-2, 7)]
                 counts = [int((rule_mask(rho, th, rdk["select_rule"]) & (rho != 0)).sum()) for th in ladder]
                 used = next((th for th, c in zip(ladder, counts) if c <= k), ladder[-1])
             G = rule_mask(rho, used, rdk["select_rule"]) & (rho != 0)
@@ -838,8 +838,9 @@ def test_presets_reproduce_the_table():
 
 @pytest.mark.parametrize("P", [2, 5, 8])
 def test_library_controllers_keep_local_and_global_counts_near_k(P):
-    """The library preset's guard and Γ ladder: |S| <= 1.25k and K <= k on every reuse step of drifting,
-    error-fed synthetic gradients, where the ref:LSTM controllers let both run to several k (cold start)."""
+    """The library preset's guard and Γ ladder keep |S| <= 1.1k and K <= 1.25k (K <= k whenever the ladder's
+    range reaches) on every reuse step of drifting, error-fed synthetic gradients, where the ref:LSTM
+    controllers let them run to twice k and more (cold start)."""
     from hvd_sparse.bench.data import SyntheticGradients
     import hvd_sparse
 
@@ -851,7 +852,10 @@ def test_library_controllers_keep_local_and_global_counts_near_k(P):
         reuse = [t for t in range(20) if not res["info"][t][0]["reeval"]]
         K = max(res["info"][t][0]["K"] for t in reuse)
         S = max(res["sp"][t][r]["selected"] for t in reuse for r in range(P))
-        assert (K <= k and S <= 1.25 * k) == ok, (variant, K, S, k)
+        if ok:
+            assert K <= 1.25 * k and S <= 1.1 * k, (variant, K, S, k)
+        else:
+            assert K > 2 * k or S > 2 * k, (variant, K, S, k)
 
 
 def test_configuration_objects_are_hashable_and_carry_no_state():

@@ -44,6 +44,7 @@ def run_one(algorithm, data, workers, steps, density, progress=None):
     recv = np.zeros((steps, workers), np.int64)
     selected = np.zeros((steps, workers), np.int64)
     special = np.zeros(steps, bool)
+    phases = [[None] * workers for _ in range(steps)]
 
     def body(comm):
         r = comm.rank
@@ -51,6 +52,7 @@ def run_one(algorithm, data, workers, steps, density, progress=None):
         for t in range(steps):
             eng.step(data.grad(t, r))
             recv[t, r] = eng.last["recv_words"]
+            phases[t][r] = dict(comm.meter.recv_words)
             selected[t, r] = eng.last["selected"]
             if r == 0:
                 info = eng.last["info"]
@@ -60,7 +62,9 @@ def run_one(algorithm, data, workers, steps, density, progress=None):
 
     world.run(body, comms)
     n = data.n
-    steady = recv[~special] if (~special).any() else recv
+    mask = ~special if (~special).any() else np.ones(steps, bool)
+    steady = recv[mask]
+    t_max, r_max = np.unravel_index(np.argmax(np.where(mask[:, None], recv, -1)), recv.shape)
     partitioned = getattr(comp.sparsifier, "partitioned", False)
     dens = selected.sum(axis=1) / n if partitioned else selected.mean(axis=1) / n
     return {
@@ -70,6 +74,8 @@ def run_one(algorithm, data, workers, steps, density, progress=None):
         "recv_words_max_steady": int(steady.max()),
         "density_mean": float(dens.mean()),
         "steady_steps": int((~special).sum()),
+        # where the steady maximum comes from: words received per phase by that rank on that step
+        "steady_max_phases": {"step": int(t_max), "rank": int(r_max), **phases[t_max][r_max]},
     }
 
 

@@ -22,7 +22,40 @@ from __future__ import annotations
 import numpy as np
 
 
-class NumpyBackend:
+class _Indexing:
+    """Operations spelled the same for numpy arrays and torch tensors."""
+
+    @staticmethod
+    def add(x, y):
+        return x + y
+
+    @staticmethod
+    def take(x, idx):
+        return x[idx]
+
+    @staticmethod
+    def put_(dst, idx, value):
+        dst[idx] = value
+        return dst
+
+    @staticmethod
+    def gt(x, th):
+        return x > th
+
+    @staticmethod
+    def eq(x, th):
+        return x == th
+
+    @staticmethod
+    def logical_and(a, b):
+        return a & b
+
+    @staticmethod
+    def sum_int(x):
+        return int(x.sum())
+
+
+class NumpyBackend(_Indexing):
     """numpy arrays (the simulator's backend)."""
 
     name = "numpy"
@@ -81,10 +114,6 @@ class NumpyBackend:
         return np.abs(x)
 
     @staticmethod
-    def add(x, y):
-        return x + y
-
-    @staticmethod
     def mul(x, s):
         return x * np.asarray(s, dtype=x.dtype)
 
@@ -102,10 +131,6 @@ class NumpyBackend:
         return np.flatnonzero(mask).astype(np.int64, copy=False)
 
     @staticmethod
-    def take(x, idx):
-        return x[idx]
-
-    @staticmethod
     def scatter_add_(dst, idx, values):
         np.add.at(dst, idx, values)
         return dst
@@ -116,33 +141,28 @@ class NumpyBackend:
         dst[idx] += values
         return dst
 
-    @staticmethod
-    def put_(dst, idx, value):
-        dst[idx] = value
-        return dst
-
-    @staticmethod
-    def gt(x, th):
-        return x > th
-
-    @staticmethod
-    def eq(x, th):
-        return x == th
-
-    @staticmethod
-    def logical_and(a, b):
-        return a & b
-
-    @staticmethod
-    def sum_int(x):
-        return int(x.sum())
 
     @staticmethod
     def sort(x):
         return np.sort(x)
 
+    @staticmethod
+    def searchsorted(sorted_x, values, right=False):
+        """Insertion points (int64) of ``values`` in the ascending 1-D ``sorted_x``."""
+        return np.searchsorted(sorted_x, values, side="right" if right else "left").astype(np.int64, copy=False)
 
-class TorchBackend:
+    @staticmethod
+    def clamp_max(x, c):
+        """Elementwise ``min(x, c)`` with a Python scalar ``c``."""
+        return np.minimum(x, c)
+
+    @staticmethod
+    def bitcast(x, dtype):
+        """The bits of ``x`` reinterpreted as ``dtype`` (a contiguous copy first when needed)."""
+        return np.ascontiguousarray(x).view(dtype)
+
+
+class TorchBackend(_Indexing):
     """torch tensors, CPU or CUDA (the PyTorch adapter's backend)."""
 
     name = "torch"
@@ -198,10 +218,6 @@ class TorchBackend:
         return x.abs()
 
     @staticmethod
-    def add(x, y):
-        return x + y
-
-    @staticmethod
     def mul(x, s):
         return x * s
 
@@ -216,10 +232,6 @@ class TorchBackend:
         return self.torch.nonzero(mask, as_tuple=False).reshape(-1)
 
     @staticmethod
-    def take(x, idx):
-        return x[idx]
-
-    @staticmethod
     def scatter_add_(dst, idx, values):
         return dst.index_add_(0, idx, values)
 
@@ -227,30 +239,21 @@ class TorchBackend:
     def add_unique_(dst, idx, values):
         return dst.index_add_(0, idx, values)
 
-    @staticmethod
-    def put_(dst, idx, value):
-        dst[idx] = value
-        return dst
-
-    @staticmethod
-    def gt(x, th):
-        return x > th
-
-    @staticmethod
-    def eq(x, th):
-        return x == th
-
-    @staticmethod
-    def logical_and(a, b):
-        return a & b
-
-    @staticmethod
-    def sum_int(x):
-        return int(x.sum())
 
     @staticmethod
     def sort(x):
         return x.sort().values
+
+    def searchsorted(self, sorted_x, values, right=False):
+        return self.torch.searchsorted(sorted_x.contiguous(), values.contiguous(), side="right" if right else "left")
+
+    @staticmethod
+    def clamp_max(x, c):
+        return x.clamp(max=c)
+
+    @staticmethod
+    def bitcast(x, dtype):
+        return x.contiguous().view(dtype)
 
 
 _NUMPY = NumpyBackend()

@@ -31,6 +31,29 @@ def wire_index_dtype(xp, n):
     return xp.int32 if n <= INT32_INDEX_LIMIT else xp.index_dtype
 
 
+def pack_pairs(xp, idx, vals, wire, like):
+    """One flat ``wire`` array of 2·m words: index_0, bits(value_0), index_1, bits(value_1), ...
+
+    One collective moves indices and values together (half the collectives of sending them apart).
+    ``vals`` are float32; their bits travel as int32 (sign-extended into int64 words when ``wire`` is
+    int64). Indexes are cast to ``wire`` (the caller checks they fit, see :func:`wire_index_dtype`)."""
+    m = xp.numel(idx)
+    bits = xp.bitcast(xp.astype(vals, xp.float32), xp.int32)
+    if wire != xp.int32:
+        bits = xp.astype(bits, wire)
+    out = xp.zeros(2 * m, wire, like=like)
+    out[0::2] = xp.astype(idx, wire)
+    out[1::2] = bits
+    return out
+
+
+def unpack_pairs(xp, flat):
+    """Inverse of :func:`pack_pairs`: (int64 indexes, float32 values). ``flat`` is not modified."""
+    idx = xp.astype(flat[0::2], xp.index_dtype)
+    bits = xp.copy(xp.astype(flat[1::2], xp.int32))     # own, contiguous buffer before the bit-cast
+    return idx, xp.bitcast(bits, xp.float32)
+
+
 class Reducer:
     """Base class. Subclasses set ``name`` and implement :meth:`reduce`."""
 

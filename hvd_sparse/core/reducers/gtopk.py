@@ -27,8 +27,7 @@ subtree where j was pruned, yet those ranks clear eps[j] because j is in G.
 from __future__ import annotations
 
 from ..xp import topk_indices
-from .base import Reducer, wire_index_dtype
-from .topk_dsa import minimum, pack_pairs, searchsorted, unpack_pairs
+from .base import Reducer, pack_pairs, unpack_pairs, wire_index_dtype
 
 
 def _argsort_stable(xp, x):
@@ -86,7 +85,7 @@ def intersect_sorted(xp, s, g):
     """Elements of the sorted unique ``s`` that are in the sorted unique ``g``."""
     if xp.numel(g) == 0 or xp.numel(s) == 0:
         return s[:0]
-    pos = minimum(xp, searchsorted(xp, g, s), xp.numel(g) - 1)
+    pos = xp.clamp_max(xp.searchsorted(g, s), xp.numel(g) - 1)
     return xp.take(s, xp.nonzero(xp.take(g, pos) == s))
 
 

@@ -56,66 +56,13 @@ from ..comm import SUM
 from ..errors import check_positive_int
 from ..sparsifiers.threshold_reuse import band_adjust, check_real, check_select_rule, rule_mask
 from ..xp import topk_indices
-from .base import Reducer, wire_index_dtype
+from .base import Reducer, pack_pairs, unpack_pairs, wire_index_dtype
 from .topka import sum_in_rank_order
 
 BALANCE_POLICIES = ("auto", "always", "never")
 
 
-# -- local xp helpers (numpy / torch) -------------------------------------------------------------------
-def searchsorted(xp, sorted_x, values, right=False):
-    """Insertion points (int64) of ``values`` in the ascending 1-D ``sorted_x``; ``right`` = side right."""
-    side = "right" if right else "left"
-    if xp.name == "numpy":
-        import numpy as np
-
-        return np.searchsorted(sorted_x, values, side=side).astype(np.int64, copy=False)
-    if xp.name == "torch":
-        return xp.torch.searchsorted(sorted_x.contiguous(), values.contiguous(), side=side)
-    raise NotImplementedError(f"searchsorted: backend {xp.name!r}")  # pragma: no cover
-
-
-def clamp_max(xp, x, c):
-    """Elementwise ``min(x, c)`` with a Python scalar ``c``."""
-    if xp.name == "numpy":
-        import numpy as np
-
-        return np.minimum(x, c)
-    if xp.name == "torch":
-        return x.clamp(max=c)
-    raise NotImplementedError(f"clamp_max: backend {xp.name!r}")  # pragma: no cover
-
-
-def bitcast(xp, x, dtype):
-    """Reinterpret the bits of ``x`` as ``dtype`` (same item size)."""
-    if xp.name in ("numpy", "torch"):
-        return x.view(dtype)
-    raise NotImplementedError(f"bitcast: backend {xp.name!r}")  # pragma: no cover
-
-
-# -- wire format and index helpers ----------------------------------------------------------------------
-def pack_pairs(xp, idx, vals, wire, like):
-    """One flat ``wire`` array of 2·m words: index_0, bits(value_0), index_1, bits(value_1), ...
-
-    ``vals`` are float32; their bits travel as int32 (sign-extended into int64 words when ``wire`` is
-    int64). Indexes are cast to ``wire`` (the caller checks they fit)."""
-    m = xp.numel(idx)
-    bits = bitcast(xp, xp.copy(xp.astype(vals, xp.float32)), xp.int32)
-    if wire != xp.int32:
-        bits = xp.astype(bits, wire)
-    out = xp.zeros(2 * m, wire, like=like)
-    out[0::2] = xp.astype(idx, wire)
-    out[1::2] = bits
-    return out
-
-
-def unpack_pairs(xp, flat):
-    """Inverse of :func:`pack_pairs`: (int64 indexes, float32 values). ``flat`` is not modified."""
-    idx = xp.astype(flat[0::2], xp.index_dtype)
-    bits = xp.copy(xp.astype(flat[1::2], xp.int32))     # own, contiguous buffer before the bit-cast
-    return idx, bitcast(xp, bits, xp.float32)
-
-
+# -- index helpers ----------------------------------------------------------------------------------------
 def region_split(xp, idx, offsets):
     """Split the sorted global indexes ``idx`` by regions ``offsets`` (o_0..o_P, non-decreasing).
 
@@ -123,11 +70,11 @@ def region_split(xp, idx, offsets):
     indexes ``rel = idx - o_{region(idx)}`` (int64), in the order of ``idx`` (= grouped by region)."""
     P = len(offsets) - 1
     bounds = xp.asarray(offsets, xp.index_dtype, like=idx)
-    pos = [int(p) for p in xp.to_numpy(searchsorted(xp, idx, bounds))]
+    pos = [int(p) for p in xp.to_numpy(xp.searchsorted(idx, bounds))]
     splits = [pos[j + 1] - pos[j] for j in range(P)]
     if xp.numel(idx) == 0:
         return splits, idx
-    region = searchsorted(xp, bounds[1:P], idx, right=True)     # j with o_j <= x < o_{j+1}
+    region = xp.searchsorted(bounds[1:P], idx, right=True)     # j with o_j <= x < o_{j+1}
     return splits, idx - xp.take(bounds, region)
 
 
@@ -135,7 +82,7 @@ def intersect_sorted(xp, a, b):
     """The elements of the sorted unique int64 ``a`` that occur in the sorted unique ``b`` (exact)."""
     if xp.numel(a) == 0 or xp.numel(b) == 0:
         return a[:0]
-    pos = clamp_max(xp, searchsorted(xp, b, a), xp.numel(b) - 1)
+    pos = xp.clamp_max(xp.searchsorted(b, a), xp.numel(b) - 1)
     return xp.take(a, xp.nonzero(xp.eq(xp.take(b, pos), a)))
 
 
@@ -179,7 +126,7 @@ def _allgather_counts(xp, counts, comm, phase, like):
 
 
 #: exponents j of the Γ ladder Γ·f^j (global_control="ladder")
-LADDER_STEPS = tuple(range(-4, 9))
+LADDER_STEPS = tuple(range(-2, 7))
 
 
 class OkTopk(Reducer):
@@ -206,11 +153,11 @@ class OkTopk(Reducer):
             authors' post-hoc controller (Γ·``global_tighten`` above hi·k, Γ/``global_relax`` below lo·k, one
             small step per iteration); it lags behind a growing residual (measured: K = 2-8k on synthetic and
             digits gradients, see docs/benchmarks.md). ``"ladder"`` (the ``Compression.oktopk`` preset):
-            each owner counts its candidates at the thresholds Γ·f^j, j = -4..8 (f = ``ladder_factor``),
-            the P count vectors travel in the count allgather the step needs anyway (13 words per rank
+            each owner counts its candidates at the thresholds Γ·f^j, j = -2..6 (f = ``ladder_factor``),
+            the P count vectors travel in the count allgather the step needs anyway (9 words per rank
             instead of 1), and every rank takes the smallest Γ·f^j whose global count is <= k; Γ keeps it.
             So K <= k on reuse steps whenever the ladder reaches (the paper's volume bound assumes K <= k).
-        ladder_factor (float): f of the ladder. Default 1.1 (Γ moves by up to x2.14 up or /1.46 down a step).
+        ladder_factor (float): f of the ladder. Default 1.1 (Γ moves by up to x1.77 up or /1.21 down a step).
 
     Per-rank state: ``t`` (sparse steps so far), ``gamma`` (Γ, identical on all ranks), ``offsets``
     (o_0..o_P, Python ints, identical on all ranks), ``size`` (P). Info returned each step: ``K``,
@@ -378,8 +325,9 @@ OKTOPK_PRESETS = {
     # the library's default (Compression.oktopk): the paper's algorithm and balancing, exact-k selection,
     # controllers that keep |S| <= k and K <= k on reuse steps (the assumptions of the 6k(P-1)/P bound)
     "library": {
-        "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": 1.25,
-                       "guard_factor": 1.1, "guard_iters": 8, "guard_target": 1.0},
+        "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": 1.1,
+                       "guard_factor": 1.03, "guard_iters": 30, "guard_target": 1.0, "band_lo": 0.9,
+                       "band_relax": 1.03},
         "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "auto",
                     "select_rule": "ge_nonzero", "global_control": "ladder"},
     },

@@ -85,13 +85,6 @@ def _segments(start, m, Q):
 
 
 # -- private array helpers (ops xp lacks; dispatch on xp.name) ----------------------------------------------
-def _bitcast(xp, x, dtype):
-    """Reinterpret the bits of a contiguous 1-D array as ``dtype`` (int32 <-> float32, int64 -> 2 float32)."""
-    if xp.name == "numpy":
-        return np.ascontiguousarray(x).view(dtype)
-    return x.contiguous().view(dtype)
-
-
 def _topk_rows(xp, X, k):
     """Exact top-k of every row of the 2-D float32 ``X`` (m, c): column indices (m, k), int64, ascending.
 
@@ -207,14 +200,14 @@ class SparDL(Reducer):
         """
         P = comm.size
         if self.pack == "bitcast":
-            payload = xp.concat([_bitcast(xp, ints, xp.float32), vals], like=vals)
+            payload = xp.concat([xp.bitcast(ints, xp.float32), vals], like=vals)
             splits = [0] * P
             splits[peer] = xp.numel(payload)
             y, _ = comm.alltoall(payload, splits, phase)
             w = xp.itemsize(ints) // 4
             npairs = (xp.numel(y) - w * header) // (w + 1)
             cut = w * (header + npairs)
-            return _bitcast(xp, y[:cut], xp.dtype_of(ints)), y[cut:]
+            return xp.bitcast(y[:cut], xp.dtype_of(ints)), y[cut:]
         si = [0] * P
         si[peer] = xp.numel(ints)
         sv = [0] * P
@@ -229,9 +222,9 @@ class SparDL(Reducer):
             return comm.allgather(ints, phase + ".idx"), comm.allgather(vals, phase + ".val")
         w = xp.itemsize(ints) // 4
         kk = xp.numel(vals)
-        y = comm.allgather(xp.concat([_bitcast(xp, ints, xp.float32), vals], like=vals), phase)
+        y = comm.allgather(xp.concat([xp.bitcast(ints, xp.float32), vals], like=vals), phase)
         y2 = y.reshape(comm.size, (w + 1) * kk)
-        return _bitcast(xp, y2[:, :w * kk].reshape(-1), xp.dtype_of(ints)), y2[:, w * kk:].reshape(-1)
+        return xp.bitcast(y2[:, :w * kk].reshape(-1), xp.dtype_of(ints)), y2[:, w * kk:].reshape(-1)
 
     # -- one step -----------------------------------------------------------------------------------------
     def reduce(self, xp, acc, idx, k, comm, state, ctx):

@@ -25,51 +25,8 @@ metered as 2 words. Volume received by rank r (oracle O20):
 
 from __future__ import annotations
 
-from .base import Reducer, wire_index_dtype
+from .base import Reducer, pack_pairs, unpack_pairs, wire_index_dtype
 from .topka import sum_in_rank_order
-
-
-# -- local xp helpers (numpy / torch) -----------------------------------------------------------------
-def searchsorted(xp, sorted_x, values):
-    """Left insertion points of ``values`` in the ascending 1-D ``sorted_x`` (int64)."""
-    if xp.name == "numpy":
-        import numpy as np
-
-        return np.searchsorted(sorted_x, values, side="left").astype(np.int64, copy=False)
-    if xp.name == "torch":
-        return xp.torch.searchsorted(sorted_x, values, side="left")
-    raise NotImplementedError(f"searchsorted: backend {xp.name!r}")  # pragma: no cover
-
-
-def minimum(xp, x, c):
-    """Elementwise min(x, c) with a Python scalar ``c``."""
-    if xp.name == "numpy":
-        import numpy as np
-
-        return np.minimum(x, c)
-    if xp.name == "torch":
-        return x.clamp(max=c)
-    raise NotImplementedError(f"minimum: backend {xp.name!r}")  # pragma: no cover
-
-
-def pack_pairs(xp, idx, vals, wire, like):
-    """Interleave (index, float32 value bits) into one flat ``wire`` array of 2·m words."""
-    m = xp.numel(idx)
-    bits = vals.view(xp.int32)
-    if wire != xp.int32:
-        bits = xp.astype(bits, wire)            # sign-extended; restored by astype(int32) below
-    out = xp.zeros(2 * m, wire, like=like)
-    out[0::2] = xp.astype(idx, wire)
-    out[1::2] = bits
-    return out
-
-
-def unpack_pairs(xp, flat):
-    """Inverse of :func:`pack_pairs`: (int64 indices, float32 values)."""
-    idx = xp.astype(flat[0::2], xp.index_dtype)
-    bits = flat[1::2]
-    bits = xp.copy(xp.astype(bits, xp.int32))    # contiguous before the bit-cast
-    return idx, bits.view(xp.float32)
 
 
 def regions(n, P):
@@ -106,9 +63,9 @@ class TopkDSA(Reducer):
         lo, hi = off[r], off[r + 1]
         # 3. reduce-scatter: S ∩ R_j is a contiguous slice of the sorted selection
         bounds = xp.asarray(off[1:P], xp.index_dtype, like=acc)
-        cut = [0] + [int(c) for c in xp.to_numpy(searchsorted(xp, idx, bounds))] + [xp.numel(idx)]
+        cut = [0] + [int(c) for c in xp.to_numpy(xp.searchsorted(idx, bounds))] + [xp.numel(idx)]
         pairs = [cut[j + 1] - cut[j] for j in range(P)]
-        rel = idx if q == 0 else idx - minimum(xp, idx // q, P - 1) * q
+        rel = idx if q == 0 else idx - xp.clamp_max(idx // q, P - 1) * q
         wire = wire_index_dtype(xp, n - (P - 1) * q)          # the largest region is the last one
         sent = pack_pairs(xp, rel, xp.take(acc, idx), wire, acc)
         recv, recv_words = comm.alltoall(sent, [2 * c for c in pairs], "scatter")

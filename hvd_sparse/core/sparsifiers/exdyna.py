@@ -48,7 +48,7 @@ from ..errors import check_positive_int
 from .base import Sparsifier
 
 _API = "hvd_sparse.ExDyna"
-THRESHOLD_RULES = ("reference", "symmetric")
+THRESHOLD_RULES = ("reference", "symmetric", "proportional")
 
 
 # -- local xp helpers (candidates for xp.py) ------------------------------------------------------------
@@ -121,7 +121,17 @@ def adjust_topology(blk_part, blk_pos, load, k_prev, n, sz_blk, min_blk, tol_hi=
 
 def threshold_factor(exam, rule="reference", band_hi=1.1, band_lo=0.909, sf_up=1.005, sf_band_up=1.00125,
                      sf_band_down=0.9987, sf_down=0.995):
-    """§5.4: the multiplicative factor applied to tau for ``exam = k_prev / k``."""
+    """§5.4: the multiplicative factor applied to tau for ``exam = k_prev / k``.
+
+    ``rule="proportional"`` (a library option, not the reference's): ``exam ** 0.25`` clipped to
+    [0.8, 1.25]: for a count that falls like tau^-alpha this converges for tail indices alpha < 8 and
+    follows a threshold that must grow tens of times (error feedback) in tens of steps instead of the
+    reference's hundreds (spec §8.1: the paper claims an accurate threshold "within a few iterations";
+    the code's fixed +-0.5% steps need ~200·ln(ratio) iterations). The exponent 0.5 oscillated with
+    growing amplitude on the digits CNN's gradients (rotation makes the count very sensitive to tau).
+    """
+    if rule == "proportional":
+        return min(max(exam ** 0.25, 0.8), 1.25) if exam > 0 else 0.8
     if exam > band_hi:
         return sf_up
     if exam > band_lo:
@@ -158,7 +168,9 @@ class ExDyna(Sparsifier):
         sf_up (float): factor when exam > band_hi (too many selected); default 1.005.
         sf_band_up (float), sf_band_down (float): factors inside the band; defaults 1.00125 and 0.9987.
         sf_down (float): factor when exam <= band_lo; default 0.995.
-        threshold_rule (str): "reference" (default, faithful: always sf_band_up in the band) or "symmetric"
+        threshold_rule (str): "proportional" (library option: tau *= (|S|/k)^0.25, clipped to [0.8, 1.25];
+            reaches the target in a few steps, see ``threshold_factor``), or "reference" (default, faithful:
+            always sf_band_up in the band) or "symmetric"
             (sf_band_up if exam > 1 else sf_band_down).
         init_threshold (None, float or "topk_once"): None (default) gives tau0 = 1/(2·sqrt(k)); a positive
             float is used as tau0; "topk_once" sets tau0 to the mean over ranks of the max(1, k//P)-th largest

@@ -110,7 +110,7 @@ class ThresholdReuse(Sparsifier):
         guard_iters (int): default 5.
         guard_target (float or None): once triggered, keep raising L until count <= guard_target·k (at most
             ``guard_iters`` times). Default None = guard_ratio (ref). The library's ``Compression.oktopk``
-            uses guard_ratio=1.25, guard_factor=1.1, guard_iters=8, guard_target=1.0: after a cold start
+            uses guard_ratio=1.1, guard_factor=1.1, guard_iters=8, guard_target=1.0: after a cold start
             or a gradient spike the ref guard (at most x1.16 per step) lets |S| reach 5k for several
             steps; this one reaches |S| <= k within one step (each extra raise costs one count pass, and
             only on overshooting steps).
