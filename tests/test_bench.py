@@ -1,0 +1,53 @@
+"""The benchmark CLI at tiny sizes, so that it cannot rot (the real runs are in docs/benchmarks.md)."""
+
+import json
+
+import numpy as np
+import pytest
+
+from hvd_sparse.bench.__main__ import main
+from hvd_sparse.bench.data import RecordedGradients, SyntheticGradients
+from hvd_sparse.bench.presets import names
+
+
+def test_volume_cli_writes_the_documented_json(tmp_path, capsys):
+    out = tmp_path / "v.json"
+    assert main(["volume", "--workers", "3", "--numel", "3000", "--steps", "4", "--json", str(out),
+                 "--quiet"]) == 0
+    report = json.loads(out.read_text())
+    assert {"workers", "numel", "k", "results"} <= set(report)
+    assert report["workers"] == 3 and report["numel"] == 3000 and report["k"] == 30
+    rows = {r["algorithm"]: r for r in report["results"]}
+    assert set(rows) == set(names())
+    for r in rows.values():
+        assert {"recv_words_max", "recv_words_mean", "recv_words_max_steady", "density_mean"} <= set(r)
+        assert r["recv_words_max_steady"] <= r["recv_words_max"]
+    assert rows["topka"]["recv_words_max"] == 2 * 30 * 2          # 2k(P-1)
+    assert rows["dense"]["density_mean"] == 1.0
+    assert rows["oktopk"]["recv_words_max_steady"] < rows["oktopk"]["recv_words_max"]  # step 0 re-evaluates
+    assert "| topka |" in capsys.readouterr().out
+
+
+def test_volume_cli_rejects_unknown_algorithms():
+    with pytest.raises(SystemExit):
+        main(["volume", "--workers", "2", "--algorithms", "topka,nope"])
+
+
+def test_recorded_gradients_come_from_the_digits_cnn():
+    data = RecordedGradients(workers=2, steps=2)
+    assert data.n == sum(data.layout) == 38282
+    g = data.grad(1, 0)
+    assert g.shape == (38282,) and np.isfinite(g).all() and np.abs(g).max() > 0
+    assert not np.array_equal(data.grad(1, 0), data.grad(1, 1))      # workers see different batches
+
+
+def test_synthetic_gradients_are_deterministic_heavy_tailed_and_drift_slowly():
+    a, b = SyntheticGradients(50000, 4, seed=1), SyntheticGradients(50000, 4, seed=1)
+    assert np.array_equal(a.grad(3, 2), b.grad(3, 2))
+    g0, g1, g50 = a.common(0), a.common(1), a.common(50)
+    corr = lambda x, y: float(np.corrcoef(x, y)[0, 1])                # noqa: E731
+    assert corr(g0, g1) > 0.95 and corr(g0, g50) < corr(g0, g1)        # slow drift
+    x = a.grad(0, 0) / a.scale
+    kurt = float(((x - x.mean()) ** 4).mean() / x.var() ** 2)
+    assert kurt > 3.5                                                  # heavier tails than a Gaussian (3)
+    assert len(set(np.round(a.scale, 6))) == len(a.layout) > 1         # per-layer scales
