@@ -8,6 +8,8 @@
     res.residuals    # (steps, P, n): each rank's error-feedback residual after each step
     res.volume[t][r] # {"sent_words", "recv_words", "sent_bytes", "recv_bytes", "collectives"}
     res.selected     # (steps, P): how many values each rank selected
+    res.phases[t][r] # per-phase counters of the volume meter (words, bytes, calls)
+    res.info[t][r]   # what the reducer reported (e.g. Ok-Topk's "K", "threshold", "reeval")
 
 Each virtual rank runs the same engine code as a Horovod rank, over a
 :class:`~hvd_sparse.core.sim.SimulatedCommunicator` (sums in rank order, so results are deterministic).
@@ -30,6 +32,7 @@ class SimulationResult:
     volume: list
     selected: np.ndarray
     phases: list
+    info: list
 
 
 def simulate(compression, gradients, shapes=None, average=True, backend="numpy"):
@@ -76,6 +79,7 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy")
     residuals = np.zeros((steps, P, n), dtype=np.float32)
     volume = [[None] * P for _ in range(steps)]
     phases = [[None] * P for _ in range(steps)]
+    infos = [[None] * P for _ in range(steps)]
     selected = np.zeros((steps, P), dtype=np.int64)
 
     def run_rank(comm):
@@ -90,6 +94,7 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy")
                                                  "collectives")}
             phases[t][r] = comm.meter.stats()
             selected[t, r] = last["selected"]
+            infos[t][r] = {k: v for k, v in last["info"].items() if k != "residual"}
 
     world.run(run_rank, comms)
-    return SimulationResult(updates, residuals, volume, selected, phases)
+    return SimulationResult(updates, residuals, volume, selected, phases, infos)
