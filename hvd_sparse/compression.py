@@ -200,8 +200,9 @@ class Compression:
 
         Args:
             density (float): target global fraction of entries, in (0, 1].
-            threshold_rule (str): "proportional" (default here: tau *= (|S|/k)^0.25 each step, clipped to
-                [0.8, 1.25]; see docs/benchmarks.md for the density it reaches), "reference" (the
+            threshold_rule (str): "proportional" (default here: tau *= exp(0.2 (|S|/k - 1)) each step, on the
+                mean of the last two counts, clipped to [0.8, 2]; within 10% of k on average over 200 steps,
+                docs/benchmarks.md), "reference" (the
                 authors' code: +-0.5% a step; settles near 0.94k on stationary data, but takes hundreds of
                 steps to follow an error-fed gradient whose right threshold grows tens of times) or "symmetric".
             init_threshold: "topk_once" (default here: tau0 from one top-k at the first step, so the target is

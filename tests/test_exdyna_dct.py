@@ -910,12 +910,39 @@ def test_dct_arguments_are_validated(kwargs, match):
         DCT(0.01, **kwargs)
 
 
-def test_proportional_threshold_rule_is_clipped_fourth_root():
+def test_proportional_threshold_rule_steps_log_tau_by_the_relative_count_error():
+    import math
+
     from hvd_sparse.core.sparsifiers.exdyna import threshold_factor
 
-    assert threshold_factor(16.0, "proportional") == 1.25          # 16^0.25 = 2 -> clipped
-    assert threshold_factor(1.5, "proportional") == pytest.approx(1.5 ** 0.25)
-    assert threshold_factor(0.5, "proportional") == pytest.approx(0.5 ** 0.25)
-    assert threshold_factor(0.01, "proportional") == 0.8
-    assert threshold_factor(0.0, "proportional") == 0.8
     assert threshold_factor(1.0, "proportional") == 1.0
+    assert threshold_factor(2.0, "proportional") == pytest.approx(math.exp(0.2))
+    assert threshold_factor(0.5, "proportional") == pytest.approx(math.exp(-0.1))
+    assert threshold_factor(10.0, "proportional") == 2.0             # clipped
+    assert threshold_factor(0.0, "proportional") == pytest.approx(math.exp(-0.2))
+    assert threshold_factor(-50.0, "proportional") == 0.8            # clipped (not reachable: counts >= 0)
+
+
+@pytest.mark.parametrize("data", ["synthetic", "recorded"])
+def test_exdyna_preset_density_within_10_percent_over_200_steps(data):
+    """Issue 3's acceptance figure, on both benchmark data sets (P = 8, density 0.01, 200 steps)."""
+    import hvd_sparse
+    from hvd_sparse.bench.data import RecordedGradients, SyntheticGradients
+    from hvd_sparse.core.sim import SimulatedWorld
+
+    P, steps = 8, 200
+    src = SyntheticGradients(30000, P, seed=3) if data == "synthetic" else RecordedGradients(P, steps)
+    comp = hvd_sparse.Compression.exdyna(0.01)
+    world = SimulatedWorld(P)
+    comms = world.communicators()
+    engines = [comp.new_engine(c) for c in comms]
+    sel = np.zeros((steps, P))
+
+    def body(comm):
+        for t in range(steps):
+            engines[comm.rank].step(src.grad(t, comm.rank))
+            sel[t, comm.rank] = engines[comm.rank].last["selected"]
+
+    world.run(body, comms)
+    ratio = sel.sum(axis=1).mean() / int(0.01 * src.n)
+    assert 0.9 <= ratio <= 1.1, ratio

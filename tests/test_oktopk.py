@@ -838,7 +838,7 @@ def test_presets_reproduce_the_table():
 
 @pytest.mark.parametrize("P", [2, 5, 8])
 def test_library_controllers_keep_local_and_global_counts_near_k(P):
-    """The library preset's guard and Γ ladder keep |S| <= 1.1k and K <= 1.25k (K <= k whenever the ladder's
+    """The library preset's guard and Γ ladder keep |S| <= 1.15k and K <= 1.25k (K <= k whenever the ladder's
     range reaches) on every reuse step of drifting, error-fed synthetic gradients, where the ref:LSTM
     controllers let them run to twice k and more (cold start)."""
     from hvd_sparse.bench.data import SyntheticGradients
@@ -853,7 +853,7 @@ def test_library_controllers_keep_local_and_global_counts_near_k(P):
         K = max(res["info"][t][0]["K"] for t in reuse)
         S = max(res["sp"][t][r]["selected"] for t in reuse for r in range(P))
         if ok:
-            assert K <= 1.25 * k and S <= 1.1 * k, (variant, K, S, k)
+            assert K <= 1.25 * k and S <= 1.15 * k, (variant, K, S, k)
         else:
             assert K > 2 * k or S > 2 * k, (variant, K, S, k)
 
@@ -910,3 +910,27 @@ def test_property_library_equals_reference_and_conserves_mass(P, n, density, tp,
         offs = res["info"][t][0]["offsets"]
         assert offs[0] == 0 and offs[-1] == n and all(x <= y for x, y in zip(offs, offs[1:]))
         assert all(res["info"][t][r]["offsets"] == offs for r in range(P))
+
+
+@pytest.mark.parametrize("data", ["synthetic", "recorded"])
+def test_threshold_reuse_density_within_10_percent_over_200_steps(data):
+    """Issue 3's acceptance figure for the library preset (P = 8, density 0.01, 200 steps)."""
+    import hvd_sparse
+    from hvd_sparse.bench.data import RecordedGradients, SyntheticGradients
+
+    P, steps = 8, 200
+    src = SyntheticGradients(30000, P, seed=3) if data == "synthetic" else RecordedGradients(P, steps)
+    comp = hvd_sparse.Compression.oktopk(0.01)
+    world = SimulatedWorld(P)
+    comms = world.communicators()
+    engines = [comp.new_engine(c) for c in comms]
+    sel = np.zeros((steps, P))
+
+    def body(comm):
+        for t in range(steps):
+            engines[comm.rank].step(src.grad(t, comm.rank))
+            sel[t, comm.rank] = engines[comm.rank].last["selected"]
+
+    world.run(body, comms)
+    ratio = sel.mean() / int(0.01 * src.n)
+    assert 0.9 <= ratio <= 1.1, ratio

@@ -325,8 +325,8 @@ OKTOPK_PRESETS = {
     # the library's default (Compression.oktopk): the paper's algorithm and balancing, exact-k selection,
     # controllers that keep |S| <= k and K <= k on reuse steps (the assumptions of the 6k(P-1)/P bound)
     "library": {
-        "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": 1.1,
-                       "guard_factor": 1.03, "guard_iters": 30, "guard_target": 1.0, "band_lo": 0.9,
+        "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": 1.15,
+                       "guard_factor": 1.03, "guard_iters": 30, "guard_target": 1.05, "band_lo": 0.95,
                        "band_relax": 1.03},
         "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "auto",
                     "select_rule": "ge_nonzero", "global_control": "ladder"},

@@ -20,7 +20,9 @@ from .base import Reducer, wire_index_dtype
 
 
 def allgather_selection(xp, acc, idx, comm, pad_to=None):
-    """Allgather every rank's (indices, acc[indices]); returns (all_idx int64, all_vals, counts).
+    """Allgather every rank's (indices, acc[indices]); returns (all_idx, all_vals, counts).
+
+    ``all_idx`` is in the wire dtype (int32 while n <= 2^31 - 2, else int64).
 
     With ``pad_to`` (a size every rank respects) messages are padded with index ``n``/value 0 and no
     count is exchanged; otherwise the per-rank counts are allgathered first (phase ``count``).
@@ -42,7 +44,9 @@ def allgather_selection(xp, acc, idx, comm, pad_to=None):
     else:
         counts = [int(c) for c in xp.to_numpy(comm.allgather(xp.asarray([m], xp.index_dtype, like=acc),
                                                              "count"))]
-    all_idx = xp.astype(comm.allgather(send_idx, "indices"), xp.index_dtype)
+    # indices stay in their wire dtype (int32 while n allows): index_add_/fancy indexing take them as they
+    # are, and no rank makes its own int64 copy of the P·k gathered indices
+    all_idx = comm.allgather(send_idx, "indices")
     all_vals = comm.allgather(vals, "values")
     return all_idx, all_vals, counts
 

@@ -123,15 +123,18 @@ def threshold_factor(exam, rule="reference", band_hi=1.1, band_lo=0.909, sf_up=1
                      sf_band_down=0.9987, sf_down=0.995):
     """§5.4: the multiplicative factor applied to tau for ``exam = k_prev / k``.
 
-    ``rule="proportional"`` (a library option, not the reference's): ``exam ** 0.25`` clipped to
-    [0.8, 1.25]: for a count that falls like tau^-alpha this converges for tail indices alpha < 8 and
-    follows a threshold that must grow tens of times (error feedback) in tens of steps instead of the
-    reference's hundreds (spec §8.1: the paper claims an accurate threshold "within a few iterations";
-    the code's fixed +-0.5% steps need ~200·ln(ratio) iterations). The exponent 0.5 oscillated with
-    growing amplitude on the digits CNN's gradients (rotation makes the count very sensitive to tau).
+    ``rule="proportional"`` (a library option, not the reference's): ``exp(0.2 (exam - 1))`` clipped to
+    [0.8, 2], where the caller passes for ``exam`` the mean of the last two global counts over k. A step
+    in log(tau) proportional to the count's relative error: it follows a threshold that must grow tens of
+    times (error feedback) within tens of steps instead of the reference's hundreds (spec §8.1: the paper
+    claims an accurate threshold "within a few iterations"; the code's fixed +-0.5% steps need
+    ~200·ln(ratio) iterations), and, being linear in the count, it steers the *arithmetic* mean of the
+    count to k. Tried and rejected: tau *= sqrt(exam) (oscillated with growing amplitude: rotation and
+    error feedback make the count swing step to step) and exam ** 0.25 (damped, but settled 15% high: a
+    log-symmetric rule steers the geometric mean, and the count is skewed).
     """
     if rule == "proportional":
-        return min(max(exam ** 0.25, 0.8), 1.25) if exam > 0 else 0.8
+        return min(max(math.exp(0.2 * (exam - 1.0)), 0.8), 2.0)
     if exam > band_hi:
         return sf_up
     if exam > band_lo:
@@ -168,8 +171,9 @@ class ExDyna(Sparsifier):
         sf_up (float): factor when exam > band_hi (too many selected); default 1.005.
         sf_band_up (float), sf_band_down (float): factors inside the band; defaults 1.00125 and 0.9987.
         sf_down (float): factor when exam <= band_lo; default 0.995.
-        threshold_rule (str): "proportional" (library option: tau *= (|S|/k)^0.25, clipped to [0.8, 1.25];
-            reaches the target in a few steps, see ``threshold_factor``), or "reference" (default, faithful:
+        threshold_rule (str): "proportional" (library option: tau *= exp(0.2 (|S|/k - 1)), clipped to
+            [0.8, 2], on the mean of the last two counts; see ``threshold_factor``), or "reference" (default,
+            faithful:
             always sf_band_up in the band) or "symmetric"
             (sf_band_up if exam > 1 else sf_band_down).
         init_threshold (None, float or "topk_once"): None (default) gives tau0 = 1/(2·sqrt(k)); a positive
@@ -316,7 +320,12 @@ class ExDyna(Sparsifier):
                                                           "exdyna_empty"))[0])
             freeze = seen == 0
         if not freeze:
-            sf = threshold_factor(K / k, self.threshold_rule, self.band_hi, self.band_lo, self.sf_up,
+            exam = K / k
+            if self.threshold_rule == "proportional" and state.get("k_prev") is not None and t > 0:
+                # error feedback makes the count alternate (a step that releases many values is followed
+                # by one with few): react to the mean of the last two counts, not to each swing
+                exam = (K + state["k_prev"]) / (2 * k)
+            sf = threshold_factor(exam, self.threshold_rule, self.band_hi, self.band_lo, self.sf_up,
                                   self.sf_band_up, self.sf_band_down, self.sf_down)
             state["tau"] = max(state["tau"] * sf, self.tau_min)
         # 5.9 bookkeeping and statistics
