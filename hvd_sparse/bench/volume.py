@@ -113,3 +113,34 @@ def markdown(report):
                      f"{r['recv_words_max_steady']:,} | {r['recv_words_max_steady'] / k:.2f} | {ref} | "
                      f"{r['density_mean']:.4f} |")
     return "\n".join(lines)
+
+
+def add_arguments(v):
+    from . import cli
+
+    v.add_argument("--workers", type=cli.positive_int, required=True, help="number of (simulated) ranks P")
+    v.add_argument("--numel", type=cli.positive_int, default=1_000_000,
+                   help="gradient size n for synthetic data (recorded data uses the digits CNN's n)")
+    v.add_argument("--density", type=cli.density, default=0.01, help="k / n (default: 0.01)")
+    v.add_argument("--steps", type=cli.positive_int, default=10, help="steps per algorithm (default: 10)")
+    v.add_argument("--algorithms", type=cli.algorithms, default=None,
+                   help="comma-separated subset (default: all presets)")
+    v.add_argument("--data", choices=["synthetic", "recorded"], default="synthetic")
+    v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    v.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def main(args):
+    from . import cli, data, presets
+
+    if args.data == "synthetic":
+        src = data.SyntheticGradients(args.numel, args.workers, seed=args.seed)
+    else:
+        src = data.RecordedGradients(args.workers, args.steps, seed=args.seed)
+    report = run(args.algorithms or presets.names(), src, args.workers, args.steps, args.density,
+                 verbose=not args.quiet)
+    report["data"] = args.data
+    cli.write_json(args.json, report)
+    print(markdown(report))
+    return 0
