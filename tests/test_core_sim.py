@@ -200,3 +200,11 @@ def test_sparse_rejects_unknown_allreduce_listing_valid_names():
 def test_simulate_validates_shapes():
     with pytest.raises(ValueError, match="steps, P, n"):
         simulate(hvd_sparse.Compression.topka(0.1), np.zeros((2, 3)))
+
+
+def test_public_sparsifiers_module_and_tensorflow_placeholder():
+    import hvd_sparse.sparsifiers as sp
+
+    assert sp.ThresholdReuse is hvd_sparse.ThresholdReuse and sp.TopK is hvd_sparse.TopK
+    with pytest.raises(ImportError, match="not implemented yet"):
+        import hvd_sparse.tensorflow  # noqa: F401
