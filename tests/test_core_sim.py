@@ -202,11 +202,7 @@ def test_simulate_validates_shapes():
         simulate(hvd_sparse.Compression.topka(0.1), np.zeros((2, 3)))
 
 
-def test_public_sparsifiers_module_and_tensorflow_placeholder():
+def test_public_sparsifiers_module():
     import hvd_sparse.sparsifiers as sp
 
     assert sp.ThresholdReuse is hvd_sparse.ThresholdReuse and sp.TopK is hvd_sparse.TopK
-    import importlib
-
-    with pytest.raises(ImportError, match="not implemented yet"):
-        importlib.import_module("hvd_sparse.tensorflow")

@@ -106,3 +106,11 @@ def test_every_preset_through_horovod_equals_simulator(job, preset):
             np.testing.assert_allclose(got, sim.updates[:, r], rtol=1e-6, atol=1e-6 * np.abs(grads).max())
         else:
             assert got.tobytes() == sim.updates[:, r].tobytes(), f"rank {r} differs from the simulator"
+
+
+def test_reduce_op_constants_match_horovod():
+    import horovod.torch as hvd_torch
+
+    from hvd_sparse.core.errors import HVD_ADASUM, HVD_AVERAGE, HVD_SUM
+
+    assert (HVD_AVERAGE, HVD_SUM, HVD_ADASUM) == (hvd_torch.Average, hvd_torch.Sum, hvd_torch.Adasum)

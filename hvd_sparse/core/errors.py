@@ -25,3 +25,29 @@ def check_positive_int(value, name, api, minimum=1):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{api}: {name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+# Horovod's reduce-op constants (``hvd.Average``, ``hvd.Sum``, ``hvd.Adasum``): values of the C library's
+# enum, identical in horovod.torch and horovod.tensorflow (tests/test_torch_horovod.py checks them).
+HVD_AVERAGE, HVD_SUM, HVD_ADASUM = 0, 1, 2
+
+
+def check_op(op, gradient_predivide_factor, api):
+    """Shared validation of ``op`` and ``gradient_predivide_factor`` for the sparse path."""
+    if op == HVD_ADASUM:
+        raise NotImplementedError(f"{api}: op=hvd.Adasum cannot be combined with sparse compression "
+                                  "(Adasum combines whole dense deltas); use op=hvd.Average or hvd.Sum")
+    if op not in (HVD_AVERAGE, HVD_SUM):
+        raise ValueError(f"{api}: op must be hvd.Average or hvd.Sum, got {op!r}")
+    if gradient_predivide_factor != 1.0 and op != HVD_AVERAGE:
+        raise ValueError(f"{api}: gradient_predivide_factor is only valid with op=hvd.Average, "
+                         f"got op={op!r} and gradient_predivide_factor={gradient_predivide_factor!r}")
+    if not gradient_predivide_factor > 0:
+        raise ValueError(f"{api}: gradient_predivide_factor must be > 0, got {gradient_predivide_factor!r}")
+
+
+def scale_factors(op, gradient_predivide_factor):
+    """Horovod's split of the average: (prescale, postscale, average?)."""
+    if op == HVD_AVERAGE:
+        return 1.0 / gradient_predivide_factor, gradient_predivide_factor, True
+    return 1.0, 1.0, False

@@ -29,34 +29,13 @@ from contextlib import contextmanager
 
 import horovod.torch as hvd
 import torch
-from horovod.torch.mpi_ops import Adasum, Average, Sum, global_process_set
+from horovod.torch.mpi_ops import Average, global_process_set
 
-from ..core.errors import check_positive_int
+from ..core.errors import check_op, check_positive_int, scale_factors
 from .comm import HorovodTorchCommunicator
 from .compression import Compression, is_sparse
 
 _API = "hvd_sparse.torch.DistributedOptimizer"
-
-
-def check_op(op, gradient_predivide_factor, api):
-    """Shared validation of ``op`` and ``gradient_predivide_factor`` for the sparse path."""
-    if op == Adasum:
-        raise NotImplementedError(f"{api}: op=hvd.Adasum cannot be combined with sparse compression "
-                                  "(Adasum combines whole dense deltas); use op=hvd.Average or hvd.Sum")
-    if op not in (Average, Sum):
-        raise ValueError(f"{api}: op must be hvd.Average or hvd.Sum, got {op!r}")
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError(f"{api}: gradient_predivide_factor is only valid with op=hvd.Average, "
-                         f"got op={op!r} and gradient_predivide_factor={gradient_predivide_factor!r}")
-    if not gradient_predivide_factor > 0:
-        raise ValueError(f"{api}: gradient_predivide_factor must be > 0, got {gradient_predivide_factor!r}")
-
-
-def scale_factors(op, gradient_predivide_factor):
-    """Horovod's split of the average: (prescale, postscale, average?)."""
-    if op == Average:
-        return 1.0 / gradient_predivide_factor, gradient_predivide_factor, True
-    return 1.0, 1.0, False
 
 
 class _SparseDistributedOptimizer(torch.optim.Optimizer):

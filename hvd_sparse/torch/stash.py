@@ -27,7 +27,7 @@ import torch
 from horovod.torch.mpi_ops import Adasum
 
 from .comm import HorovodTorchCommunicator
-from .optimizer import check_op, scale_factors
+from ..core.errors import check_op, scale_factors
 
 _API = "horovod.torch.DistributedOptimizer(compression=<hvd_sparse preset>)"
 

@@ -1,0 +1,113 @@
+"""Runs under `horovodrun -np P --gloo`; each rank writes <outdir>/tf_<scenario>.rank<r>.npz.
+
+Scenarios:
+  tape     every preset through hvd_sparse.tensorflow.DistributedGradientTape, eagerly and inside tf.function
+  none     Compression.none: the tape is Horovod's own (same result as horovod.tensorflow's tape)
+  op       sparse_allreduce on a 2-D tensor, eager and tf.function
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import horovod.tensorflow as hvd  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import hvd_sparse.tensorflow as hvds  # noqa: E402
+from hvd_sparse.bench.presets import make, names  # noqa: E402
+
+STEPS = 8
+DENSITY = 0.05
+
+
+def variables(seed=0):
+    rng = np.random.default_rng(seed)
+    return [tf.Variable(rng.standard_normal(shape).astype(np.float32) * 0.3, name=name)
+            for name, shape in (("w1", (12, 16)), ("b1", (16,)), ("w2", (16, 8)))]
+
+
+def data():
+    rng = np.random.default_rng(1000 + hvd.rank())
+    return [tf.constant(rng.standard_normal((8, 12)).astype(np.float32)) for _ in range(STEPS)]
+
+
+def loss_fn(vs, x):
+    w1, b1, w2 = vs
+    return tf.reduce_mean(tf.square(tf.matmul(tf.tanh(tf.matmul(x, w1) + b1), w2)))
+
+
+def run(compression, graph):
+    vs = variables()
+
+    def step(x):
+        with tf.GradientTape(persistent=True) as tape:
+            loss = loss_fn(vs, x)
+        raw = tape.gradient(loss, vs)
+        red = hvds.DistributedGradientTape(tape, compression=compression).gradient(loss, vs)
+        for v, g in zip(vs, red):
+            v.assign_sub(0.05 * g)
+        return [tf.reshape(g, [-1]) for g in raw], [tf.reshape(g, [-1]) for g in red]
+
+    fn = tf.function(step) if graph else step
+    raws, reds = [], []
+    for x in data():
+        raw, red = fn(x)
+        raws.append(np.concatenate([g.numpy() for g in raw]))
+        reds.append(np.concatenate([g.numpy() for g in red]))
+    params = np.concatenate([v.numpy().reshape(-1) for v in vs])
+    return np.array(raws), np.array(reds), params
+
+
+def scenario_tape(out):
+    res = {}
+    wanted = os.environ.get("HVD_SPARSE_TEST_PRESETS")
+    for name in (wanted.split(",") if wanted else names()):
+        for graph in (False, True):
+            raw, red, params = run(make(name, DENSITY), graph)
+            tag = f"{name}.{'graph' if graph else 'eager'}"
+            res[f"{tag}.raw"], res[f"{tag}.red"], res[f"{tag}.params"] = raw, red, params
+    res["layout"] = np.array([int(np.prod(v.shape)) for v in variables()])
+    np.savez(out, **res)
+
+
+def scenario_none(out):
+    res = {}
+    for impl, tape_factory in (("hvd_sparse", hvds.DistributedGradientTape), ("horovod", hvd.DistributedGradientTape)):
+        vs = variables(seed=2)
+        for x in data():
+            with tf.GradientTape() as tape:
+                loss = loss_fn(vs, x)
+            grads = tape_factory(tape, compression=hvds.Compression.none if impl == "hvd_sparse"
+                                 else hvd.Compression.none).gradient(loss, vs)
+            for v, g in zip(vs, grads):
+                v.assign_sub(0.05 * g)
+        res[impl] = np.concatenate([v.numpy().reshape(-1) for v in vs])
+    np.savez(out, **res)
+
+
+def scenario_op(out):
+    rng = np.random.default_rng(7 + hvd.rank())
+    res = {}
+    for graph in (False, True):
+        comp = hvds.Compression.topka(0.1)
+        f = tf.function(lambda t: hvds.sparse_allreduce(t, comp, name="op.test")) if graph else \
+            (lambda t: hvds.sparse_allreduce(t, comp, name="op.test"))
+        ins, outs = [], []
+        for _ in range(4):
+            t = tf.constant(rng.standard_normal((6, 11)).astype(np.float32))
+            r = f(t)
+            assert r.shape == t.shape and r.dtype == t.dtype
+            ins.append(t.numpy().reshape(-1))
+            outs.append(r.numpy().reshape(-1))
+        tag = "graph" if graph else "eager"
+        res[f"{tag}.ins"], res[f"{tag}.outs"] = np.array(ins), np.array(outs)
+    np.savez(out, **res)
+
+
+if __name__ == "__main__":
+    hvd.init()
+    outdir, scenarios = sys.argv[1], sys.argv[2:]
+    for name in scenarios:
+        globals()[f"scenario_{name}"](f"{outdir}/tf_{name}.rank{hvd.rank()}.npz")
