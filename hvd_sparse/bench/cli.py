@@ -40,3 +40,33 @@ def write_json(path, report):
     if path:
         with open(path, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (PNG files, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def color_of(name, names):
+    """A stable color for ``name``: its position in ``names`` on the tab10/tab20 cycle (same name, same color
+    in every plot that passes the same ``names``)."""
+    import matplotlib
+
+    names = list(names)
+    cmap = matplotlib.colormaps["tab10" if len(names) <= 10 else "tab20"]
+    i = names.index(name) if name in names else len(names)
+    return cmap(i % cmap.N)
+
+
+def save_png(fig, path):
+    """Save ``fig`` as a PNG at ``path`` and close it."""
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

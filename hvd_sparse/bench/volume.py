@@ -11,6 +11,11 @@ Reported per algorithm:
                            repartitions (== recv_words_max for algorithms without such steps)
     density_mean           achieved density: selected entries / n, mean over steps (and ranks; for
                            partitioned sparsifiers such as ExDyna the ranks' selections add up)
+
+``--workers 8,16,32`` runs every P on the same gradients (rank r sees the same data whatever P) and writes
+``{"numel", "density", "steps", "data", "runs": [<one report per P>]}``; one P writes that report itself.
+``--plot FILE`` saves a PNG: recv_words_max_steady vs P (log-log, Table 1 dashed) for a list of P, a bar chart
+per algorithm for one P.
 """
 
 from __future__ import annotations
@@ -115,10 +120,91 @@ def markdown(report):
     return "\n".join(lines)
 
 
+def _table1_curve(alg, n, k, Ps):
+    """Table 1's (best, worst) words for ``alg`` at each P of ``Ps``, or None when Table 1 has no formula."""
+    f = TABLE1.get(alg)
+    if f is None:
+        return None
+    vals = np.array([f(n, k, P) for P in Ps], dtype=float)
+    return vals[:, 0], vals[:, 1]
+
+
+def plot_scaling(reports, path):
+    """PNG: recv_words_max_steady vs P, log-log, one line per algorithm; Table 1 dashed in the same color."""
+    from . import cli, presets
+
+    plt = cli.pyplot()
+    reports = sorted(reports, key=lambda r: r["workers"])
+    Ps = np.array([r["workers"] for r in reports])
+    n, k = reports[0]["numel"], reports[0]["k"]
+    algs = [r["algorithm"] for r in reports[0]["results"]]
+    order = presets.names()
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    grid = np.unique(np.round(np.geomspace(Ps.min(), Ps.max(), 200)).astype(int)) if len(Ps) > 1 else Ps
+    for alg in algs:
+        color = cli.color_of(alg, order)
+        y = np.array([next((x["recv_words_max_steady"] for x in r["results"] if x["algorithm"] == alg), np.nan)
+                      for r in reports], dtype=float)
+        ok = y > 0                                    # log axes: P = 1 receives nothing
+        ax.plot(Ps[ok], y[ok], "o-", color=color, label=alg)
+        curve = _table1_curve(alg, n, k, grid)
+        if curve is not None:
+            best, worst = curve
+            for c in ((best,) if np.allclose(best, worst) else (best, worst)):
+                m = c > 0
+                ax.plot(grid[m], c[m], "--", color=color, alpha=0.7, linewidth=1)
+    ax.plot([], [], "--", color="grey", label="Table 1 (best, worst)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(Ps, [str(P) for P in Ps])
+    ax.minorticks_off()
+    ax.set_xlabel("P (ranks)")
+    ax.set_ylabel("words received per rank per step (max, steady steps)")
+    ax.set_title(f"n = {n:,}, k = {k:,}, {reports[0]['steps']} steps, {reports[0].get('data', 'synthetic')} data",
+                 fontsize=10)
+    ax.grid(which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    cli.save_png(fig, path)
+
+
+def plot_bars(report, path):
+    """PNG for one P: a horizontal bar per algorithm of recv_words_max_steady (log axis), Table 1's best
+    and worst as black ticks."""
+    from . import cli, presets
+
+    plt = cli.pyplot()
+    n, k, P = report["numel"], report["k"], report["workers"]
+    res = sorted(report["results"], key=lambda r: r["recv_words_max_steady"])
+    names = [r["algorithm"] for r in res]
+    vals = np.array([r["recv_words_max_steady"] for r in res], dtype=float)
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(res) + 1.6))
+    y = np.arange(len(res))
+    ax.barh(y, np.where(vals > 0, vals, np.nan), color=[cli.color_of(a, presets.names()) for a in names])
+    labelled = False
+    for yi, alg in zip(y, names):
+        curve = _table1_curve(alg, n, k, [P])
+        if curve is not None:
+            pts = [v for v in {float(curve[0][0]), float(curve[1][0])} if v > 0]
+            ax.plot(pts, [yi] * len(pts), "|", color="black", markersize=14,
+                    label=None if labelled else "Table 1 (best, worst)")
+            labelled = labelled or bool(pts)
+    ax.set_yticks(y, names)
+    if (vals > 0).any():                              # P = 1: nothing is received, keep a linear axis
+        ax.set_xscale("log")
+    ax.set_xlabel("words received per rank per step (max, steady steps; log scale)")
+    ax.set_title(f"P = {P}, n = {n:,}, k = {k:,}, {report['steps']} steps", fontsize=10)
+    ax.grid(axis="x", which="both", alpha=0.3)
+    if labelled:
+        ax.legend(fontsize=8, loc="lower right")
+    cli.save_png(fig, path)
+
+
 def add_arguments(v):
     from . import cli
 
-    v.add_argument("--workers", type=cli.positive_int, required=True, help="number of (simulated) ranks P")
+    v.add_argument("--workers", type=cli.positive_ints, required=True,
+                   help="number of (simulated) ranks P, or a comma-separated list (e.g. 8,16,32,64): one run "
+                        "per P")
     v.add_argument("--numel", type=cli.positive_int, default=1_000_000,
                    help="gradient size n for synthetic data (recorded data uses the digits CNN's n)")
     v.add_argument("--density", type=cli.density, default=0.01, help="k / n (default: 0.01)")
@@ -128,19 +214,46 @@ def add_arguments(v):
     v.add_argument("--data", choices=["synthetic", "recorded"], default="synthetic")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    v.add_argument("--plot", metavar="FILE",
+                   help="save a PNG: steady words received per rank vs P (log-log, Table 1 dashed) for a list "
+                        "of P; a bar chart per algorithm for one P")
     v.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 def main(args):
     from . import cli, data, presets
 
-    if args.data == "synthetic":
-        src = data.SyntheticGradients(args.numel, args.workers, seed=args.seed)
-    else:
-        src = data.RecordedGradients(args.workers, args.steps, seed=args.seed)
-    report = run(args.algorithms or presets.names(), src, args.workers, args.steps, args.density,
-                 verbose=not args.quiet)
-    report["data"] = args.data
-    cli.write_json(args.json, report)
-    print(markdown(report))
+    workers = args.workers if isinstance(args.workers, list) else [args.workers]
+    if not workers:
+        raise SystemExit("hvd_sparse.bench volume: --workers needs at least one P")
+    algorithms = args.algorithms or presets.names()
+    shared = None
+    if args.data == "synthetic" and len(workers) > 1:
+        # grad(t, r) depends on (seed, t, r) only: one generator serves every P (the same gradients per rank)
+        shared = data.SyntheticGradients(args.numel, max(workers), seed=args.seed)
+    reports = []
+    for P in workers:
+        if len(workers) > 1 and not args.quiet:
+            print(f"P = {P}", file=sys.stderr)
+        if shared is not None:
+            src = shared
+        elif args.data == "synthetic":
+            src = data.SyntheticGradients(args.numel, P, seed=args.seed)
+        else:
+            src = data.RecordedGradients(P, args.steps, seed=args.seed)
+        report = run(algorithms, src, P, args.steps, args.density, verbose=not args.quiet)
+        report["data"] = args.data
+        reports.append(report)
+    if len(reports) == 1:
+        report = reports[0]
+        cli.write_json(args.json, report)
+        if args.plot:
+            plot_bars(report, args.plot)
+        print(markdown(report))
+        return 0
+    cli.write_json(args.json, {"numel": reports[0]["numel"], "density": args.density, "steps": args.steps,
+                               "data": args.data, "runs": reports})
+    if args.plot:
+        plot_scaling(reports, args.plot)
+    print("\n\n".join(markdown(r) for r in reports))
     return 0

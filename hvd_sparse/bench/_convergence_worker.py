@@ -1,0 +1,140 @@
+"""Worker of ``python -m hvd_sparse.bench convergence``: one Horovod rank (run it under ``horovodrun``).
+
+    horovodrun -np 2 -H localhost:2 --gloo python -m hvd_sparse.bench._convergence_worker \
+        --algorithms dense,topka --epochs 12 --density 0.01 --out result.json
+
+Trains the digits CNN (:mod:`hvd_sparse.bench.digits`) once per algorithm, every run from the same initial
+weights, with the recipe of ``examples/pytorch_digits.py``: SGD with momentum 0.9, learning rate decayed to
+0 by a cosine over the run, each rank on its own shard of the training set reshuffled every epoch.
+"dense" is Horovod's own dense allreduce (``hvd_sparse.torch.Compression.none``); every other name is a
+preset of :mod:`hvd_sparse.bench.presets`.
+
+Rank 0 prints one progress line per epoch, prefixed with :data:`PROGRESS` (the parent forwards them), and
+writes the per-epoch records of every run to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+#: prefix of rank 0's per-epoch progress lines on stdout
+PROGRESS = "hvd_sparse.convergence:"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--algorithms", required=True, help="comma-separated preset names; dense = Horovod's")
+    p.add_argument("--epochs", type=int, required=True)
+    p.add_argument("--density", type=float, required=True)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--out", required=True, help="JSON file written by rank 0")
+    return p.parse_args(argv)
+
+
+def _compression(name, density):
+    import hvd_sparse.torch as hvds
+
+    from .presets import make
+
+    # the baseline is Horovod's own optimizer and ring allreduce, not the engine's Dense reducer
+    return hvds.Compression.none if name == "dense" else make(name, density)
+
+
+def train(args, name, train_set, test_set):
+    """One run; returns the per-epoch records (identical on every rank except ``seconds``)."""
+    import horovod.torch as hvd
+    import torch
+    import torch.nn.functional as F
+
+    import hvd_sparse.torch as hvds
+
+    from .digits import Net
+
+    compression = _compression(name, args.density)
+    partitioned = getattr(getattr(compression, "sparsifier", None), "partitioned", False)
+    torch.manual_seed(args.seed)
+    model = Net()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    n = sum(p.numel() for p in model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                          compression=compression)
+    x_tr, y_tr = train_set
+    shard = torch.arange(hvd.rank(), len(x_tr), hvd.size())
+    steps = max(1, len(shard) // args.batch_size)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps)
+    dense_bytes = 2 * n * (hvd.size() - 1) / hvd.size() * 4      # ring allreduce, float32, per rank
+    history = []
+    for epoch in range(1, args.epochs + 1):
+        g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
+        order = shard[torch.randperm(len(shard), generator=g)]
+        model.train()
+        loss_sum, density_sum, bytes_sum = 0.0, 0.0, 0.0
+        t0 = time.perf_counter()
+        for s in range(steps):
+            idx = order[s * args.batch_size:(s + 1) * args.batch_size]
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(x_tr[idx]), y_tr[idx])
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            loss_sum += loss.item()
+            if hasattr(optimizer, "sparse_stats"):
+                st = optimizer.sparse_stats()
+                density_sum += st["density"]
+                bytes_sum += st["sent_bytes"]
+            else:
+                density_sum += 1.0
+                bytes_sum += dense_bytes
+        seconds = time.perf_counter() - t0
+        model.eval()
+        with torch.no_grad():
+            acc = (model(test_set[0]).argmax(1) == test_set[1]).float().mean().item()
+        tag = f"hvd_sparse.convergence.{name}"
+        loss = hvd.allreduce(torch.tensor(loss_sum / steps, dtype=torch.float64), name=f"{tag}.loss").item()
+        sent = hvd.allreduce(torch.tensor(bytes_sum / steps, dtype=torch.float64), name=f"{tag}.bytes").item()
+        # a partitioned sparsifier (ExDyna) splits one global selection between the ranks: add them up
+        dens = hvd.allreduce(torch.tensor(density_sum / steps, dtype=torch.float64), name=f"{tag}.density",
+                             op=hvd.Sum if partitioned else hvd.Average).item()
+        rec = dict(epoch=epoch, loss=loss, accuracy=acc, seconds=seconds, density=dens, sent_bytes=sent)
+        history.append(rec)
+        if hvd.rank() == 0:
+            print(f"{PROGRESS} [{name}] epoch {epoch}/{args.epochs}  loss {loss:.4f}  "
+                  f"test acc {acc * 100:6.2f}%  density {dens:.4f}  sent/step {sent / 1024:8.1f} KiB  "
+                  f"({seconds:.2f} s)", flush=True)
+    return n, history
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import horovod.torch as hvd
+    import torch
+
+    from .digits import load_data
+
+    hvd.init()
+    torch.set_num_threads(1)
+    train_set, test_set = load_data(args.seed)
+    names = [a for a in args.algorithms.split(",") if a]
+    runs, n = [], 0
+    for name in names:
+        n, history = train(args, name, train_set, test_set)
+        runs.append({"algorithm": name, "epochs": history})
+    if hvd.rank() == 0:
+        report = {"workers": hvd.size(), "numel": n, "train_images": len(train_set[0]),
+                  "test_images": len(test_set[0]), "runs": runs}
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, args.out)
+    hvd.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    main()

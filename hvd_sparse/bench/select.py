@@ -1,0 +1,197 @@
+"""Selection benchmark: seconds one rank spends choosing its entries, for every sparsifier of the presets.
+
+Every method runs on the same gradient-like float32 torch CPU buffer of n values
+(``SyntheticGradients(n, 1).grad(0, 0)``), with k = max(1, floor(density * n)), on one rank (P = 1: a
+``StepContext`` with a ``SimulatedWorld(1)`` communicator; no selection below issues a collective at P = 1).
+The sparsifiers are those of the library presets (``Compression.<preset>(density).sparsifier``):
+
+    topk_exact        TopK (topka, topk_dsa, gtopk, spardl): exact deterministic top-k, every step
+    threshold_reuse   ThresholdReuse (oktopk): a *reuse* step -- step 1, after the exact re-evaluation of
+                      step 0 (threshold_period 32): the guard's count pass(es) and one thresholding pass
+    gaussiank         GaussianK (gaussiank): mean/std fit, adjustment loop, one thresholding pass
+    exdyna            ExDyna (exdyna): step 1, after the first step (which sets tau0 with one top-k)
+    dct               DCT (dct): step 1, a non-recompute step (lifespan 1000), per-tensor thresholds
+                      over the buffer's layer layout
+    torch.topk        ``torch.topk(buf.abs(), k)``: the exact selection most codes use
+    stream            ``torch.amax(buf)``: one read pass over the buffer, the memory-bandwidth floor
+
+Set-up steps (threshold re-evaluation, tau0) run once and are not timed; every timed call starts from a
+copy of the same post-set-up state, so all repetitions do the same work. Each method is called once as a
+warm-up, then ``--repeat`` times; the median is reported. Wall-clock seconds: they depend on the machine
+and its load (the JSON records torch's thread count).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import sys
+import time
+
+#: the methods, in report order
+METHODS = ("topk_exact", "threshold_reuse", "gaussiank", "exdyna", "dct", "torch.topk", "stream")
+
+#: sparsifier methods -> (preset whose sparsifier is timed, set-up steps before the timed step)
+SPARSIFIERS = {
+    "topk_exact": ("topka", 0),
+    "threshold_reuse": ("oktopk", 1),
+    "gaussiank": ("gaussiank", 0),
+    "exdyna": ("exdyna", 1),
+    "dct": ("dct", 1),
+}
+
+
+def _timed(make_call, repeat):
+    """Seconds of ``repeat`` calls of ``make_call()``'s result after one warm-up (the set-up of each call,
+    e.g. copying the state, is not timed)."""
+    make_call()()
+    out = []
+    for _ in range(repeat):
+        call = make_call()
+        t0 = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def sparsifier_call(name, buf, k, density, layout):
+    """``make_call`` for sparsifier method ``name``: runs the set-up steps once, then returns a factory of
+    zero-argument calls of the timed step's ``select`` (each on a fresh copy of the post-set-up state).
+
+    Also returns ``check(state)``, which raises unless the timed step was the intended one (a reuse step).
+    """
+    from ..compression import Compression
+    from ..core.engine import StepContext
+    from ..core.sim import SimulatedWorld
+    from ..core.xp import backend_of
+
+    preset, setup = SPARSIFIERS[name]
+    sp = getattr(Compression, preset)(density).sparsifier
+    xp = backend_of(buf)
+    comm = SimulatedWorld(1).communicators()[0]
+
+    def ctx(t):
+        return StepContext(0, 1, t, tuple(layout), comm, bool(sp.exact_k))
+
+    if name == "threshold_reuse" and setup % sp.threshold_period == 0:   # pragma: no cover - config guard
+        raise RuntimeError("select: the timed ThresholdReuse step would be a re-evaluation step")
+    state = sp.initial_state()
+    for t in range(setup):
+        sp.select(xp, buf, k, state, ctx(t))
+        sp.update(xp, state, {}, ctx(t))
+    out = {}
+
+    def make_call():
+        st = copy.deepcopy(state)
+
+        def call():
+            out["idx"] = sp.select(xp, buf, k, st, ctx(setup))
+            out["state"] = st
+        return call
+
+    def check():
+        st = out["state"]
+        if name == "threshold_reuse" and st.get("reeval"):
+            raise RuntimeError("select: threshold_reuse re-evaluated on the timed step")
+        if name == "dct" and st.get("recomputed"):
+            raise RuntimeError("select: dct recomputed its thresholds on the timed step")
+        return xp.numel(out["idx"])
+
+    return make_call, check
+
+
+def run(n, density, repeat, seed=0, verbose=True):
+    import torch
+
+    from .data import SyntheticGradients
+
+    def say(msg, end="\n"):
+        if verbose:
+            print(msg, end=end, file=sys.stderr, flush=True)
+
+    say(f"  building a gradient-like buffer of {n:,} values ...")
+    data = SyntheticGradients(n, 1, seed=seed)
+    buf = torch.from_numpy(data.grad(0, 0))
+    layout = list(data.layout)
+    del data                                       # the generator's noise pool is 8n floats
+    k = max(1, int(density * n))
+    results = []
+    for method in METHODS:
+        t0 = time.perf_counter()
+        say(f"\r  {method:<16}", end="")
+        if method in SPARSIFIERS:
+            make_call, check = sparsifier_call(method, buf, k, density, layout)
+        elif method == "torch.topk":
+            make_call, check = (lambda: lambda: torch.topk(buf.abs(), k)), (lambda: k)
+        else:
+            make_call, check = (lambda: lambda: torch.amax(buf)), (lambda: None)
+        secs = _timed(make_call, repeat)
+        selected = check()
+        say(f"\r  {method:<16} median {statistics.median(secs):.4f} s  ({time.perf_counter() - t0:.0f} s)")
+        results.append({"method": method, "seconds_median": statistics.median(secs),
+                        "seconds": secs, "selected": selected})
+    return {"numel": n, "density": density, "k": k, "threads": torch.get_num_threads(), "repeat": repeat,
+            "results": results}
+
+
+def markdown(report):
+    rows = {r["method"]: r["seconds_median"] for r in report["results"]}
+    stream, topk = rows.get("stream"), rows.get("torch.topk")
+    lines = [f"Selection on one rank: n = {report['numel']:,}, k = {report['k']:,} (density {report['density']}), "
+             f"float32 torch CPU, {report['threads']} threads, median of {report['repeat']}.", "",
+             "| method | seconds (median) | x stream | torch.topk / method |",
+             "|---|---:|---:|---:|"]
+    for r in report["results"]:
+        s = r["seconds_median"]
+        xs = f"{s / stream:.1f}" if stream else ""
+        sp = f"{topk / s:.2f}" if topk and s > 0 else ""
+        lines.append(f"| {r['method']} | {s:.4f} | {xs} | {sp} |")
+    return "\n".join(lines)
+
+
+def plot(report, path):
+    from . import cli
+
+    plt = cli.pyplot()
+    res = report["results"]
+    names = [r["method"] for r in res]
+    secs = [r["seconds_median"] for r in res]
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(res) + 1.6))
+    y = list(range(len(res)))[::-1]
+    ax.barh(y, secs, color=[cli.color_of(m, METHODS) for m in names])
+    for yi, s in zip(y, secs):
+        ax.text(s, yi, f" {s:.3g} s", va="center", fontsize=8)
+    ax.set_yticks(y, names)
+    ax.set_xscale("log")
+    lo, hi = min(secs), max(secs)
+    ax.set_xlim(lo / 2, hi * 4)
+    ax.set_xlabel("seconds per selection (median, log scale)")
+    ax.set_title(f"Selection, n = {report['numel']:,}, k = {report['k']:,}, {report['threads']} threads",
+                 fontsize=10)
+    ax.grid(axis="x", which="both", alpha=0.3)
+    cli.save_png(fig, path)
+
+
+def add_arguments(p):
+    from . import cli
+
+    p.add_argument("--numel", type=cli.positive_int, default=25_000_000,
+                   help="buffer size n (default: 25,000,000)")
+    p.add_argument("--density", type=cli.density, default=0.01, help="k / n (default: 0.01)")
+    p.add_argument("--repeat", type=cli.positive_int, default=5,
+                   help="timed calls per method after one warm-up; the median is reported (default: 5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    p.add_argument("--plot", metavar="FILE", help="save a PNG bar chart of the medians (log axis)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def main(args):
+    from . import cli
+
+    report = run(args.numel, args.density, args.repeat, seed=args.seed, verbose=not args.quiet)
+    cli.write_json(args.json, report)
+    if args.plot:
+        plot(report, args.plot)
+    print(markdown(report))
+    return 0
