@@ -23,3 +23,25 @@ def ref_topk(x, k):
 @pytest.fixture
 def int_grads_fn():
     return int_grads
+
+
+def mean_density_ratio(compression, data, steps, partitioned=False):
+    """Run ``compression`` on ``data.grad(t, r)`` (a benchmark gradient source) for ``steps`` steps on its
+    P virtual ranks; returns the achieved density over the target, averaged over steps (and ranks, or summed
+    over ranks for partitioned sparsifiers such as ExDyna)."""
+    from hvd_sparse.core.sim import SimulatedWorld
+
+    P = data.workers
+    world = SimulatedWorld(P)
+    comms = world.communicators()
+    engines = [compression.new_engine(c) for c in comms]
+    sel = np.zeros((steps, P))
+
+    def body(comm):
+        for t in range(steps):
+            engines[comm.rank].step(data.grad(t, comm.rank))
+            sel[t, comm.rank] = engines[comm.rank].last["selected"]
+
+    world.run(body, comms)
+    per_step = sel.sum(axis=1) if partitioned else sel.mean(axis=1)
+    return per_step.mean() / int(0.01 * data.n)

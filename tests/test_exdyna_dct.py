@@ -24,7 +24,7 @@ from hvd_sparse.core.sparsifiers.exdyna import (ExDyna, adjust_topology, exdyna_
 from hvd_sparse.core.xp import backend_of
 from hvd_sparse.testing import simulate
 
-from conftest import int_grads, ref_topk
+from conftest import int_grads, ref_topk, mean_density_ratio
 
 PS = [1, 2, 3, 4, 5, 8]
 # the §7 warning "num_blk < 4·P" is expected with the small num_blk used here
@@ -932,17 +932,5 @@ def test_exdyna_preset_density_within_10_percent_over_200_steps(data):
 
     P, steps = 8, 200
     src = SyntheticGradients(30000, P, seed=3) if data == "synthetic" else RecordedGradients(P, steps)
-    comp = hvd_sparse.Compression.exdyna(0.01)
-    world = SimulatedWorld(P)
-    comms = world.communicators()
-    engines = [comp.new_engine(c) for c in comms]
-    sel = np.zeros((steps, P))
-
-    def body(comm):
-        for t in range(steps):
-            engines[comm.rank].step(src.grad(t, comm.rank))
-            sel[t, comm.rank] = engines[comm.rank].last["selected"]
-
-    world.run(body, comms)
-    ratio = sel.sum(axis=1).mean() / int(0.01 * src.n)
+    ratio = mean_density_ratio(hvd_sparse.Compression.exdyna(0.01), src, steps, partitioned=True)
     assert 0.9 <= ratio <= 1.1, ratio

@@ -23,7 +23,7 @@ from hvd_sparse.core.sparsifiers.threshold_reuse import ThresholdReuse
 from hvd_sparse.core.xp import backend_of
 from hvd_sparse.testing import simulate
 
-from conftest import int_grads, ref_topk
+from conftest import int_grads, ref_topk, mean_density_ratio
 
 PS = [1, 2, 3, 4, 5, 8]
 SP_KEYS = ("select_rule", "guard_ratio", "guard_factor", "guard_iters", "band_lo", "band_hi", "band_relax",
@@ -920,17 +920,5 @@ def test_threshold_reuse_density_within_10_percent_over_200_steps(data):
 
     P, steps = 8, 200
     src = SyntheticGradients(30000, P, seed=3) if data == "synthetic" else RecordedGradients(P, steps)
-    comp = hvd_sparse.Compression.oktopk(0.01)
-    world = SimulatedWorld(P)
-    comms = world.communicators()
-    engines = [comp.new_engine(c) for c in comms]
-    sel = np.zeros((steps, P))
-
-    def body(comm):
-        for t in range(steps):
-            engines[comm.rank].step(src.grad(t, comm.rank))
-            sel[t, comm.rank] = engines[comm.rank].last["selected"]
-
-    world.run(body, comms)
-    ratio = sel.mean() / int(0.01 * src.n)
+    ratio = mean_density_ratio(hvd_sparse.Compression.oktopk(0.01), src, steps)
     assert 0.9 <= ratio <= 1.1, ratio
