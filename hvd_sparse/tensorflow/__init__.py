@@ -12,8 +12,8 @@ error feedback, sparsifier, sparse allreduce -- runs on it inside a ``tf.py_func
 The engine's state (residuals, thresholds) lives in the compression object, in Python, so it survives
 retracing.
 
-Status: ``DistributedGradientTape``, ``sparse_allreduce`` and ``Compression``. The Keras optimizer and
-callbacks, and ``DistributedOptimizer`` for TensorFlow/Keras optimizers, are not implemented yet.
+Here: ``DistributedGradientTape``, ``sparse_allreduce``, ``Compression``; Keras: ``hvd_sparse.tensorflow.keras``.
+Not yet: ``DistributedOptimizer`` for TensorFlow optimizers (use the tape, or the Keras optimizer).
 """
 
 from __future__ import annotations
@@ -54,64 +54,111 @@ def _flat_step(compression, bucket, owner, process_set, tensors, average, presca
     return [tf.cast(tf.reshape(p, t.shape), t.dtype) for p, t in zip(pieces, tensors)]
 
 
-class _SparseGradients:
-    """Replaces the ``_allreduce_grads(grads, vars, use_generic_names)`` of Horovod's tape."""
+class _Reduction:
+    """grads, variables -> reduced grads: Horovod's dense allreduce per tensor (``Compression.none``/``fp16``)
+    or one whole-model engine step (a sparse preset). Shared by the tape and the Keras optimizer.
 
-    def __init__(self, compression, op, gradient_predivide_factor, sparse_as_dense, process_set):
+    No ``.ref()`` on variables (Keras 3 variables have none), no Keras-2 internals: works with tf.Variables,
+    Keras 3 and tf_keras variables alike."""
+
+    def __init__(self, compression, op, gradient_predivide_factor, sparse_as_dense, process_set, api):
         self.compression = compression
+        self.sparse = isinstance(compression, SparseCompression)
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
         self.prescale, self.postscale, self.average = scale_factors(op, gradient_predivide_factor)
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
+        self.api = api
 
-    def __call__(self, grads, variables, use_generic_names=False):
-        if not grads:
-            return grads
+    def __call__(self, grads, variables):
         dense = []
         for g, v in zip(grads, variables):
             if g is None:
                 g = tf.zeros_like(v)                      # unused on this rank: zeros, as in Horovod
             elif isinstance(g, tf.IndexedSlices):
                 if not self.sparse_as_dense:
-                    raise ValueError(f"hvd_sparse.tensorflow.DistributedGradientTape: the gradient of {v.name} is "
-                                     "a tf.IndexedSlices (an embedding lookup); pass sparse_as_dense=True")
+                    raise ValueError(f"{self.api}: the gradient of {v.name} is a tf.IndexedSlices (an embedding "
+                                     "lookup); pass sparse_as_dense=True")
                 g = tf.convert_to_tensor(g)
             dense.append(g)
-        # A new tape wraps every step, so the state's owner is the preset itself; a preset shared by two
-        # models of different sizes is caught by the engine's layout check.
-        return _flat_step(self.compression, "model", self.compression, self.process_set, dense, self.average,
-                          self.prescale, self.postscale)
+        if not dense or not self.process_set.included():
+            return dense
+        if self.sparse:
+            # The state's owner is the preset itself (a tape is created anew every step); a preset shared by
+            # two models of different sizes is caught by the engine's layout check.
+            return _flat_step(self.compression, "model", self.compression, self.process_set, dense,
+                              self.average, self.prescale, self.postscale)
+        if self.process_set.size() == 1:
+            return dense
+        # Horovod's own dense path: one named allreduce per tensor, in the (rank-consistent) order of sources
+        if self.op == Average:
+            pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        else:
+            pre = post = 1.0
+        return [hvd.allreduce(g, op=self.op, compression=self.compression, prescale_factor=pre,
+                              postscale_factor=post, name=f"hvd_sparse.dense.{i}", ignore_name_scope=True,
+                              process_set=self.process_set) for i, g in enumerate(dense)]
+
+
+class _DistributedGradientTape(tf.GradientTape):
+    # Methods copied into a subclass of the user's tape class (``_hvds_inner``), as Horovod does.
+    def __init__(self, tape, reduction, persistent, watch_accessed_variables, scale_local_gradients):
+        self._hvds_inner.__init__(self, persistent, watch_accessed_variables)
+        self._tape = tape                                # the recording of the user's `with` block
+        self._hvds_reduce = reduction
+        self.process_set = reduction.process_set
+        self.scale_local_gradients = scale_local_gradients
+        self._hvds_local = set()
+
+    def register_local_source(self, source):
+        """Keep ``source``'s gradient local (not reduced), as Horovod's ``register_local_source``."""
+        self._hvds_local.add(id(source))
+
+    def gradient(self, target, sources, output_gradients=None, **kwargs):
+        single = not isinstance(sources, (list, tuple))
+        srcs = [sources] if single else list(sources)
+        grads = list(self._hvds_inner.gradient(self, target, srcs, output_gradients, **kwargs))
+        keep = [i for i, s in enumerate(srcs) if id(s) not in self._hvds_local]
+        reduced = self._hvds_reduce([grads[i] for i in keep], [srcs[i] for i in keep])
+        for i, g in zip(keep, reduced):
+            grads[i] = g
+        if self.scale_local_gradients and self._hvds_local:      # Horovod's scaling of local gradients
+            size = self.process_set.size()
+            for i, s in enumerate(srcs):
+                if id(s) in self._hvds_local and grads[i] is not None:
+                    g = grads[i]
+                    grads[i] = tf.IndexedSlices(g.values / size, g.indices, g.dense_shape) \
+                        if isinstance(g, tf.IndexedSlices) else g / size
+        return grads[0] if single else grads
 
 
 def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compression=Compression.none,
                             sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
                             groups=None, process_set=global_process_set, scale_local_gradients=True):
-    """Wrap a ``tf.GradientTape`` so that ``gradient()`` returns gradients averaged over Horovod ranks --
-    sparsely, when ``compression`` is a sparse preset. Horovod's signature, in Horovod's order.
+    """Wrap a ``tf.GradientTape`` so that ``gradient()`` returns gradients averaged over Horovod ranks -- sparsely,
+    when ``compression`` is a sparse preset. Horovod's signature, in Horovod's order.
 
-    With a Horovod compressor (``Compression.none``/``fp16``) the tape *is* Horovod's. With a sparse preset the
-    result is still Horovod's tape class (a subclass of your tape's class: ``register_local_source`` and
-    ``scale_local_gradients`` work as in Horovod), whose reduction is replaced by one whole-model engine step
-    over the non-local sources, in the order of ``sources`` (identical on every rank).
+    The result is an instance of a subclass of your tape's class. ``register_local_source`` and
+    ``scale_local_gradients`` work as in Horovod. Unlike Horovod 0.28.1's tape it also works with Keras 3
+    variables (Horovod's calls ``.ref()``, which they lack). With ``Compression.none``/``fp16`` each gradient is
+    reduced by a named ``hvd.allreduce``, as Horovod does; with a sparse preset the non-local sources are reduced
+    as one unit by one engine step, in the order of ``sources`` (identical on every rank).
 
     Args:
         compression: ``Compression.none``/``fp16`` or a sparse preset, e.g. ``Compression.oktopk(0.01)``.
-        sparse_as_dense (bool): densify ``tf.IndexedSlices`` gradients into the sparsified buffer (otherwise
-            they raise with a sparse preset).
-        op: ``hvd.Average`` (default) or ``hvd.Sum``; ``hvd.Adasum`` is rejected with a sparse preset.
-        device_dense, device_sparse, num_groups, groups: Horovod's; unused by the sparse path (one unit).
+        sparse_as_dense (bool): densify ``tf.IndexedSlices`` gradients (otherwise they raise).
+        op: ``hvd.Average`` (default) or ``hvd.Sum``; ``hvd.Adasum`` is not supported.
+        device_dense, device_sparse, num_groups, groups: accepted for compatibility, unused.
         gradient_predivide_factor, process_set, scale_local_gradients: as in Horovod.
     """
-    sparse = isinstance(compression, SparseCompression)
-    if sparse:
-        check_op(op, gradient_predivide_factor, "hvd_sparse.tensorflow.DistributedGradientTape")
-    tape = hvd.DistributedGradientTape(gradtape, device_dense, device_sparse,
-                                       _HorovodCompression.none if sparse else compression, sparse_as_dense,
-                                       op, gradient_predivide_factor, num_groups, groups, process_set,
-                                       scale_local_gradients)
-    if sparse:
-        tape._allreduce_grads = _SparseGradients(compression, op, gradient_predivide_factor, sparse_as_dense,
-                                                 process_set)
-    return tape
+    api = "hvd_sparse.tensorflow.DistributedGradientTape"
+    check_op(op, gradient_predivide_factor, api)
+    reduction = _Reduction(compression, op, gradient_predivide_factor, sparse_as_dense, process_set, api)
+    cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
+               dict(_DistributedGradientTape.__dict__, _hvds_inner=gradtape.__class__))
+    return cls(gradtape._tape, reduction, gradtape._persistent, gradtape._watch_accessed_variables,
+               scale_local_gradients)
 
 
 def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=global_process_set):

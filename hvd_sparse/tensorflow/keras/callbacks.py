@@ -1,0 +1,467 @@
+"""Horovod's Keras callbacks, rebuilt so that they work under Keras 3 *and* tf_keras, plus ``SparsityCallback``.
+
+    import horovod.tensorflow as hvd
+    import hvd_sparse.tensorflow.keras as hvds
+
+    callbacks = [
+        hvds.callbacks.BroadcastGlobalVariablesCallback(0),     # same weights everywhere after the 1st batch
+        hvds.callbacks.MetricAverageCallback(),                 # epoch logs averaged over ranks
+        hvds.callbacks.LearningRateWarmupCallback(initial_lr=0.05, warmup_epochs=3),
+        hvds.callbacks.SparsityCallback(),                      # sparse_density / _sent_bytes / _residual_norm
+        tf.keras.callbacks.TensorBoard(...),                    # after them: sees the averaged values
+    ]
+    model.fit(x, y, callbacks=callbacks, verbose=1 if hvd.rank() == 0 else 0)
+
+Why not Horovod's own (``horovod.tensorflow.keras.callbacks``, 0.28.1): under Keras 3 they call ``.ref()`` on
+Keras variables, ``keras.backend.constant`` / ``get_value`` (gone in Keras 3) and ``optimizer.lr``; under tf_keras
+they import ``keras.backend``, which is Keras 3 (spec horovod_integration.md §2.3). These versions keep Horovod's
+structure (backend-agnostic ``*Impl`` mixins + thin subclasses of ``Callback``, §2.4) but touch Keras only through
+what both flavours share: ``variable.assign`` / ``.numpy()``, ``optimizer.learning_rate``, ``model.variables``.
+
+Which Keras: the callbacks subclass ``tf.keras.callbacks.Callback`` as resolved **when this module is first
+imported**, i.e. Keras 3 unless ``TF_USE_LEGACY_KERAS=1`` is set (then tf_keras) -- the same rule that decides what
+``tf.keras`` is, so a script that builds its model with ``tf.keras`` always matches. ``KERAS`` is that module and
+``FLAVOUR`` is ``"keras"`` or ``"tf_keras"``. Set ``TF_USE_LEGACY_KERAS`` before importing this module; a model of
+the other flavour (``type(model).__module__`` starts with the other prefix, e.g. ``import tf_keras`` without the
+variable) is rejected with a ``TypeError`` when ``fit`` attaches the callback, instead of failing obscurely inside
+Keras.
+
+Collectives: all through ``horovod.tensorflow``, eager, on the global process set, with fixed names
+``hvd_sparse.keras.<Callback>.<what>`` that are the same on every rank. Every rank must therefore run the same
+callbacks in the same order, as with Horovod.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
+           "SparsityCallback", "KERAS", "FLAVOUR"]
+
+#: The Keras module whose ``callbacks.Callback`` these classes subclass (``tf.keras`` at import time).
+KERAS = tf.keras
+_Callback = KERAS.callbacks.Callback
+
+
+def keras_flavour(obj):
+    """``"tf_keras"``, ``"keras"`` (Keras 3) or ``None``, from the module that defines ``type(obj)``."""
+    module = type(obj).__module__ if not isinstance(obj, type) else obj.__module__
+    if module.startswith("tf_keras"):
+        return "tf_keras"
+    if module.startswith("keras"):
+        return "keras"
+    return None
+
+
+#: ``"keras"`` (Keras 3) or ``"tf_keras"``: the flavour of ``KERAS``.
+FLAVOUR = keras_flavour(_Callback)
+
+_PREFIX = "hvd_sparse.keras"
+# dtypes Horovod's TensorFlow collectives accept (horovod/common/message.h, TF ops)
+_HVD_DTYPES = {tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64, tf.float16, tf.float32, tf.float64,
+               tf.bool}
+
+
+# -- helpers (no Keras API) ------------------------------------------------------------------------------------
+def _to_numpy(value):
+    if hasattr(value, "numpy"):
+        value = value.numpy()
+    return np.asarray(value)
+
+
+def _to_float(value):
+    return float(_to_numpy(value))
+
+
+def _optimizer_variables(optimizer):
+    """``optimizer.variables`` (Keras 3, a list) or ``optimizer.variables()`` (tf_keras, a method)."""
+    if optimizer is None:
+        return []
+    variables = getattr(optimizer, "variables", [])
+    if callable(variables):
+        variables = variables()
+    return list(variables)
+
+
+def _same_variable(a, b):
+    """Identity, also across a Keras 3 variable and the tf.Variable it wraps (``.value``)."""
+    if a is b:
+        return True
+    for x, y in ((a, b), (b, a)):
+        inner = getattr(x, "_value", None)      # Keras 3 KerasVariable -> backend tf.Variable
+        if inner is not None and inner is y:
+            return True
+    return False
+
+
+def _set_hparam(optimizer, name, value):
+    """Set a hyperparameter so that compiled train functions see it; False when that is impossible.
+
+    A variable (Keras 3 ``learning_rate``, tf_keras ``learning_rate``, legacy tf_keras hypers) is assigned. A Python
+    number (e.g. ``momentum`` of Keras 3 and tf_keras ``SGD``) is baked into the traced train function, so changing
+    the attribute would only act in eager mode: that is refused (returns False) rather than done inconsistently.
+    """
+    current = getattr(optimizer, name, None)
+    if current is None:
+        return False
+    if hasattr(current, "assign"):
+        current.assign(value)
+        return True
+    hyper = getattr(optimizer, "_hyper", None)        # tf_keras legacy OptimizerV2: setattr -> _set_hyper
+    if isinstance(hyper, dict) and name in hyper:
+        setattr(optimizer, name, value)
+        return True
+    return False
+
+
+def _allreduce_vector(values, name, op, device=""):
+    """Eager allreduce of a float64 vector (possibly empty) under a fixed name; numpy result."""
+    with tf.device(device):
+        out = hvd.allreduce(tf.constant(np.asarray(values, dtype=np.float64).reshape(-1), dtype=tf.float64),
+                            op=op, name=name, ignore_name_scope=True)
+    return out.numpy()
+
+
+class _FlavourCheck:
+    """Rejects a model of the other Keras flavour when Keras attaches the callback (``set_model``)."""
+
+    def set_model(self, model):
+        flavour = keras_flavour(model)
+        if flavour is not None and FLAVOUR is not None and flavour != FLAVOUR:
+            raise TypeError(
+                f"hvd_sparse.tensorflow.keras.callbacks.{type(self).__name__} was built for "
+                f"{'tf_keras' if FLAVOUR == 'tf_keras' else 'Keras 3'} (tf.keras when the module was imported: "
+                f"TF_USE_LEGACY_KERAS={'1' if FLAVOUR == 'tf_keras' else 'unset'}), but the model is a "
+                f"{type(model).__module__}.{type(model).__name__}; set TF_USE_LEGACY_KERAS=1 before importing "
+                "TensorFlow to use tf_keras, or leave it unset for Keras 3, and build the model with tf.keras")
+        super().set_model(model)
+
+
+# -- backend-agnostic implementations --------------------------------------------------------------------------
+class BroadcastGlobalVariablesCallbackImpl:
+    """Broadcast ``model.variables`` (minus registered local ones) and the optimizer's variables from
+    ``root_rank`` once, at the end of the first batch (optimizer slots only exist after the first update)."""
+
+    def __init__(self, root_rank, device='', local_variables=None, *args):
+        super().__init__(*args)
+        self.root_rank = int(root_rank)
+        self.device = device
+        self.broadcast_done = False
+        self._local_vars = []
+        if local_variables is not None:
+            for var in (local_variables if isinstance(local_variables, (list, tuple)) else [local_variables]):
+                self.register_local_var(var)
+
+    def register_local_var(self, var):
+        """Exclude ``var`` (a Keras or tf variable) from the broadcast: it stays worker-local."""
+        if not any(v is var for v in self._local_vars):
+            self._local_vars.append(var)
+
+    def _variables(self):
+        seen, out = [], []
+        candidates = list(self.model.variables) + _optimizer_variables(getattr(self.model, "optimizer", None))
+        for var in candidates:
+            if any(_same_variable(var, s) for s in seen) or any(_same_variable(var, lv) for lv in self._local_vars):
+                continue
+            seen.append(var)
+            if tf.as_dtype(var.dtype) in _HVD_DTYPES:
+                out.append(var)
+        return out
+
+    def broadcast(self):
+        """Broadcast now (collective: every rank calls it)."""
+        variables = self._variables()
+        tag = f"{_PREFIX}.BroadcastGlobalVariablesCallback"
+        # Same variable list everywhere, or the named broadcasts would pair wrong tensors / hang: check first.
+        sig = np.array([len(variables), sum(int(np.prod(v.shape)) for v in variables)], dtype=np.int64)
+        with tf.device(self.device):
+            gathered = hvd.allgather(tf.constant(sig[None, :]), name=f"{tag}.signature",
+                                     ignore_name_scope=True).numpy()
+        if not (gathered == gathered[0]).all():
+            raise ValueError("hvd_sparse BroadcastGlobalVariablesCallback: the ranks have different variables "
+                             f"(count, total size per rank: {gathered.tolist()}); build the same model and "
+                             "optimizer on every rank")
+        # One broadcast per dtype of the concatenated variables (sorted dtype names: same order everywhere).
+        by_dtype = {}
+        for var in variables:
+            by_dtype.setdefault(tf.as_dtype(var.dtype).name, []).append(var)
+        for dtype in sorted(by_dtype):
+            group = by_dtype[dtype]
+            flat = tf.concat([tf.reshape(tf.convert_to_tensor(v), [-1]) for v in group], axis=0)
+            with tf.device(self.device):
+                flat = hvd.broadcast(flat, self.root_rank, name=f"{tag}.{dtype}", ignore_name_scope=True)
+            pieces = tf.split(flat, [int(np.prod(v.shape)) for v in group]) if len(group) > 1 else [flat]
+            for var, piece in zip(group, pieces):
+                var.assign(tf.reshape(piece, var.shape))
+
+    def on_batch_end(self, batch, logs=None):
+        if self.broadcast_done:
+            return
+        self.broadcast()
+        self.broadcast_done = True
+
+
+class MetricAverageCallbackImpl:
+    """At every epoch end, replace each numeric entry of ``logs`` by its average over ranks, in place, so that
+    History, the progress bar and later callbacks (TensorBoard, checkpoints) see averaged values, identical on
+    all ranks. Scalars go in one float64 allreduce, in sorted key order; non-scalar entries one allreduce each."""
+
+    def __init__(self, device='', *args):
+        super().__init__(*args)
+        self.device = device
+
+    def _average_metrics_in_place(self, logs):
+        if logs is None:
+            logs = {}
+        scalars, arrays = [], []
+        for key in sorted(logs):
+            try:
+                value = _to_numpy(logs[key]).astype(np.float64)
+            except (TypeError, ValueError):
+                continue                    # not numeric: left as is
+            (scalars if value.ndim == 0 else arrays).append((key, value))
+        tag = f"{_PREFIX}.MetricAverageCallback"
+        # Always issued, even empty: ranks with different metric counts then fail on the shape, not hang.
+        reduced = _allreduce_vector([v for _, v in scalars], f"{tag}.scalars", hvd.Average, self.device)
+        for (key, _), value in zip(scalars, reduced):
+            logs[key] = float(value)
+        for i, (key, value) in enumerate(arrays):
+            with tf.device(self.device):
+                logs[key] = hvd.allreduce(tf.constant(value), op=hvd.Average, name=f"{tag}.array{i}",
+                                          ignore_name_scope=True).numpy()
+        return logs
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._average_metrics_in_place(logs)
+
+
+class LearningRateWarmupCallbackImpl:
+    """Horovod's gradual warmup: per batch, over ``warmup_epochs`` epochs,
+
+        epoch' = epoch + (batch + 1) / steps_per_epoch
+        lr     = initial_lr / size * (epoch' * (size - 1) / warmup_epochs + 1)
+
+    i.e. from about ``initial_lr / size`` at the first batch to exactly ``initial_lr`` at the last batch of the
+    warmup, then left alone. Momentum correction (momentum * new_lr / old_lr during the batch that changes lr,
+    restored after it) is applied when the optimizer's momentum is a variable (tf_keras legacy optimizers); Keras 3
+    and tf_keras ``SGD`` keep ``momentum`` as a Python float compiled into the train function, so there it is
+    skipped with a warning instead of acting in eager mode only."""
+
+    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0,
+                 *args):
+        super().__init__(*args)
+        if initial_lr is None:
+            raise ValueError("Parameter `initial_lr` is required")
+        self.initial_lr = float(initial_lr)
+        self.warmup_epochs = warmup_epochs
+        self.start_epoch, self.end_epoch = 0, warmup_epochs
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.verbose = verbose
+        self.restore_momentum = None
+        self.current_epoch = None
+        self._warned_momentum = False
+
+    def multiplier(self, epoch):
+        epoch += 1. / self.steps_per_epoch
+        return 1. / hvd.size() * (epoch * (hvd.size() - 1) / self.warmup_epochs + 1)
+
+    def _autodetect_steps_per_epoch(self):
+        params = getattr(self, "params", None) or {}
+        if params.get("steps"):
+            return params["steps"]
+        if params.get("samples") and params.get("batch_size"):
+            return params["samples"] // params["batch_size"]
+        raise ValueError(f"Could not autodetect the number of steps per epoch; pass steps_per_epoch to "
+                         f"{type(self).__name__}()")
+
+    def _learning_rate(self):
+        lr = getattr(self.model.optimizer, "learning_rate", None)
+        if not hasattr(lr, "assign"):
+            raise ValueError(f"{type(self).__name__} needs an optimizer whose learning_rate is a constant (a "
+                             f"variable), not a LearningRateSchedule; got {lr!r}")
+        return lr
+
+    def _adjust_learning_rate(self, epoch):
+        optimizer = self.model.optimizer
+        lr = self._learning_rate()
+        old_lr = _to_float(lr)
+        new_lr = self.initial_lr * self.multiplier(epoch)
+        lr.assign(new_lr)
+        momentum = getattr(optimizer, "momentum", None)
+        if self.momentum_correction and momentum is not None and old_lr:
+            old_momentum = _to_float(momentum)
+            if old_momentum and _set_hparam(optimizer, "momentum", old_momentum * new_lr / old_lr):
+                self.restore_momentum = old_momentum
+            elif old_momentum and not self._warned_momentum:
+                self._warned_momentum = True
+                warnings.warn(f"{type(self).__name__}: {type(optimizer).__name__}.momentum is a Python number "
+                              "compiled into the train function, so momentum correction is skipped (pass "
+                              "momentum_correction=False to silence this)", stacklevel=2)
+
+    def _restore_momentum_if_needed(self):
+        if self.restore_momentum:
+            _set_hparam(self.model.optimizer, "momentum", self.restore_momentum)
+            self.restore_momentum = None
+
+    def on_train_begin(self, logs=None):
+        if not self.steps_per_epoch:
+            self.steps_per_epoch = self._autodetect_steps_per_epoch()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_batch_begin(self, batch, logs=None):
+        if self.current_epoch is None or self.current_epoch < self.start_epoch or \
+                (self.end_epoch is not None and self.current_epoch >= self.end_epoch):
+            return
+        self._adjust_learning_rate(self.current_epoch + float(batch) / self.steps_per_epoch)
+
+    def on_batch_end(self, batch, logs=None):
+        self._restore_momentum_if_needed()
+
+    def on_epoch_end(self, epoch, logs=None):
+        lr = _to_float(self._learning_rate())
+        if logs is not None:
+            logs["lr"] = lr
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and hvd.rank() == 0:
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.")
+
+
+class SparsityCallbackImpl:
+    """Puts the sparse exchange's statistics into the logs, averaged over ranks (identical on every rank):
+
+    * ``sparse_density``: selected / n of the exchanged gradient, averaged over the epoch's steps and the ranks;
+    * ``sparse_sent_bytes``: bytes sent per step by a rank, same averaging;
+    * ``sparse_residual_norm``: L2 norm of the error-feedback residual at the end of the epoch, rank average.
+
+    They come from ``model.optimizer.sparse_stats()`` (read after every training batch; with
+    ``steps_per_execution > 1`` only the last step of each execution is seen) and ``.residual_norm()``. When the
+    optimizer made no sparse step (``Compression.none``/``fp16``, or a plain Keras optimizer), the values describe
+    Horovod's dense ring allreduce: density 1.0, ``2 n (P - 1) / P * 4`` bytes (float32 gradients of the n
+    trainable weights), residual 0 -- so dense and sparse runs can be compared on the same plots.
+
+    ``every_n_batches > 0`` also averages the statistics of the last ``every_n_batches`` batches (counted as
+    ``on_train_batch_end`` calls) over ranks and puts them into the batch logs (progress bar, TensorBoard with
+    ``update_freq``), repeated in the batch logs until the next update. Put this callback before TensorBoard.
+    """
+
+    KEYS = ("sparse_density", "sparse_sent_bytes", "sparse_residual_norm")
+
+    def __init__(self, every_n_batches=0, *args):
+        super().__init__(*args)
+        if int(every_n_batches) < 0:
+            raise ValueError(f"every_n_batches must be >= 0, got {every_n_batches}")
+        self.every_n_batches = int(every_n_batches)
+        self._epoch = [0, 0.0, 0.0]          # steps seen, sum of density, sum of sent bytes
+        self._window = [0, 0.0, 0.0]
+        self._calls = 0
+        self._latest = None
+
+    def _optimizer(self):
+        return getattr(self.model, "optimizer", None)
+
+    def on_train_begin(self, logs=None):
+        self._calls, self._latest = 0, None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = [0, 0.0, 0.0]
+
+    def on_train_batch_end(self, batch, logs=None):
+        stats_fn = getattr(self._optimizer(), "sparse_stats", None)
+        stats = stats_fn() if stats_fn is not None else {}
+        if stats:
+            for acc in (self._epoch, self._window):
+                acc[0] += 1
+                acc[1] += float(stats["density"])
+                acc[2] += float(stats["sent_bytes"])
+        self._calls += 1
+        if self.every_n_batches and self._calls % self.every_n_batches == 0:
+            self._latest = self._reduce(self._window, "batch")
+            self._window = [0, 0.0, 0.0]
+        if self._latest is not None and logs is not None:
+            logs.update(self._latest)
+
+    def _dense_bytes(self):
+        n = sum(int(np.prod(v.shape)) for v in self.model.trainable_variables)
+        size = hvd.size()
+        return 2.0 * n * (size - 1) / size * 4
+
+    def _reduce(self, acc, tag):
+        """Collective: (steps with stats, mean density, mean bytes, residual norm) summed over ranks."""
+        steps, density, sent = acc
+        norm_fn = getattr(self._optimizer(), "residual_norm", None)
+        local = [1.0 if steps else 0.0, density / steps if steps else 0.0, sent / steps if steps else 0.0,
+                 float(norm_fn()) if norm_fn is not None else 0.0]
+        total = _allreduce_vector(local, f"{_PREFIX}.SparsityCallback.{tag}", hvd.Sum)
+        ranks = total[0]
+        if ranks > 0:
+            density, sent = total[1] / ranks, total[2] / ranks
+        else:
+            density, sent = 1.0, self._dense_bytes()
+        return {"sparse_density": float(density), "sparse_sent_bytes": float(sent),
+                "sparse_residual_norm": float(total[3] / hvd.size())}
+
+    def on_epoch_end(self, epoch, logs=None):
+        values = self._reduce(self._epoch, "epoch")
+        if logs is not None:
+            logs.update(values)
+
+
+# -- the Keras callbacks ---------------------------------------------------------------------------------------
+class BroadcastGlobalVariablesCallback(_FlavourCheck, BroadcastGlobalVariablesCallbackImpl, _Callback):
+    """Broadcast all global variables (model and optimizer) from ``root_rank`` at the end of the first batch, so
+    that ranks started from different initial weights (or a checkpoint on one rank) train the same model.
+
+    Args:
+        root_rank (int): rank whose values everybody receives.
+        device (str): device for the broadcasts (``tf.device``); default: Horovod's choice.
+        local_variables: a variable or list of variables left worker-local (not broadcast).
+    """
+
+    def __init__(self, root_rank, device='', local_variables=None):
+        super().__init__(root_rank, device, local_variables)
+
+
+class MetricAverageCallback(_FlavourCheck, MetricAverageCallbackImpl, _Callback):
+    """Average the epoch's metrics (``logs``) over ranks, in place; put it before callbacks that read metrics
+    (TensorBoard, ModelCheckpoint, EarlyStopping, ReduceLROnPlateau).
+
+    Args:
+        device (str): device for the allreduce.
+    """
+
+    def __init__(self, device=''):
+        super().__init__(device)
+
+
+class LearningRateWarmupCallback(_FlavourCheck, LearningRateWarmupCallbackImpl, _Callback):
+    """Gradual learning-rate warmup from ``initial_lr / hvd.size()`` to ``initial_lr`` over ``warmup_epochs``
+    (Goyal et al., 2017), adjusted every batch; Horovod's semantics (see ``LearningRateWarmupCallbackImpl``).
+
+    Args:
+        initial_lr (float): the target learning rate (usually the single-worker lr times ``hvd.size()``).
+        warmup_epochs (int): length of the warmup. Default 5.
+        momentum_correction (bool): scale momentum with the lr change during a batch (when possible).
+        steps_per_epoch (int): batches per epoch; default: from ``fit``'s parameters.
+        verbose (int): 1 prints a line on rank 0 when the warmup ends.
+    """
+
+    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0):
+        super().__init__(initial_lr, warmup_epochs, momentum_correction, steps_per_epoch, verbose)
+
+
+class SparsityCallback(_FlavourCheck, SparsityCallbackImpl, _Callback):
+    """Log ``sparse_density``, ``sparse_sent_bytes`` (per step) and ``sparse_residual_norm`` averaged over ranks
+    at every epoch end (and every ``every_n_batches`` batches if > 0); see ``SparsityCallbackImpl``.
+
+    Args:
+        every_n_batches (int): 0 (default): epoch logs only.
+    """
+
+    def __init__(self, every_n_batches=0):
+        super().__init__(every_n_batches)
