@@ -67,3 +67,4 @@ def test_misuse_raises_clear_errors(job):
         assert "already used by another optimizer" in msgs[1]
         assert "cannot serve two models" in msgs[2]
         assert "Adasum" in msgs[3]
+        assert "differ across ranks" in msgs[4] and "rank 1" in msgs[4]

@@ -51,3 +51,23 @@ def scale_factors(op, gradient_predivide_factor):
     if op == HVD_AVERAGE:
         return 1.0 / gradient_predivide_factor, gradient_predivide_factor, True
     return 1.0, 1.0, False
+
+
+def check_same_layout(per_rank, api):
+    """Raise on every rank when the ranks' parameter layouts differ.
+
+    ``per_rank``: one list of ``(name, shape)`` per rank (gathered with ``allgather_object``), in each rank's
+    exchange order. The exchange concatenates gradients in that order, so any difference in names, shapes, count
+    or order would pair different entries across ranks -- silently, or with a hang -- instead of averaging.
+    """
+    ref = per_rank[0]
+    for r, mine in enumerate(per_rank[1:], start=1):
+        if mine == ref:
+            continue
+        for i, (a, b) in enumerate(zip(ref, mine)):
+            if a != b:
+                raise ValueError(f"{api}: the parameters differ across ranks: position {i} is {a[0]!r} "
+                                 f"{tuple(a[1])} on rank 0 but {b[0]!r} {tuple(b[1])} on rank {r}; every rank "
+                                 "must build the same model (same names, shapes and order)")
+        raise ValueError(f"{api}: the parameters differ across ranks: rank 0 has {len(ref)}, rank {r} has "
+                         f"{len(mine)}; every rank must build the same model")

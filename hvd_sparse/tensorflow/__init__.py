@@ -25,7 +25,7 @@ from horovod.tensorflow.compression import Compression as _HorovodCompression
 
 from ..compression import Compression as _SparsePresets
 from ..compression import SparseCompression
-from ..core.errors import check_op, scale_factors
+from ..core.errors import check_op, check_same_layout, scale_factors
 from .comm import HorovodTFCommunicator
 
 __all__ = ["Compression", "DistributedGradientTape", "sparse_allreduce"]
@@ -38,13 +38,20 @@ class Compression(_SparsePresets):
     fp16 = _HorovodCompression.fp16
 
 
-def _flat_step(compression, bucket, owner, process_set, tensors, average, prescale, postscale):
+def _flat_step(compression, bucket, owner, process_set, tensors, average, prescale, postscale, names=None):
     """One engine step over ``tensors`` (a list of dense tf tensors) inside a tf.py_function."""
     sizes = [int(t.shape.num_elements()) for t in tensors]
+    layout = [(n, tuple(t.shape.as_list())) for n, t in zip(names or [str(i) for i in range(len(tensors))],
+                                                            tensors)]
     flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], axis=0)
 
     def step(x):
         engine = compression.engine(bucket, owner, lambda: HorovodTFCommunicator(process_set, bucket))
+        if engine.steps == 0 and process_set.size() > 1:     # once: the same parameters on every rank
+            from horovod.tensorflow.functions import allgather_object
+
+            check_same_layout(allgather_object(layout, name=f"hvd_sparse.{bucket}.layout",
+                                               process_set=process_set), "hvd_sparse.tensorflow")
         engine.layout = sizes
         return engine.step(x.numpy(), average=average, prescale=prescale, postscale=postscale)
 
@@ -88,7 +95,8 @@ class _Reduction:
             # The state's owner is the preset itself (a tape is created anew every step); a preset shared by
             # two models of different sizes is caught by the engine's layout check.
             return _flat_step(self.compression, "model", self.compression, self.process_set, dense,
-                              self.average, self.prescale, self.postscale)
+                              self.average, self.prescale, self.postscale,
+                              names=[getattr(v, "path", None) or v.name for v in variables])
         if self.process_set.size() == 1:
             return dense
         # Horovod's own dense path: one named allreduce per tensor, in the (rank-consistent) order of sources

@@ -7,6 +7,8 @@ splits go as int32 tensors, which Horovod requires. Volume is counted as in ``hv
 
 from __future__ import annotations
 
+import pickle
+
 import torch
 
 from ..core.comm import MAX, SUM, VolumeMeter, meter_allgather, meter_allreduce, meter_alltoall, \
@@ -56,3 +58,17 @@ class HorovodTorchCommunicator:
         out = self._hvd.broadcast(x, root_rank=root, name=self._name(phase), process_set=self.process_set)
         meter_broadcast(self.meter, self.rank, root, self.size, x.numel(), x.element_size(), phase)
         return out
+
+
+def allgather_object(obj, name, process_set):
+    """Every rank's picklable ``obj``, in rank order (Horovod 0.28.1's torch version takes no process set)."""
+    import horovod.torch as hvd
+
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = hvd.allgather(torch.tensor([data.numel()]), name=f"{name}.sizes", process_set=process_set)
+    blob = hvd.allgather(data, name=f"{name}.data", process_set=process_set)
+    out, off = [], 0
+    for n in sizes.tolist():
+        out.append(pickle.loads(blob[off:off + n].numpy().tobytes()))
+        off += n
+    return out

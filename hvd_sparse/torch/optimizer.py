@@ -31,8 +31,8 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
-from ..core.errors import check_op, check_positive_int, scale_factors
-from .comm import HorovodTorchCommunicator
+from ..core.errors import check_op, check_positive_int, check_same_layout, scale_factors
+from .comm import HorovodTorchCommunicator, allgather_object
 from .compression import Compression, is_sparse
 
 _API = "hvd_sparse.torch.DistributedOptimizer"
@@ -119,6 +119,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                               .to(torch.float32) for _, p in dense_params])
             prescale, postscale, average = scale_factors(self.op, self.gradient_predivide_factor)
             engine = self._hvds_engine()
+            if engine.steps == 0 and self.process_set.size() > 1:    # once: the same parameters everywhere
+                check_same_layout(allgather_object([(n, tuple(p.shape)) for n, p in dense_params],
+                                                   "hvd_sparse.model.layout", self.process_set), _API)
             engine.layout = [p.numel() for _, p in dense_params]
             out = engine.step(flat, average=average, prescale=prescale, postscale=postscale)
             offset = 0

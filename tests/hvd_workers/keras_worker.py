@@ -118,6 +118,15 @@ def scenario_misuse(out):
         hvds.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=make("topka", 0.1), op=hvd.Adasum)
     except NotImplementedError as e:
         msgs.append(str(e))
+    # ranks that build different models: a clear error at the first step, on every rank
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(8 + hvd.rank()), keras.layers.Dense(10)])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(m(x[:BATCH])))
+    try:
+        hvd_tf.DistributedGradientTape(tape, compression=make("topka", 0.1)).gradient(loss, m.trainable_variables)
+    except Exception as e:
+        msgs.append(str(e))
     np.savez(out, msgs=np.array(msgs))
 
 

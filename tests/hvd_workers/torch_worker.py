@@ -179,6 +179,19 @@ def scenario_errors(out):
             msgs.append(str(e))
         else:
             assert i == 0, "a preset shared by two optimizers did not raise"
+    # ranks that build different models: a clear error on every rank at the first step, naming the parameter
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3 if hvd.rank() == 0 else 2)
+    opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    named_parameters=model.named_parameters(),
+                                    compression=hvds.Compression.topka(0.5))
+    model(torch.ones(1, 4)).sum().backward()
+    try:
+        opt.step()
+    except ValueError as e:
+        msgs.append(str(e))
+    else:
+        raise AssertionError("different models on different ranks did not raise")
     np.savez(out, msgs=np.array(msgs))
 
 
