@@ -21,6 +21,7 @@ test-fast: venv
 
 demo: venv
 	$(HOROVODRUN) $(PY) examples/pytorch_digits.py
+	$(HOROVODRUN) $(PY) examples/keras_digits.py --compression oktopk --density 0.01
 
 check-build: venv
 	$(VENV)/bin/horovodrun --check-build

@@ -116,7 +116,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
 
 
 def __getattr__(name):          # ``hvds.callbacks`` without importing Keras callbacks eagerly
-    if name == "callbacks":
-        from . import callbacks
-        return callbacks
+    if name == "callbacks":     # (``from . import callbacks`` here would recurse through hasattr)
+        import importlib
+
+        return importlib.import_module(__name__ + ".callbacks")
     raise AttributeError(name)

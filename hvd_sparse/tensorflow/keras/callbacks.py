@@ -48,12 +48,15 @@ _Callback = KERAS.callbacks.Callback
 
 
 def keras_flavour(obj):
-    """``"tf_keras"``, ``"keras"`` (Keras 3) or ``None``, from the module that defines ``type(obj)``."""
-    module = type(obj).__module__ if not isinstance(obj, type) else obj.__module__
-    if module.startswith("tf_keras"):
-        return "tf_keras"
-    if module.startswith("keras"):
-        return "keras"
+    """``"tf_keras"``, ``"keras"`` (Keras 3) or ``None``: the module of ``type(obj)`` (or of ``obj`` if it is a
+    class) or, for a user's subclass (``class MyModel(tf.keras.Model)`` in ``__main__``), of its first Keras base."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    for klass in cls.__mro__:
+        module = klass.__module__ or ""
+        if module.startswith("tf_keras"):
+            return "tf_keras"
+        if module.startswith("keras"):
+            return "keras"
     return None
 
 
