@@ -15,7 +15,7 @@ from horovod_helpers import horovodrun, load_ranks, requires_horovod
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
-SCENARIOS = ["optimizer", "stash", "none", "op", "errors", "presets"]
+SCENARIOS = ["optimizer", "stash", "none", "op", "errors", "presets", "resume"]
 #: presets whose values are summed by a float allreduce: Gloo's ring adds in another order than the
 #: simulator (rank order), so at P >= 3 they agree to rounding, not to the bit (every rank still agrees).
 FLOAT_ALLREDUCE = {"dense", "exdyna"}
@@ -115,3 +115,9 @@ def test_reduce_op_constants_match_horovod():
     from hvd_sparse.core.errors import HVD_ADASUM, HVD_AVERAGE, HVD_SUM
 
     assert (HVD_AVERAGE, HVD_SUM, HVD_ADASUM) == (hvd_torch.Average, hvd_torch.Sum, hvd_torch.Adasum)
+
+
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(job):
+    P, res = job
+    for r in range(P):
+        assert res["resume"][r]["resumed"].tobytes() == res["resume"][r]["straight"].tobytes()

@@ -15,7 +15,10 @@ words and bytes sent and received) are kept in :attr:`Engine.last`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+
+import numpy as np
 
 from .memory import ErrorFeedback
 from .xp import backend_of
@@ -131,6 +134,17 @@ class Engine:
             "numel": self.numel,
             "steps": self.steps,
             "residual": None if r is None else backend_of(r).to_numpy(r).copy(),
-            "sparsifier": dict(self.sparsifier_state),
-            "reducer": dict(self.reducer_state),
+            "sparsifier": copy.deepcopy(self.sparsifier_state),
+            "reducer": copy.deepcopy(self.reducer_state),
         }
+
+    def load_state_dict(self, state):
+        """Restore what :meth:`state_dict` returned (this rank's own: residuals are per rank)."""
+        if state.get("bucket") != self.bucket:
+            raise ValueError(f"hvd_sparse engine '{self.bucket}': the state is of unit {state.get('bucket')!r}")
+        self.numel = state["numel"]
+        self.steps = state["steps"]
+        r = state["residual"]
+        self.memory.residual = None if r is None else np.array(r, dtype=np.float32)   # moved to the gradient's
+        self.sparsifier_state = copy.deepcopy(state["sparsifier"])                      # backend at the next step
+        self.reducer_state = copy.deepcopy(state["reducer"])

@@ -10,6 +10,8 @@ The residual stays float32 whatever the gradient dtype, and is per rank: never b
 
 from __future__ import annotations
 
+import numpy as np
+
 from .reducers.base import ALL
 
 
@@ -26,6 +28,8 @@ class ErrorFeedback:
         if self.residual is None:
             self.residual = xp.copy(grad32)
         else:
+            if type(self.residual) is not type(grad32):     # restored from a checkpoint (numpy)
+                self.residual = xp.asarray(np.array(self.residual, copy=True), xp.float32, like=grad32)
             self.residual += grad32
         return self.residual
 

@@ -200,6 +200,22 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         """L2 norm of this rank's error-feedback residual."""
         return self._hvds_engine().residual_norm()
 
+    def sparse_state_dict(self):
+        """This rank's sparsification state (residual, thresholds, partitions, counters) for a checkpoint.
+
+        Per rank: save it next to ``state_dict()`` on *every* rank (not only rank 0) and load each rank's own;
+        it is deliberately not part of ``state_dict()``, which Horovod's ``broadcast_optimizer_state`` would
+        overwrite with rank 0's residuals."""
+        return {"version": 1, "model": self._hvds_engine().state_dict()}
+
+    def load_sparse_state_dict(self, state):
+        """Restore :meth:`sparse_state_dict`; the run then continues bit for bit as if never interrupted."""
+        if not isinstance(state, dict) or state.get("version") != 1 or "model" not in state:
+            raise ValueError(f"{_API}.load_sparse_state_dict: not a state from sparse_state_dict(), got "
+                             f"{type(state).__name__} with keys {sorted(state) if isinstance(state, dict) else ''}")
+        self._hvds_engine().load_state_dict(state["model"])
+        self._hvds_exchanges = max(self._hvds_exchanges, 1 if state["model"]["steps"] else 0)
+
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,

@@ -95,6 +95,38 @@ def scenario_presets(out):
     np.savez(out, **res)
 
 
+def scenario_resume(out):
+    """20 steps straight vs 10 steps, checkpoint (model, optimizer, sparse state per rank), new objects, 10 more."""
+    import copy
+
+    def build():
+        model, xs = model_and_data(seed=9)
+        opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvds.Compression.oktopk(0.1, threshold_period=4,
+                                                                            repartition_period=8))
+        return model, opt, xs
+
+    def train(model, opt, xs):
+        for x in xs:
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+    model, opt, xs = build()
+    train(model, opt, xs[:20])
+    straight = flat_params(model)
+    model, opt, xs = build()
+    train(model, opt, xs[:10])
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "sparse": opt.sparse_state_dict()})
+    model, opt, xs = build()                     # fresh objects, as after a restart
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    opt.load_sparse_state_dict(ckpt["sparse"])
+    train(model, opt, xs[10:20])
+    np.savez(out, straight=straight, resumed=flat_params(model))
+
+
 def scenario_stash(out):
     model, xs = model_and_data(seed=1)
     base = torch.optim.SGD(model.parameters(), lr=0.05)
