@@ -38,11 +38,12 @@ class Compression(_SparsePresets):
     fp16 = _HorovodCompression.fp16
 
 
-def _flat_step(compression, bucket, owner, process_set, tensors, average, prescale, postscale, names=None):
+def _flat_step(compression, bucket, owner, process_set, tensors, average, prescale, postscale):
     """One engine step over ``tensors`` (a list of dense tf tensors) inside a tf.py_function."""
     sizes = [int(t.shape.num_elements()) for t in tensors]
-    layout = [(n, tuple(t.shape.as_list())) for n, t in zip(names or [str(i) for i in range(len(tensors))],
-                                                            tensors)]
+    # Compared across ranks once: positions and shapes, not names -- Keras names layers from a process-wide
+    # counter, so a rank that built one more model earlier has other names for the same variables.
+    layout = [(f"variable #{i}", tuple(t.shape.as_list())) for i, t in enumerate(tensors)]
     flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], axis=0)
 
     def step(x):
@@ -95,8 +96,7 @@ class _Reduction:
             # The state's owner is the preset itself (a tape is created anew every step); a preset shared by
             # two models of different sizes is caught by the engine's layout check.
             return _flat_step(self.compression, "model", self.compression, self.process_set, dense,
-                              self.average, self.prescale, self.postscale,
-                              names=[getattr(v, "path", None) or v.name for v in variables])
+                              self.average, self.prescale, self.postscale)
         if self.process_set.size() == 1:
             return dense
         # Horovod's own dense path: one named allreduce per tensor, in the (rank-consistent) order of sources
