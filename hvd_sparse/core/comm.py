@@ -29,6 +29,8 @@ from __future__ import annotations
 import collections
 from typing import Protocol, runtime_checkable
 
+from .xp import backend_of
+
 SUM = "sum"
 MAX = "max"
 
@@ -125,3 +127,56 @@ def meter_broadcast(meter, rank, root, P, n, itemsize, phase):
         meter.add(phase, n * (P - 1), 0, itemsize)
     else:
         meter.add(phase, 0, n, itemsize)
+
+
+class HorovodCommunicator:
+    """The ``Communicator`` over Horovod's collectives, shared by the framework adapters.
+
+    It names every collective ``hvd_sparse.<bucket>.<phase>`` (the same on every rank, stable across steps),
+    passes the process set, and meters what moved. A framework subclass only runs the four Horovod calls on its
+    own tensors: ``_allreduce(x, hvd_op, kw)``, ``_allgather(x, kw)``, ``_alltoall(x, splits, kw) -> (out,
+    recv_splits)``, ``_broadcast(x, root, kw)``, where ``kw`` holds ``name`` and ``process_set``.
+    """
+
+    def __init__(self, hvd, process_set, bucket):
+        self._hvd = hvd
+        self.process_set = process_set
+        self.bucket = bucket
+        self.rank = process_set.rank()
+        self.size = process_set.size()
+        self.meter = VolumeMeter()
+
+    def _kw(self, phase):
+        return {"name": f"hvd_sparse.{self.bucket}.{phase}", "process_set": self.process_set}
+
+    def allreduce(self, x, op, phase):
+        xp = backend_of(x)
+        out = self._allreduce(x, {SUM: self._hvd.Sum, MAX: self._hvd.Max}[op], self._kw(phase))
+        meter_allreduce(self.meter, self.size, xp.numel(x), xp.itemsize(x), phase)
+        return out
+
+    def allgather(self, x, phase):
+        xp = backend_of(x)
+        out = self._allgather(x, self._kw(phase))
+        # Horovod does not return the per-rank sizes; only ours and the total matter for the meter.
+        mine = xp.numel(x)
+        sizes = [0] * self.size
+        sizes[self.rank] = mine
+        sizes[(self.rank + 1) % self.size] += backend_of(out).numel(out) - mine
+        meter_allgather(self.meter, self.rank, sizes, xp.itemsize(x), phase)
+        return out
+
+    def alltoall(self, x, splits, phase):
+        xp = backend_of(x)
+        splits = [int(s) for s in splits]
+        out, recv_splits = self._alltoall(x, splits, self._kw(phase))
+        n = xp.numel(x)
+        row_words = n // x.shape[0] if n else 1
+        meter_alltoall(self.meter, self.rank, splits, recv_splits, xp.itemsize(x), phase, row_words=row_words)
+        return out, recv_splits
+
+    def broadcast(self, x, root, phase):
+        xp = backend_of(x)
+        out = self._broadcast(x, root, self._kw(phase))
+        meter_broadcast(self.meter, self.rank, root, self.size, xp.numel(x), xp.itemsize(x), phase)
+        return out
