@@ -35,7 +35,7 @@ class SimulationResult:
     info: list
 
 
-def simulate(compression, gradients, shapes=None, average=True, backend="numpy"):
+def simulate(compression, gradients, shapes=None, average=True, backend="numpy", nonfinite="skip"):
     """Run ``compression`` on ``gradients`` of shape (steps, P, n); see the module docstring.
 
     Args:
@@ -44,23 +44,31 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy")
         gradients (array-like): float array (steps, P, n).
         shapes (list of tuples, optional): split of n into parameter tensors (for per-tensor schemes).
         average (bool): divide by P (``op=hvd.Average``) or not (``hvd.Sum``).
-        backend (str): ``"numpy"`` (default) or ``"torch"``: the array type the engines run on. The
-            results are the same bits except where an algorithm computes float64 statistics whose last
-            bit may differ between numpy and torch (Gaussiank's mean and std); use ``"torch"`` as the
-            oracle of a PyTorch run.
+        backend (str): ``"numpy"`` (default), ``"torch"`` or ``"tensorflow"``: the array type the engines
+            run on. The results are the same bits except where an algorithm computes float64 statistics
+            whose last bit may differ between backends (Gaussiank's mean and std); use ``"torch"`` as the
+            oracle of a PyTorch run and ``"tensorflow"`` as the oracle of a TensorFlow run.
+        nonfinite (str): the engines' non-finite policy, ``"skip"`` (default) or ``"raise"``
+            (:meth:`hvd_sparse.core.engine.Engine.step`).
     """
     g = np.asarray(gradients)
     if g.ndim != 3:
         raise ValueError(f"hvd_sparse.testing.simulate: gradients must have shape (steps, P, n), got {g.shape}")
     if shapes is not None and sum(int(np.prod(s)) for s in shapes) != g.shape[2]:
         raise ValueError(f"hvd_sparse.testing.simulate: shapes {shapes} do not add up to n={g.shape[2]}")
-    if backend not in ("numpy", "torch"):
-        raise ValueError(f"hvd_sparse.testing.simulate: backend must be 'numpy' or 'torch', got {backend!r}")
+    if backend not in ("numpy", "torch", "tensorflow"):
+        raise ValueError("hvd_sparse.testing.simulate: backend must be 'numpy', 'torch' or 'tensorflow', "
+                         f"got {backend!r}")
     if backend == "torch":
         import torch
 
         def convert(x):
             return torch.from_numpy(np.array(x))
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        def convert(x):
+            return tf.constant(np.array(x))
     else:
         def convert(x):
             return np.ascontiguousarray(x)
@@ -86,7 +94,7 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy")
         r = comm.rank
         eng = engines[r]
         for t in range(steps):
-            updates[t, r] = to_numpy(eng.step(convert(g[t, r]), average=average))
+            updates[t, r] = to_numpy(eng.step(convert(g[t, r]), average=average, nonfinite=nonfinite))
             res = eng.memory.residual
             residuals[t, r] = 0.0 if res is None else to_numpy(res)
             last = eng.last

@@ -27,6 +27,9 @@ One *word* is one element (one value or one index, paper Table 1); bytes use the
 from __future__ import annotations
 
 import collections
+import functools
+import os
+import time
 from typing import Protocol, runtime_checkable
 
 from .xp import backend_of
@@ -129,6 +132,22 @@ def meter_broadcast(meter, rank, root, P, n, itemsize, phase):
         meter.add(phase, 0, n, itemsize)
 
 
+@functools.lru_cache(maxsize=None)
+def _peer_failure_type():
+    from horovod.common.exceptions import HorovodInternalError
+
+    class PeerFailureError(HorovodInternalError):
+        """A collective of hvd_sparse failed because Horovod shut down: another rank failed or was killed.
+        A ``HorovodInternalError``, so ``hvd.elastic.run`` recovers from it as from Horovod's own."""
+
+    return PeerFailureError
+
+
+#: seconds a surviving rank waits before raising :class:`PeerFailureError` outside elastic mode, so that
+#: ``horovodrun`` sees the failed rank exit first and names it ("The first process to do so was: ...")
+PEER_FAILURE_GRACE = 3.0
+
+
 class HorovodCommunicator:
     """The ``Communicator`` over Horovod's collectives, shared by the framework adapters.
 
@@ -136,6 +155,12 @@ class HorovodCommunicator:
     passes the process set, and meters what moved. A framework subclass only runs the four Horovod calls on its
     own tensors: ``_allreduce(x, hvd_op, kw)``, ``_allgather(x, kw)``, ``_alltoall(x, splits, kw) -> (out,
     recv_splits)``, ``_broadcast(x, root, kw)``, where ``kw`` holds ``name`` and ``process_set``.
+
+    Failures: when another rank dies or raises, Horovod shuts down and the pending collective fails on the
+    survivors (Gloo notices the closed connection within seconds: no hang). The survivors raise
+    ``PeerFailureError`` (a ``HorovodInternalError``, which ``hvd.elastic.run`` handles) naming the collective,
+    after a short grace (:data:`PEER_FAILURE_GRACE`, not under elastic) so that horovodrun reports the rank
+    that failed first rather than a survivor.
     """
 
     def __init__(self, hvd, process_set, bucket):
@@ -149,15 +174,31 @@ class HorovodCommunicator:
     def _kw(self, phase):
         return {"name": f"hvd_sparse.{self.bucket}.{phase}", "process_set": self.process_set}
 
+    def _guarded(self, phase, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:      # noqa: BLE001 - only Horovod's shutdown is translated, the rest re-raised
+            from horovod.common.exceptions import HorovodInternalError
+
+            if not isinstance(e, HorovodInternalError) and "Horovod has been shut down" not in str(e):
+                raise
+            if os.environ.get("HOROVOD_ELASTIC") != "1":
+                time.sleep(PEER_FAILURE_GRACE)
+            raise _peer_failure_type()(
+                f"hvd_sparse: collective 'hvd_sparse.{self.bucket}.{phase}' failed on rank {self.rank}: Horovod "
+                "shut down because another rank failed or was killed (its own error comes first in the log, and "
+                f"horovodrun names it); this rank stops too. Horovod said: {e}") from e
+
     def allreduce(self, x, op, phase):
         xp = backend_of(x)
-        out = self._allreduce(x, {SUM: self._hvd.Sum, MAX: self._hvd.Max}[op], self._kw(phase))
+        out = self._guarded(phase, self._allreduce, x, {SUM: self._hvd.Sum, MAX: self._hvd.Max}[op],
+                            self._kw(phase))
         meter_allreduce(self.meter, self.size, xp.numel(x), xp.itemsize(x), phase)
         return out
 
     def allgather(self, x, phase):
         xp = backend_of(x)
-        out = self._allgather(x, self._kw(phase))
+        out = self._guarded(phase, self._allgather, x, self._kw(phase))
         # Horovod does not return the per-rank sizes; only ours and the total matter for the meter.
         mine = xp.numel(x)
         sizes = [0] * self.size
@@ -169,7 +210,7 @@ class HorovodCommunicator:
     def alltoall(self, x, splits, phase):
         xp = backend_of(x)
         splits = [int(s) for s in splits]
-        out, recv_splits = self._alltoall(x, splits, self._kw(phase))
+        out, recv_splits = self._guarded(phase, self._alltoall, x, splits, self._kw(phase))
         n = xp.numel(x)
         row_words = n // x.shape[0] if n else 1
         meter_alltoall(self.meter, self.rank, splits, recv_splits, xp.itemsize(x), phase, row_words=row_words)
@@ -177,6 +218,6 @@ class HorovodCommunicator:
 
     def broadcast(self, x, root, phase):
         xp = backend_of(x)
-        out = self._broadcast(x, root, self._kw(phase))
+        out = self._guarded(phase, self._broadcast, x, root, self._kw(phase))
         meter_broadcast(self.meter, self.rank, root, self.size, xp.numel(x), xp.itemsize(x), phase)
         return out

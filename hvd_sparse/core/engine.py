@@ -11,6 +11,17 @@ communicator meet (DESIGN.md "Layers"). Framework adapters and the simulator bot
 
 The dense reducer skips selection and residual. Per-step statistics (selected count, achieved density,
 words and bytes sent and received) are kept in :attr:`Engine.last`.
+
+Non-finite gradients (``nonfinite=``): before anything else every rank learns, from one allgather of a one-word
+flag (phase ``nonfinite``; P = 1: none), which ranks hold a NaN or Inf. Then, on every rank alike,
+
+* ``"skip"`` (default, like AMP's ``GradScaler``): the step is skipped -- residual, thresholds, partitions and
+  the step counter are left untouched, nothing is selected or exchanged, :attr:`Engine.last` says
+  ``skipped=True`` and names the ranks, and the returned gradient is all NaN on every rank, so a loss scaler
+  that inspects it backs off on every rank and the adapters skip the optimizer update;
+* ``"raise"``: :class:`NonFiniteGradientError` names the ranks and the step, on every rank.
+
+The flag's 4 bytes are reported as ``control_bytes`` and not added to the algorithm's volume.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import dataclasses
 
 import numpy as np
 
+from .errors import NonFiniteGradientError, check_nonfinite
 from .memory import ErrorFeedback
 from .xp import backend_of
 
@@ -49,7 +61,8 @@ class StepContext:
 
 class StepStats(dict):
     """Statistics of the last step: ``n, k, selected, density, sent_bytes, recv_bytes, sent_words,
-    recv_words, collectives``."""
+    recv_words, collectives`` (the algorithm's traffic), ``control_bytes`` (the non-finite flag), ``skipped``
+    (``True`` when a non-finite gradient skipped the step) and ``nonfinite_ranks``."""
 
     __getattr__ = dict.__getitem__
 
@@ -74,12 +87,14 @@ class Engine:
         self.numel = None
         self.layout = None      # numels of the tensors in the flat buffer (set by adapters / simulate)
         self.last = StepStats()
+        self.skipped_steps = 0  # steps skipped for non-finite gradients (not counted in ``steps``)
 
     # -- one step ------------------------------------------------------------------------------------
-    def step(self, grad, average=True, prescale=1.0, postscale=1.0):
+    def step(self, grad, average=True, prescale=1.0, postscale=1.0, nonfinite="skip"):
         """Run one step on the flat gradient ``grad`` (1-D numpy array or torch tensor).
 
-        Returns the reduced flat gradient in ``grad``'s dtype, bit-identical on every rank.
+        Returns the reduced flat gradient in ``grad``'s dtype, bit-identical on every rank (all NaN when a
+        non-finite gradient on any rank skipped the step: see the module docstring for ``nonfinite``).
         """
         xp = backend_of(grad)
         n = xp.numel(grad)
@@ -89,10 +104,25 @@ class Engine:
             raise ValueError(f"hvd_sparse engine '{self.bucket}': the gradient has {n} entries, but this "
                              f"compression state was built for {self.numel}; one compression object "
                              "cannot serve two models (create one per model/optimizer)")
+        check_nonfinite(nonfinite, "hvd_sparse")
         comp = self.compression
         reducer = comp.reducer
-        self.comm.meter.reset()
         grad32 = xp.astype(grad, xp.float32)
+        self.comm.meter.reset()
+        bad = self._nonfinite_ranks(xp, grad32)
+        control = self.comm.meter.totals()["sent_bytes"]
+        self.comm.meter.reset()
+        if bad:
+            where = f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+            if nonfinite == "raise":
+                raise NonFiniteGradientError(
+                    f"hvd_sparse engine '{self.bucket}': non-finite gradient (NaN or Inf) on {where} at step "
+                    f"{self.steps}; raised on every rank (nonfinite='raise'). Pass nonfinite='skip' to skip such "
+                    "steps, or lower the learning rate / use a loss scaler")
+            self.skipped_steps += 1
+            self.last = StepStats(n=n, k=0, selected=0, density=0.0, info={}, skipped=True,
+                                  nonfinite_ranks=bad, control_bytes=control, **self.comm.meter.totals())
+            return xp.astype(xp.full(n, float("nan"), xp.float32, like=grad32), xp.dtype_of(grad))
         ctx = StepContext(self.comm.rank, self.comm.size, self.steps,
                           tuple(self.layout) if self.layout is not None else (n,), self.comm,
                           bool(comp.sparsifier is not None and comp.sparsifier.exact_k))
@@ -118,8 +148,17 @@ class Engine:
         out = xp.mul(u, scale) if scale != 1.0 else xp.copy(u)
         self.steps += 1
         self.last = StepStats(n=n, k=k, selected=selected, density=selected / n if n else 0.0,
-                              info=info, **self.comm.meter.totals())
+                              info=info, skipped=False, nonfinite_ranks=[], control_bytes=control,
+                              **self.comm.meter.totals())
         return xp.astype(out, xp.dtype_of(grad))
+
+    def _nonfinite_ranks(self, xp, grad32):
+        """The ranks (sorted) whose gradient holds a NaN or Inf: one allgather of a one-word flag."""
+        flag = 0 if xp.all_finite(grad32) else 1
+        if self.comm.size == 1:
+            return [self.comm.rank] if flag else []
+        flags = self.comm.allgather(xp.asarray([flag], xp.int32, like=grad32), "nonfinite")
+        return [r for r, f in enumerate(xp.to_numpy(flags).tolist()) if f]
 
     # -- state -------------------------------------------------------------------------------------
     def residual_norm(self):

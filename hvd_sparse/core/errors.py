@@ -71,3 +71,41 @@ def check_same_layout(per_rank, api):
                                  "must build the same model (same names, shapes and order)")
         raise ValueError(f"{api}: the parameters differ across ranks: rank 0 has {len(ref)}, rank {r} has "
                          f"{len(mine)}; every rank must build the same model")
+
+
+NONFINITE_POLICIES = ("skip", "raise")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A NaN or Inf reached the sparse exchange under ``nonfinite="raise"`` (raised on every rank alike)."""
+
+
+def check_nonfinite(policy, api):
+    """``nonfinite=``: ``"skip"`` or ``"raise"``."""
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(f"{api}: nonfinite must be one of {', '.join(map(repr, NONFINITE_POLICIES))}, "
+                         f"got {policy!r}")
+    return policy
+
+
+class ReplicaDivergenceError(RuntimeError):
+    """The consistency guard found parameters that differ across ranks (raised on every rank alike)."""
+
+
+def check_replicas_agree(names, per_rank, step, api):
+    """Raise :class:`ReplicaDivergenceError` on every rank when the ranks' parameter checksums differ.
+
+    ``per_rank``: one row per rank (gathered), each a list with one checksum tuple per name in ``names``
+    (the canonical order, identical on every rank). Names the first differing parameter and the ranks that
+    differ from rank 0.
+    """
+    ref = per_rank[0]
+    differing = [i for i in range(len(names)) if any(row[i] != ref[i] for row in per_rank[1:])]
+    if differing:
+        i = differing[0]
+        ranks = [r for r, row in enumerate(per_rank) if row[i] != ref[i]]
+        raise ReplicaDivergenceError(
+            f"{api}: the replicas diverged: after step {step} parameter {names[i]!r} differs on rank"
+            f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} from rank 0 ({len(differing)} of "
+            f"{len(names)} parameters differ). Something changed parameters on some ranks only (a rank-dependent "
+            "update, a missed broadcast, nondeterministic ops)")

@@ -6,12 +6,13 @@ from horovod.torch.mpi_ops import Average, global_process_set
 
 from .comm import HorovodTorchCommunicator
 from .compression import is_sparse
-from ..core.errors import check_op, scale_factors
+from ..core.errors import check_nonfinite, check_op, scale_factors
 
 _API = "hvd_sparse.torch.sparse_allreduce"
 
 
-def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=global_process_set):
+def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=global_process_set, *,
+                     nonfinite="skip"):
     """Average ``tensor`` over ``process_set``, sending only the entries that ``compression`` selects.
 
     Collective: every rank calls it in the same order, with the same ``name``, shape and dtype. Entries
@@ -24,6 +25,9 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
             Default: ``"sparse_allreduce"`` (all unnamed calls share one residual).
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
         process_set (ProcessSet): ranks taking part. Default: all ranks.
+        nonfinite (str): when any rank's ``tensor`` holds a NaN or Inf: ``"skip"`` (default; the result is
+            all NaN on every rank and the residual is untouched) or ``"raise"`` (NonFiniteGradientError on
+            every rank).
 
     Returns:
         torch.Tensor: same shape and dtype as ``tensor``, bit-identical on every rank.
@@ -32,6 +36,7 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
         raise TypeError(f"{_API}: compression must be a sparse preset such as Compression.topka(0.01), "
                         f"got {compression!r}; for dense tensors use hvd.allreduce")
     check_op(op, 1.0, _API)
+    check_nonfinite(nonfinite, _API)
     if tensor.is_sparse:
         raise TypeError(f"{_API}: tensor must be dense, got a torch.sparse tensor")
     bucket = name or "sparse_allreduce"
@@ -39,5 +44,5 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
     if engine.comm.process_set is not process_set:
         raise ValueError(f"{_API}: name {bucket!r} was first used with another process_set")
     _, _, average = scale_factors(op, 1.0)
-    out = engine.step(tensor.detach().reshape(-1), average=average)
+    out = engine.step(tensor.detach().reshape(-1), average=average, nonfinite=nonfinite)
     return out.view(tensor.shape)

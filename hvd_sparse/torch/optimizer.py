@@ -16,6 +16,16 @@ With a sparse preset the whole model is one sparsification unit:
    ``process_set`` -- and writes the averaged result back into ``p.grad``;
 3. ``step()`` then runs your optimizer on those gradients.
 
+Two safety nets, keyword-only options of :func:`DistributedOptimizer`:
+
+* ``nonfinite="skip"`` (default) / ``"raise"``: a NaN or Inf in any rank's gradient is detected on every rank in
+  the same step (one one-word allgather); ``"skip"`` leaves all sparse state untouched, writes NaN into every
+  ``p.grad`` on every rank (so an AMP-style loss scaler backs off on every rank alike) and makes ``step()`` a
+  no-op for this step; ``"raise"`` raises :class:`~hvd_sparse.core.errors.NonFiniteGradientError` on every rank.
+* ``consistency_check_every=N`` (default 0: off): every N optimizer steps, one allgather of two 64-bit checksums
+  per parameter proves all ranks hold bit-identical parameters, or raises
+  :class:`~hvd_sparse.core.errors.ReplicaDivergenceError` on every rank naming the first differing parameter.
+
 The same code runs at every size, P = 1 included (selection and error feedback happen there too, so
 results do not depend on how many processes you launch). torch.sparse gradients (embeddings with
 ``sparse=True``) are reduced by Horovod's own sparse allreduce unless ``sparse_as_dense=True``, which
@@ -31,7 +41,8 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
-from ..core.errors import check_op, check_positive_int, check_same_layout, scale_factors
+from ..core.errors import (check_nonfinite, check_op, check_positive_int, check_replicas_agree, check_same_layout,
+                           scale_factors)
 from .comm import HorovodTorchCommunicator, allgather_object
 from .compression import Compression, is_sparse
 
@@ -44,7 +55,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     # forever once the result is subclassed. As in Horovod, the inner ``__init__`` runs again with the
     # param groups (which carry every hyper-parameter).
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, sparse_as_dense, process_set):
+                 gradient_predivide_factor, sparse_as_dense, process_set, nonfinite, consistency_check_every):
         self._hvds_inner.__init__(self, params)
         self._compression = compression
         all_params = [p for group in self.param_groups for p in group["params"]]
@@ -81,6 +92,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._hvds_exchanges = 0
+        self._hvds_nonfinite = nonfinite
+        self._hvds_skip_step = False
+        self._hvds_check_every = consistency_check_every
+        self._hvds_steps = 0
         for _, p in self._hvds_params:
             grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
             grad_acc.register_hook(self._hvds_make_hook(p))
@@ -106,6 +121,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if not self.process_set.included():
             self._synchronized = True
             return
+        self._hvds_skip_step = False
         dense_params, sparse_params = [], []
         for name, p in self._hvds_params:
             if p.grad is None:
@@ -123,7 +139,15 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 check_same_layout(allgather_object([(n, tuple(p.shape)) for n, p in dense_params],
                                                    "hvd_sparse.model.layout", self.process_set), _API)
             engine.layout = [p.numel() for _, p in dense_params]
-            out = engine.step(flat, average=average, prescale=prescale, postscale=postscale)
+            out = engine.step(flat, average=average, prescale=prescale, postscale=postscale,
+                              nonfinite=self._hvds_nonfinite)
+            if engine.last["skipped"]:
+                self._hvds_skip_step = True
+                bad = engine.last["nonfinite_ranks"]
+                warnings.warn(f"{_API}: non-finite gradient on rank{'s' if len(bad) > 1 else ''} "
+                              f"{', '.join(map(str, bad))}: this step is skipped on every rank (nonfinite='skip'); "
+                              "sparse state is unchanged",
+                              RuntimeWarning, stacklevel=2)
             offset = 0
             for _, p in dense_params:
                 m = p.numel()
@@ -169,7 +193,27 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        return self._hvds_inner.step(self, closure)
+        if self._hvds_skip_step:           # non-finite gradient on some rank: no update on any rank
+            self._hvds_skip_step = False
+            return None
+        out = self._hvds_inner.step(self, closure)
+        self._hvds_steps += 1
+        if self._hvds_check_every and self._hvds_steps % self._hvds_check_every == 0:
+            self.check_consistency()
+        return out
+
+    def check_consistency(self):
+        """Collective: raise :class:`~hvd_sparse.core.errors.ReplicaDivergenceError` on every rank unless all
+        ranks hold bit-identical parameters (two 64-bit checksums of each parameter's bits, one allgather).
+        Runs every ``consistency_check_every`` steps by itself; callable at any point every rank reaches."""
+        if not self.process_set.included() or self.process_set.size() == 1:
+            return
+        sums = torch.stack([_checksum(p) for _, p in self._hvds_params]) if self._hvds_params \
+            else torch.zeros((0, 2), dtype=torch.int64)
+        gathered = hvd.allgather(sums.unsqueeze(0), name="hvd_sparse.model.consistency",
+                                 process_set=self.process_set)
+        per_rank = [[tuple(c) for c in row] for row in gathered.tolist()]
+        check_replicas_agree([n for n, _ in self._hvds_params], per_rank, self._hvds_steps, _API)
 
     def zero_grad(self, *args, **kwargs):
         if any(self._hvds_passes.values()):
@@ -208,6 +252,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         overwrite with rank 0's residuals."""
         return {"version": 1, "model": self._hvds_engine().state_dict()}
 
+    def skipped_steps(self):
+        """Steps skipped on this rank (and every other) because a gradient was not finite."""
+        return self._hvds_engine().skipped_steps
+
     def load_sparse_state_dict(self, state):
         """Restore :meth:`sparse_state_dict`; the run then continues bit for bit as if never interrupted."""
         if not isinstance(state, dict) or state.get("version") != 1 or "model" not in state:
@@ -217,10 +265,21 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hvds_exchanges = max(self._hvds_exchanges, 1 if state["model"]["steps"] else 0)
 
 
+_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _checksum(p):
+    """Two int64 checksums of a tensor's bits: the sum of its words and a position-weighted sum (any single
+    changed bit changes the first; swapped words change the second). Deterministic, wraps on overflow."""
+    w = p.detach().reshape(-1).contiguous().view(_WORD[p.element_size()]).to(torch.int64)
+    weights = torch.arange(w.numel(), dtype=torch.int64, device=w.device) % 65521 + 1
+    return torch.stack([w.sum(), (w * weights).sum()]).cpu()
+
+
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=global_process_set):
+                         process_set=global_process_set, *, nonfinite="skip", consistency_check_every=0):
     """Wrap a ``torch.optim.Optimizer`` so that ``step()`` first averages the gradients over Horovod
     ranks -- sparsely, when ``compression`` is a sparse preset.
 
@@ -240,6 +299,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             the whole model as one unit (one global top-k), so they are validated and otherwise unused.
         sparse_as_dense (bool): densify torch.sparse gradients into the sparsified buffer.
         process_set: ranks that take part. Default: all ranks.
+        nonfinite (str, keyword-only): ``"skip"`` (default) or ``"raise"``: what every rank does when any
+            rank's gradient holds a NaN or Inf (sparse presets; the dense path propagates the NaN to every rank).
+        consistency_check_every (int, keyword-only): every that many steps, check that all ranks hold
+            bit-identical parameters (one small allgather); 0 (default) turns it off.
 
     Returns:
         an instance of ``type(optimizer)`` (same class name) with ``synchronize()``,
@@ -251,7 +314,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         ValueError: bad ``op``, ``gradient_predivide_factor``, ``backward_passes_per_step``, ``groups``,
             duplicate or missing parameter names, or a sparse preset already used by another optimizer.
     """
+    check_nonfinite(nonfinite, _API)
+    check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
     if not is_sparse(compression):
+        if consistency_check_every:
+            raise ValueError(f"{_API}: consistency_check_every works with hvd_sparse's sparse optimizer; with "
+                             f"{compression!r} the result is Horovod's own optimizer")
         return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters, compression=compression,
                                         backward_passes_per_step=backward_passes_per_step, op=op,
                                         gradient_predivide_factor=gradient_predivide_factor,
@@ -268,4 +336,4 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_SparseDistributedOptimizer.__dict__, _hvds_inner=optimizer.__class__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, sparse_as_dense, process_set)
+               gradient_predivide_factor, sparse_as_dense, process_set, nonfinite, consistency_check_every)

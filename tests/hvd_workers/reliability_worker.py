@@ -1,0 +1,182 @@
+"""Runs under `horovodrun -np P --gloo`: reliability scenarios of hvd_sparse.torch (issue 6).
+
+    reliability_worker.py <scenario> <outdir> [preset]
+
+Scenarios (``all`` runs skip, amp, raise and consistency in one job; each rank writes <outdir>/<scenario>.rank<r>.npz unless it is meant to die):
+  skip         NaN in rank 1's gradient at step 3 (nonfinite="skip"): parameters after every step, skipped count
+  amp          the Horovod AMP recipe with torch.amp.GradScaler: Inf on rank 1 at step 3; scales and parameters
+  raise        nonfinite="raise": NaN on rank 1 at step 2; the error message every rank caught
+  consistency  consistency_check_every=2; rank 1 nudges one parameter after step 3; the error every rank caught
+  kill <p>     preset <p>; rank 1 SIGKILLs itself in the middle of step 3's exchange (after its first collective),
+               after writing the time to <outdir>/killed.time
+  fail <p>     the same, but rank 1 raises RuntimeError there
+"""
+
+import os
+import signal
+import sys
+import time
+import warnings
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+
+import hvd_sparse
+import hvd_sparse.torch as hvds
+from hvd_sparse.bench import presets
+
+STEPS = 6
+
+
+def build(seed=0, **kw):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    compression = kw.pop("compression", None) or hvds.Compression.oktopk(0.1, threshold_period=2)
+    opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                    named_parameters=model.named_parameters(), compression=compression, **kw)
+    return model, opt
+
+
+def data(step):
+    g = torch.Generator().manual_seed(100 * step + hvd.rank())
+    return torch.randn(8, 20, generator=g)
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+
+
+def poison(model, step, at, rank, value):
+    if step == at and hvd.rank() == rank:
+        next(model.parameters()).grad.view(-1)[5] = value
+
+
+def save(outdir, scenario, **arrays):
+    np.savez(os.path.join(outdir, f"{scenario}.rank{hvd.rank()}.npz"), **arrays)
+
+
+def skip(outdir):
+    model, opt = build()
+    params = [flat(model)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in range(STEPS):
+            opt.zero_grad()
+            model(data(t)).pow(2).mean().backward()
+            poison(model, t, 3, 1, float("nan"))
+            opt.step()
+            params.append(flat(model))
+    msgs = [str(w.message) for w in caught if "non-finite" in str(w.message)]
+    save(outdir, "skip", params=np.stack(params), skipped=opt.skipped_steps(), warnings=np.array(msgs))
+
+
+def amp(outdir):
+    model, opt = build()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    params, scales = [flat(model)], []
+    for t in range(STEPS):
+        opt.zero_grad()
+        scaler.scale(model(data(t)).pow(2).mean()).backward()
+        poison(model, t, 3, 1, float("inf"))
+        opt.synchronize()                 # Horovod's AMP recipe: reduce, unscale, step without a second exchange
+        scaler.unscale_(opt)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        params.append(flat(model))
+    save(outdir, "amp", params=np.stack(params), scales=np.array(scales))
+
+
+def raise_(outdir):
+    model, opt = build(nonfinite="raise")
+    msg, at = "", -1
+    for t in range(STEPS):
+        opt.zero_grad()
+        model(data(t)).pow(2).mean().backward()
+        poison(model, t, 2, 1, float("nan"))
+        try:
+            opt.step()
+        except hvd_sparse.NonFiniteGradientError as e:
+            msg, at = str(e), t
+            break
+    save(outdir, "raise", msg=np.array(msg), at=at, params=flat(model))
+
+
+def consistency(outdir):
+    model, opt = build(consistency_check_every=2)
+    msg, at = "", -1
+    for t in range(STEPS):
+        opt.zero_grad()
+        model(data(t)).pow(2).mean().backward()
+        try:
+            opt.step()
+        except hvd_sparse.ReplicaDivergenceError as e:
+            msg, at = str(e), t
+            break
+        if t == 2 and hvd.rank() == 1:
+            with torch.no_grad():
+                model[2].weight[1, 2] += 1e-3
+    save(outdir, "consistency", msg=np.array(msg), at=at)
+
+
+class _DieMidStep:
+    """Delegates to the engine's communicator; on rank 1 at step 3 dies at the second collective of the step
+    (the first is the engine's non-finite flag), i.e. inside the reducer's exchange."""
+
+    def __init__(self, comm, engine, outdir, how):
+        self._comm, self._engine, self._outdir, self._how, self._calls = comm, engine, outdir, how, 0
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def _maybe_die(self):
+        if self._engine.steps == 3 and self._comm.rank == 1:
+            self._calls += 1
+            if self._calls == 2:
+                with open(os.path.join(self._outdir, "killed.time"), "w") as f:
+                    f.write(repr(time.time()))
+                if self._how == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError("injected failure on rank 1 in the middle of step 3")
+
+    def allreduce(self, *a):
+        self._maybe_die()
+        return self._comm.allreduce(*a)
+
+    def allgather(self, *a):
+        self._maybe_die()
+        return self._comm.allgather(*a)
+
+    def alltoall(self, *a):
+        self._maybe_die()
+        return self._comm.alltoall(*a)
+
+    def broadcast(self, *a):
+        self._maybe_die()
+        return self._comm.broadcast(*a)
+
+
+def die(outdir, preset, how):
+    model, opt = build(compression=presets.make(preset, 0.1))
+    for t in range(STEPS + 4):
+        opt.zero_grad()
+        model(data(t)).pow(2).mean().backward()
+        opt.step()
+        if t == 0:
+            engine = opt._hvds_engine()
+            engine.comm = _DieMidStep(engine.comm, engine, outdir, how)
+    save(outdir, f"{how}-{preset}", params=flat(model))       # not reached: the job must end first
+
+
+if __name__ == "__main__":
+    hvd.init()
+    scenario, outdir = sys.argv[1], sys.argv[2]
+    if scenario in ("kill", "fail"):
+        die(outdir, sys.argv[3], scenario)
+    else:
+        table = {"skip": skip, "amp": amp, "raise": raise_, "consistency": consistency}
+        for name in (table if scenario == "all" else [scenario]):
+            table[name](outdir)

@@ -1,0 +1,101 @@
+"""Reliability through real `horovodrun --gloo` (issue 6): non-finite skip/raise across processes, the AMP
+recipe, the consistency guard, and a worker that dies mid-step ending the job fast for every reducer."""
+
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from horovod_helpers import BIN, HERE, horovodrun, load_ranks, requires_horovod
+
+pytestmark = [pytest.mark.horovod, requires_horovod]
+
+NP = 2
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory):
+    out = tmp_path_factory.mktemp("reliability")
+    horovodrun(NP, "reliability_worker.py", "all", out)
+    return {s: load_ranks(out, s, NP) for s in ("skip", "amp", "raise", "consistency")}
+
+
+def _unchanged_steps(params):
+    return [t for t in range(len(params) - 1) if params[t].tobytes() == params[t + 1].tobytes()]
+
+
+def test_nan_on_one_rank_skips_that_step_on_every_rank(policies):
+    ranks = policies["skip"]
+    for r in ranks:
+        assert _unchanged_steps(r["params"]) == [3]              # only the poisoned step 3 left the weights
+        assert int(r["skipped"]) == 1
+        assert "non-finite gradient on rank 1" in str(r["warnings"][0])
+    assert ranks[0]["params"].tobytes() == ranks[1]["params"].tobytes()
+
+
+def test_amp_grad_scaler_backs_off_on_every_rank(policies):
+    ranks = policies["amp"]
+    for r in ranks:
+        assert _unchanged_steps(r["params"]) == [3]
+        assert r["scales"].tolist() == [1024.0] * 3 + [512.0] * 3   # the scale halves on every rank at step 3
+    assert ranks[0]["params"].tobytes() == ranks[1]["params"].tobytes()
+
+
+def test_nonfinite_raise_raises_on_every_rank_naming_the_rank(policies):
+    for r in policies["raise"]:
+        assert int(r["at"]) == 2
+        assert "non-finite gradient (NaN or Inf) on rank 1 at step 2" in str(r["msg"])
+
+
+def test_consistency_guard_names_the_first_differing_parameter_and_rank(policies):
+    for r in policies["consistency"]:
+        assert int(r["at"]) == 3                                     # the check after step 4 (every 2 steps)
+        assert "parameter '2.weight' differs on rank 1 from rank 0" in str(r["msg"])
+
+
+# -- a worker dying mid-step ends the whole job ------------------------------------------------------------
+REDUCER_PRESETS = ["dense", "topka", "topk_dsa", "gtopk", "oktopk", "exdyna", "spardl"]   # every reducer
+CASES = [("kill", p) for p in REDUCER_PRESETS] + [("fail", "oktopk"), ("fail", "spardl")]
+LIMIT = 60.0
+
+
+def _launch(how, preset, outdir):
+    cmd = [str(BIN / "horovodrun"), "-np", str(NP), "-H", f"localhost:{NP}", "--gloo", sys.executable,
+           str(HERE / "hvd_workers" / "reliability_worker.py"), how, str(outdir), preset]
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(HERE.parent))
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_a_worker_killed_or_raising_mid_step_ends_the_job_within_60s_naming_the_rank(tmp_path):
+    pending = [(how, preset, tmp_path / f"{how}-{preset}") for how, preset in CASES]
+    running, results = [], {}
+    while pending or running:                     # 3 jobs at a time on this 2-core machine
+        while pending and len(running) < 3:
+            how, preset, out = pending.pop(0)
+            out.mkdir()
+            running.append((how, preset, out, _launch(how, preset, out)))
+        time.sleep(0.5)
+        for job in list(running):
+            how, preset, out, proc = job
+            if proc.poll() is None:
+                killed = out / "killed.time"
+                if killed.exists() and killed.read_text() and time.time() - float(killed.read_text()) > 2 * LIMIT:
+                    proc.kill()                   # hung: fail below, do not hang the suite
+                continue
+            ended = time.time()
+            running.remove(job)
+            results[(how, preset)] = (proc.returncode, proc.stdout.read(), out, ended)
+    for (how, preset), (code, output, out, ended) in results.items():
+        where = f"{how} {preset}"
+        assert (out / "killed.time").exists(), f"{where}: the failure was never injected:\n{output[-3000:]}"
+        took = ended - float((out / "killed.time").read_text())
+        assert code != 0, f"{where}: the job succeeded although rank 1 died"
+        assert took < LIMIT, f"{where}: the job took {took:.0f} s to end after rank 1 died"
+        assert "Process name: 1" in output, f"{where}: the failed rank is not named:\n{output[-3000:]}"
+        assert not list(out.glob("*.npz")), f"{where}: a surviving rank finished training"
+        if how == "fail":
+            assert "injected failure on rank 1 in the middle of step 3" in output
