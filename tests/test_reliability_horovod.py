@@ -99,3 +99,31 @@ def test_a_worker_killed_or_raising_mid_step_ends_the_job_within_60s_naming_the_
         assert not list(out.glob("*.npz")), f"{where}: a surviving rank finished training"
         if how == "fail":
             assert "injected failure on rank 1 in the middle of step 3" in output
+
+
+# -- elastic: a killed worker, restore, reset to fewer ranks -----------------------------------------------
+@pytest.mark.parametrize("policy", ["keep", "drop"])
+def test_elastic_run_survives_a_killed_worker_and_resets_sparse_state(tmp_path, policy):
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:2\necho 127.0.0.1:1\n")     # two "hosts", both this machine
+    discover.chmod(0o755)
+    cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
+           str(discover), sys.executable, str(HERE / "hvd_workers" / "elastic_worker.py"), str(tmp_path), policy]
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
+               PYTHONPATH=str(HERE.parent))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    survivors = [dict(np.load(f)) for f in sorted(tmp_path.glob("elastic.*.npz"))]
+    assert len(survivors) == 2                                  # the worker on 127.0.0.1 died at step 5
+    for s in survivors:
+        steps, sizes, engine_steps, norms = s["records"].T
+        assert steps.tolist() == list(range(12))                # step 5 (uncommitted when the worker died) redone
+        assert sizes.tolist() == [3] * 5 + [2] * 7
+        # partitions, thresholds and counters start afresh after the reset: the engine counts again from 1
+        assert engine_steps.tolist() == [1, 2, 3, 4, 5] + [1, 2, 3, 4, 5, 6, 7]
+        (s0, size0, r0), (s1, size1, r1) = s["starts"].tolist()
+        assert (s0, size0, r0) == (0, 3, 0.0) and (s1, size1) == (5, 2)
+        # the residual after the reset: this process's residual at the last commit (after step 4), or zero
+        assert r1 == (norms[4] if policy == "keep" else 0.0)
+        assert norms[4] > 0
+    assert survivors[0]["params"].tobytes() == survivors[1]["params"].tobytes()

@@ -4,8 +4,11 @@
                                           compression=hvds.Compression.topka(density=0.01))
 """
 
+from . import elastic
 from .compression import Compression
 from .mpi_ops import sparse_allreduce
 from .optimizer import DistributedOptimizer
+
+elastic.register()      # hvd.elastic.TorchState keeps hvd_sparse optimizers' per-rank state (see elastic.py)
 
 __all__ = ["Compression", "DistributedOptimizer", "sparse_allreduce"]

@@ -45,6 +45,7 @@ from ..core.errors import (check_nonfinite, check_op, check_positive_int, check_
                            scale_factors)
 from .comm import HorovodTorchCommunicator, allgather_object
 from .compression import Compression, is_sparse
+from .elastic import ELASTIC_RESIDUALS, SparseOptimizer
 
 _API = "hvd_sparse.torch.DistributedOptimizer"
 
@@ -55,7 +56,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     # forever once the result is subclassed. As in Horovod, the inner ``__init__`` runs again with the
     # param groups (which carry every hyper-parameter).
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
-                 gradient_predivide_factor, sparse_as_dense, process_set, nonfinite, consistency_check_every):
+                 gradient_predivide_factor, sparse_as_dense, process_set, nonfinite, consistency_check_every,
+                 elastic_residuals):
         self._hvds_inner.__init__(self, params)
         self._compression = compression
         all_params = [p for group in self.param_groups for p in group["params"]]
@@ -95,6 +97,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hvds_nonfinite = nonfinite
         self._hvds_skip_step = False
         self._hvds_check_every = consistency_check_every
+        self._hvds_elastic_residuals = elastic_residuals
         self._hvds_steps = 0
         for _, p in self._hvds_params:
             grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
@@ -114,6 +117,27 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     def _hvds_engine(self):
         return self._compression.engine(
             "model", self, lambda: HorovodTorchCommunicator(self.process_set, "model"))
+
+    def _hvds_has_engine(self):
+        entry = self._compression._engines.get("model")
+        return entry is not None and entry[0] is self
+
+    def _hvds_elastic_reset(self):
+        """After an elastic reset (hvd_sparse.torch.elastic): a fresh engine over the current process set --
+        partitions, thresholds and counters start afresh on every rank alike -- and this rank's residual kept
+        or dropped by the ``elastic_residuals`` policy."""
+        if not self._hvds_has_engine():
+            return
+        old = self._hvds_engine()
+        del self._compression._engines["model"]
+        new = self._hvds_engine()
+        if self._hvds_elastic_residuals == "keep":
+            new.memory.residual = old.memory.residual
+        for p in self._hvds_passes:
+            self._hvds_passes[p] = 0
+        self._synchronized = False
+        self._hvds_skip_step = False
+        self._hvds_exchanges = 0
 
     # -- the exchange ------------------------------------------------------------------------------------
     def synchronize(self):
@@ -279,7 +303,8 @@ def _checksum(p):
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
-                         process_set=global_process_set, *, nonfinite="skip", consistency_check_every=0):
+                         process_set=global_process_set, *, nonfinite="skip", consistency_check_every=0,
+                         elastic_residuals="keep"):
     """Wrap a ``torch.optim.Optimizer`` so that ``step()`` first averages the gradients over Horovod
     ranks -- sparsely, when ``compression`` is a sparse preset.
 
@@ -303,6 +328,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             rank's gradient holds a NaN or Inf (sparse presets; the dense path propagates the NaN to every rank).
         consistency_check_every (int, keyword-only): every that many steps, check that all ranks hold
             bit-identical parameters (one small allgather); 0 (default) turns it off.
+        elastic_residuals (str, keyword-only): under ``hvd.elastic``, what a reset (a rank left or joined) does
+            to this rank's residual: ``"keep"`` (default) or ``"drop"``; partitions, thresholds and counters
+            always start afresh (see :mod:`hvd_sparse.torch.elastic`).
 
     Returns:
         an instance of ``type(optimizer)`` (same class name) with ``synchronize()``,
@@ -316,6 +344,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     """
     check_nonfinite(nonfinite, _API)
     check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
+    if elastic_residuals not in ELASTIC_RESIDUALS:
+        raise ValueError(f"{_API}: elastic_residuals must be 'keep' or 'drop', got {elastic_residuals!r}")
     if not is_sparse(compression):
         if consistency_check_every:
             raise ValueError(f"{_API}: consistency_check_every works with hvd_sparse's sparse optimizer; with "
@@ -333,7 +363,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if compression._engines:
         raise ValueError(f"{_API}: {compression!r} is already used by another optimizer; a sparse preset "
                          "keeps per-model state (residuals, thresholds): create one per optimizer")
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__, SparseOptimizer),
                dict(_SparseDistributedOptimizer.__dict__, _hvds_inner=optimizer.__class__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-               gradient_predivide_factor, sparse_as_dense, process_set, nonfinite, consistency_check_every)
+               gradient_predivide_factor, sparse_as_dense, process_set, nonfinite, consistency_check_every,
+               elastic_residuals)
