@@ -69,3 +69,14 @@ def test_nonfinite_flag_is_control_traffic_not_algorithm_volume():
     k = int(0.05 * 240)
     assert res.volume[0][0]["recv_words"] == 2 * 2 * k
     assert "nonfinite" not in res.phases[0][0]["calls"]
+
+
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("preset", PRESETS)
+def test_all_zero_gradients_select_nothing_and_keep_zero_state(preset, P):
+    res = simulate(presets.make(preset, 0.05), np.zeros((3, P, 120), np.float32))
+    assert not res.updates.any() and not res.residuals.any()
+    # ExDyna sends one fallback index per rank when nothing passes (spec exdyna.md), SparDL counts its fixed
+    # budget and dense everything; the others select nothing
+    if preset not in ("dense", "exdyna", "spardl"):
+        assert not res.selected.any()

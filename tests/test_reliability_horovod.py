@@ -20,7 +20,7 @@ NP = 2
 def policies(tmp_path_factory):
     out = tmp_path_factory.mktemp("reliability")
     horovodrun(NP, "reliability_worker.py", "all", out)
-    return {s: load_ranks(out, s, NP) for s in ("skip", "amp", "raise", "consistency")}
+    return {s: load_ranks(out, s, NP) for s in ("skip", "amp", "raise", "consistency", "inputs")}
 
 
 def _unchanged_steps(params):
@@ -54,6 +54,22 @@ def test_consistency_guard_names_the_first_differing_parameter_and_rank(policies
     for r in policies["consistency"]:
         assert int(r["at"]) == 3                                     # the check after step 4 (every 2 steps)
         assert "parameter '2.weight' differs on rank 1 from rank 0" in str(r["msg"])
+
+
+def test_bad_inputs_that_need_real_ranks(policies):
+    """Rows of docs/reliability.md: each behaves as documented and every rank ends with the same parameters."""
+    a, b = policies["inputs"]
+    for key in a:
+        assert a[key].tobytes() == b[key].tobytes(), f"{key} differs across ranks"
+    for half in ("float16", "bfloat16"):
+        assert bool(a[f"{half}_moved"]) and a[f"{half}_dtypes"].tolist() == [f"torch.{half}"]
+    assert "tensor must be floating point" in str(a["int_error"]) and "torch.int64" in str(a["int_error"])
+    assert np.isfinite(a["sparse_grads_False"]).all() and np.isfinite(a["sparse_grads_True"]).all()
+    snaps = a["frozen_snaps"]           # layer 0 before each of 6 steps and at the end; frozen at steps 2 and 3
+    moved = [snaps[t].tobytes() != snaps[t + 1].tobytes() for t in range(6)]
+    assert moved == [True, True, False, False, True, True]
+    assert int(a["empty_stats"]) == 0
+    assert np.isfinite(a["no_backward_params"]).all()
 
 
 # -- a worker dying mid-step ends the whole job ------------------------------------------------------------

@@ -49,6 +49,7 @@ def test_horovod_run_equals_simulator_on_the_same_gradients(job, scenario):
     P, res = job
     ranks = res[scenario]
     grads = np.stack([r["raw"] for r in ranks], axis=1)          # (steps, P, n)
+    assert np.isfinite(grads).all()                               # a converging run: the comparison means something
     sim = simulate(hvd_sparse.Compression.topka(0.05), grads)
     for r in range(P):
         assert ranks[r]["red"].tobytes() == sim.updates[:, r].tobytes(), f"rank {r} differs from simulator"
@@ -97,6 +98,7 @@ def test_every_preset_through_horovod_equals_simulator(job, preset):
     P, res = job
     ranks = res["presets"]
     grads = np.stack([r[f"{preset}.raw"] for r in ranks], axis=1)
+    assert np.isfinite(grads).all()
     sim = simulate(presets.make(preset, 0.05), grads, shapes=[(int(m),) for m in ranks[0]["layout"]],
                    backend="torch")
     for r in range(P):

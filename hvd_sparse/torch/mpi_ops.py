@@ -39,6 +39,9 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
     check_nonfinite(nonfinite, _API)
     if tensor.is_sparse:
         raise TypeError(f"{_API}: tensor must be dense, got a torch.sparse tensor")
+    if not tensor.is_floating_point():
+        raise TypeError(f"{_API}: tensor must be floating point (float32, float16, bfloat16, float64), got "
+                        f"{tensor.dtype}; sparsifying integers would round the average -- use hvd.allreduce")
     bucket = name or "sparse_allreduce"
     engine = compression.engine(bucket, bucket, lambda: HorovodTorchCommunicator(process_set, bucket))
     if engine.comm.process_set is not process_set:

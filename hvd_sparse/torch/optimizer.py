@@ -147,6 +147,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             return
         self._hvds_skip_step = False
         dense_params, sparse_params = [], []
+        # Frozen since construction (requires_grad now False): keeps its place in the buffer (zeros; the same
+        # layout on every rank) but gets no gradient, so the optimizer leaves it alone.
+        frozen = [p for _, p in self._hvds_params if not p.requires_grad]
         for name, p in self._hvds_params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)     # unused on this rank: contributes zeros, as in Horovod
@@ -185,6 +188,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             handle = hvd.sparse_allreduce_async(p.grad, name=f"hvd_sparse.sparse_grad.{name}", op=self.op,
                                                 process_set=self.process_set)
             p.grad = handle()
+        for p in frozen:
+            p.grad = None
         for p in self._hvds_passes:
             self._hvds_passes[p] = 0
         self._hvds_exchanges += 1

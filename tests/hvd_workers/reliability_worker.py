@@ -7,6 +7,9 @@ Scenarios (``all`` runs skip, amp, raise and consistency in one job; each rank w
   amp          the Horovod AMP recipe with torch.amp.GradScaler: Inf on rank 1 at step 3; scales and parameters
   raise        nonfinite="raise": NaN on rank 1 at step 2; the error message every rank caught
   consistency  consistency_check_every=2; rank 1 nudges one parameter after step 3; the error every rank caught
+  inputs       the bad-input rows of docs/reliability.md that need real ranks: fp16/bf16 models, an int tensor,
+               torch.sparse gradients (Horovod's path and sparse_as_dense), a layer frozen and unfrozen between steps,
+               a parameter unused on rank 1 only, a model without trainable parameters, step() without backward()
   kill <p>     preset <p>; rank 1 SIGKILLs itself in the middle of step 3's exchange (after its first collective),
                after writing the time to <outdir>/killed.time
   fail <p>     the same, but rank 1 raises RuntimeError there
@@ -122,6 +125,98 @@ def consistency(outdir):
     save(outdir, "consistency", msg=np.array(msg), at=at)
 
 
+def inputs(outdir):
+    rec = {}
+
+    def train(model, opt, steps=3, before=None):
+        for t in range(steps):
+            if before:
+                before(t)
+            opt.zero_grad()
+            x = data(t).to(next(model.parameters()).dtype)
+            model(x).float().pow(2).mean().backward()
+            opt.step()
+
+    for dtype in (torch.float16, torch.bfloat16):
+        model, opt = build()
+        model.to(dtype)
+        start = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+        train(model, opt)
+        end = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+        key = str(dtype).split(".")[1]
+        rec[f"{key}_params"] = end.numpy()
+        rec[f"{key}_moved"] = bool((end != start).any())
+        rec[f"{key}_dtypes"] = np.array(sorted({str(p.dtype) for p in model.parameters()}))
+    try:
+        hvds.sparse_allreduce(torch.arange(4), hvds.Compression.topka(0.5), name="ints")
+    except TypeError as e:
+        rec["int_error"] = str(e)
+
+    class Bag(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(50, 6, sparse=True)
+            self.out = torch.nn.Linear(6, 1)
+
+        def forward(self, ids):
+            return self.out(self.emb(ids).mean(1))
+
+    for as_dense in (False, True):
+        torch.manual_seed(0)
+        model = Bag()
+        opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvds.Compression.topka(0.2), sparse_as_dense=as_dense)
+        for t in range(3):
+            g = torch.Generator().manual_seed(10 * t + hvd.rank())
+            opt.zero_grad()
+            model(torch.randint(0, 50, (4, 3), generator=g)).pow(2).mean().backward()
+            opt.step()
+        rec[f"sparse_grads_{as_dense}"] = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+
+    model, opt = build()
+    first = model[0]
+    snaps = []
+
+    def toggle(t):
+        for p in first.parameters():
+            p.requires_grad_(not 2 <= t < 4)          # frozen at steps 2 and 3
+        snaps.append(torch.cat([p.detach().reshape(-1) for p in first.parameters()]).numpy().copy())
+
+    train(model, opt, steps=6, before=toggle)
+    snaps.append(torch.cat([p.detach().reshape(-1) for p in first.parameters()]).numpy().copy())
+    rec["frozen_snaps"] = np.stack(snaps)
+    rec["frozen_params"] = flat(model)
+
+    torch.manual_seed(0)
+    heads = torch.nn.ModuleDict({"a": torch.nn.Linear(20, 1), "b": torch.nn.Linear(20, 1)})
+    opt = hvds.DistributedOptimizer(torch.optim.SGD(heads.parameters(), lr=0.1),
+                                    named_parameters=heads.named_parameters(),
+                                    compression=hvds.Compression.oktopk(0.2))
+    for t in range(3):
+        opt.zero_grad()
+        x = data(t)
+        y = heads["a"](x) if hvd.rank() == 1 else heads["a"](x) + heads["b"](x)     # b unused on rank 1
+        y.pow(2).mean().backward()
+        opt.step()
+    rec["unused_params"] = torch.cat([p.detach().reshape(-1) for p in heads.parameters()]).numpy()
+
+    frozen_model = torch.nn.Linear(3, 1)
+    for p in frozen_model.parameters():
+        p.requires_grad_(False)
+    opt = hvds.DistributedOptimizer(torch.optim.SGD(frozen_model.parameters(), lr=0.1),
+                                    named_parameters=frozen_model.named_parameters(),
+                                    compression=hvds.Compression.topka(0.5))
+    opt.step()
+    rec["empty_stats"] = len(opt.sparse_stats())
+
+    model, opt = build()
+    opt.zero_grad()
+    opt.step()                                        # no backward(): zero gradients, as in Horovod
+    rec["no_backward_params"] = flat(model)
+    save(outdir, "inputs", **rec)
+
+
 class _DieMidStep:
     """Delegates to the engine's communicator; on rank 1 at step 3 dies at the second collective of the step
     (the first is the engine's non-finite flag), i.e. inside the reducer's exchange."""
@@ -177,6 +272,6 @@ if __name__ == "__main__":
     if scenario in ("kill", "fail"):
         die(outdir, sys.argv[3], scenario)
     else:
-        table = {"skip": skip, "amp": amp, "raise": raise_, "consistency": consistency}
+        table = {"skip": skip, "amp": amp, "raise": raise_, "consistency": consistency, "inputs": inputs}
         for name in (table if scenario == "all" else [scenario]):
             table[name](outdir)

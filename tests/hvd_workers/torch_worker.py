@@ -69,7 +69,7 @@ def run_recorded(opt, model, xs, explicit_sync):
 
 def scenario_optimizer(out):
     model, xs = model_and_data()
-    base = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    base = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.5)
     opt = hvds.DistributedOptimizer(base, named_parameters=model.named_parameters(),
                                     compression=hvds.Compression.topka(DENSITY))
     assert type(opt).__name__ == "SGD" and isinstance(opt, torch.optim.SGD)
