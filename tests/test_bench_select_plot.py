@@ -4,6 +4,7 @@ import json
 
 from hvd_sparse.bench.__main__ import main
 from hvd_sparse.bench.select import METHODS
+from hvd_sparse.core import native
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -32,10 +33,30 @@ def test_select_cli_reports_every_method(tmp_path, capsys):
     assert rows["threshold_reuse"]["selected"] == 200
     for m in ("gaussiank", "exdyna", "dct"):
         assert 0 < rows[m]["selected"] < 20000
+    # the thresholding sparsifiers ran the fused kernel (when it builds here), the torch baselines did not
+    kernel = report["native_kernel"]
+    assert kernel["enabled"] is native.available() and kernel["threads"] == 1      # n < MIN_PER_THREAD
+    for m in ("threshold_reuse", "gaussiank", "exdyna"):
+        assert rows[m]["native"] is kernel["enabled"]
+    for m in ("topk_exact", "torch.topk", "stream"):
+        assert rows[m]["native"] is False
     assert_png(png)
     text = capsys.readouterr().out
-    assert "| method | seconds (median) | x stream | torch.topk / method |" in text
+    assert "| method | seconds (median) | x stream | torch.topk / method | native |" in text
     assert "| stream |" in text and "| threshold_reuse |" in text
+
+
+def test_select_cli_records_the_generic_path_when_the_kernel_is_off(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HVD_SPARSE_NATIVE", "0")
+    out = tmp_path / "s.json"
+    assert main(["select", "--numel", "5000", "--repeat", "1", "--json", str(out), "--quiet"]) == 0
+    report = json.loads(out.read_text())
+    assert report["native_kernel"]["enabled"] is False
+    assert report["native_kernel"]["reason"] == "HVD_SPARSE_NATIVE=0"
+    assert not any(r["native"] for r in report["results"])
+    rows = {r["method"]: r for r in report["results"]}
+    assert rows["threshold_reuse"]["selected"] == 50
+    assert "fused kernel off (HVD_SPARSE_NATIVE=0)" in capsys.readouterr().out
 
 
 def test_volume_cli_with_a_list_of_workers_and_a_plot(tmp_path, capsys):

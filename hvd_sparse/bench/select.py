@@ -17,8 +17,15 @@ The sparsifiers are those of the library presets (``Compression.<preset>(density
 
 Set-up steps (threshold re-evaluation, tau0) run once and are not timed; every timed call starts from a
 copy of the same post-set-up state, so all repetitions do the same work. Each method is called once as a
-warm-up, then ``--repeat`` times; the median is reported. Wall-clock seconds: they depend on the machine
-and its load (the JSON records torch's thread count).
+warm-up, then timed in ``--repeat`` rounds, each round timing every method once (round-robin, so a change
+of machine load during the run -- minutes on a shared machine -- affects all methods alike); the median is
+reported. Wall-clock seconds: they depend on the machine and its load (the JSON records torch's thread
+count).
+
+On a CPU buffer, threshold_reuse, gaussiank and exdyna threshold with the fused select-and-compact kernel
+(``hvd_sparse.core.native``) unless ``HVD_SPARSE_NATIVE=0``: each row records ``native`` (the kernel ran
+during the timed calls) and the report records ``native_kernel`` (build flags, SIMD path, kernel threads).
+The warm-up call also pays the kernel's one-time build (cached on disk afterwards).
 """
 
 from __future__ import annotations
@@ -41,17 +48,12 @@ SPARSIFIERS = {
 }
 
 
-def _timed(make_call, repeat):
-    """Seconds of ``repeat`` calls of ``make_call()``'s result after one warm-up (the set-up of each call,
-    e.g. copying the state, is not timed)."""
-    make_call()()
-    out = []
-    for _ in range(repeat):
-        call = make_call()
-        t0 = time.perf_counter()
-        call()
-        out.append(time.perf_counter() - t0)
-    return out
+def _time_one(make_call):
+    """Seconds of one call of ``make_call()``'s result (its set-up, e.g. copying the state, is not timed)."""
+    call = make_call()
+    t0 = time.perf_counter()
+    call()
+    return time.perf_counter() - t0
 
 
 def sparsifier_call(name, buf, k, density, layout):
@@ -103,6 +105,7 @@ def sparsifier_call(name, buf, k, density, layout):
 def run(n, density, repeat, seed=0, verbose=True):
     import torch
 
+    from ..core import native
     from .data import SyntheticGradients
 
     def say(msg, end="\n"):
@@ -115,37 +118,57 @@ def run(n, density, repeat, seed=0, verbose=True):
     layout = list(data.layout)
     del data                                       # the generator's noise pool is 8n floats
     k = max(1, int(density * n))
-    results = []
-    for method in METHODS:
-        t0 = time.perf_counter()
-        say(f"\r  {method:<16}", end="")
+    calls = {}
+    for method in METHODS:                         # set-up and one warm-up call each
+        say(f"\r  set-up {method:<16}", end="")
         if method in SPARSIFIERS:
             make_call, check = sparsifier_call(method, buf, k, density, layout)
         elif method == "torch.topk":
             make_call, check = (lambda: lambda: torch.topk(buf.abs(), k)), (lambda: k)
         else:
             make_call, check = (lambda: lambda: torch.amax(buf)), (lambda: None)
-        secs = _timed(make_call, repeat)
-        selected = check()
-        say(f"\r  {method:<16} median {statistics.median(secs):.4f} s  ({time.perf_counter() - t0:.0f} s)")
-        results.append({"method": method, "seconds_median": statistics.median(secs),
-                        "seconds": secs, "selected": selected})
+        make_call()()
+        calls[method] = (make_call, check)
+    secs = {m: [] for m in METHODS}
+    used = set()
+    t0 = time.perf_counter()
+    for rnd in range(repeat):                      # round-robin: load drift hits every method alike
+        say(f"\r  round {rnd + 1}/{repeat} ({time.perf_counter() - t0:.0f} s)      ", end="")
+        for method in METHODS:
+            c0 = native.calls()
+            secs[method].append(_time_one(calls[method][0]))
+            if native.calls() > c0:
+                used.add(method)
+    say("")
+    results = []
+    for method in METHODS:
+        med = statistics.median(secs[method])
+        say(f"  {method:<16} median {med:.4f} s" + ("  [native kernel]" if method in used else ""))
+        results.append({"method": method, "seconds_median": med, "seconds": secs[method],
+                        "selected": calls[method][1](), "native": method in used})
+    kinfo = native.info()
     return {"numel": n, "density": density, "k": k, "threads": torch.get_num_threads(), "repeat": repeat,
+            "native_kernel": {"enabled": kinfo["enabled"], "flags": kinfo["flags"], "simd": kinfo["simd"],
+                              "threads": native.threads_for(n), "reason": kinfo["reason"]},
             "results": results}
 
 
 def markdown(report):
     rows = {r["method"]: r["seconds_median"] for r in report["results"]}
     stream, topk = rows.get("stream"), rows.get("torch.topk")
+    nk = report.get("native_kernel") or {}
+    kernel = (f"fused kernel: {nk['simd']}, {nk['threads']} thread(s)" if nk.get("enabled")
+              else f"fused kernel off ({nk.get('reason')})" if nk else "")
     lines = [f"Selection on one rank: n = {report['numel']:,}, k = {report['k']:,} (density {report['density']}), "
-             f"float32 torch CPU, {report['threads']} threads, median of {report['repeat']}.", "",
-             "| method | seconds (median) | x stream | torch.topk / method |",
-             "|---|---:|---:|---:|"]
+             f"float32 torch CPU, {report['threads']} threads, median of {report['repeat']}"
+             + (f"; {kernel}" if kernel else "") + ".", "",
+             "| method | seconds (median) | x stream | torch.topk / method | native |",
+             "|---|---:|---:|---:|:---:|"]
     for r in report["results"]:
         s = r["seconds_median"]
         xs = f"{s / stream:.1f}" if stream else ""
         sp = f"{topk / s:.2f}" if topk and s > 0 else ""
-        lines.append(f"| {r['method']} | {s:.4f} | {xs} | {sp} |")
+        lines.append(f"| {r['method']} | {s:.4f} | {xs} | {sp} | {'yes' if r.get('native') else ''} |")
     return "\n".join(lines)
 
 

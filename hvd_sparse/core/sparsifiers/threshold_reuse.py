@@ -22,6 +22,14 @@ Edge cases (§5): a stored L <= 0 (the accumulator had fewer than k nonzeros at 
 density 1) would select every nonzero on reuse steps and no controller could ever raise it, so such a step
 re-evaluates L exactly instead (local decision, no collective); zeros are never selected.
 
+Cost of a reuse step. On a CPU buffer (numpy, or a contiguous CPU torch tensor) the step runs the fused
+select-and-compact kernel of :mod:`hvd_sparse.core.native`: ONE read pass over ``a`` yields the candidates
+C = S(L) with their values; the guard then counts and raises L on C only (raising L only shrinks the
+selection, so S(L·f) is the part of C the rule keeps) -- no |a| copy, no n-sized mask, no extra pass per
+raise; same indices and thresholds as the generic path, bit for bit. CUDA and TensorFlow tensors, and
+``HVD_SPARSE_NATIVE=0``, take the generic ``xp`` path (|a| once, one count pass per guard test, a compare +
+nonzero). Re-evaluation steps (exact top-k) are the same on both paths.
+
 This sparsifier is Ok-Topk's (pair it with :class:`hvd_sparse.core.reducers.oktopk.OkTopk`), but it is a
 standalone sparsifier too: with the TopkA reducer it gives "TopkA with a reused threshold".
 """
@@ -33,6 +41,7 @@ import numbers
 
 import numpy as np
 
+from .. import native
 from ..errors import check_positive_int
 from ..xp import topk_indices
 from .base import Sparsifier
@@ -160,14 +169,51 @@ class ThresholdReuse(Sparsifier):
         th = float(xp.kth_largest(mag, min(k, n)))
         return xp.nonzero(xp.gt(mag, f32(th))), th
 
+    def _reuse_fused(self, xp, acc, view, k, L):
+        """The reuse step with the fused kernel (``hvd_sparse.core.native``): the same (S, L) as the
+        generic path, bit for bit, with one read pass over the buffer instead of 2 + one per guard raise.
+
+        1. C, v = the indices and values ``rule`` selects at L       (one pass; no |acc| copy, no mask)
+        2. guard: count and raise L on (C, v) only -- raising L only shrinks the selection, so the set
+           at a raised L is the subset of C that the rule keeps; C is in ascending order, so is S
+        3. hard cap (optional): as the generic path (exact top-k, which reads acc again)
+        """
+        rule = self.select_rule
+        raises, capped = 0, False
+        guard = self.guard_ratio is not None and self.guard_iters > 0
+        cand, vals = native.select(view, L, rule, values=guard, expect=k)
+        if guard:
+            limit = self.guard_ratio * k
+            c = cand.size
+            for _ in range(self.guard_iters):
+                if c > limit:
+                    L *= self.guard_factor
+                    raises += 1
+                    if self.guard_target is not None:
+                        limit = self.guard_target * k
+                    c = native.count(vals, L, rule)
+                else:
+                    break
+            if raises:
+                keep, _ = native.select(vals, L, rule)
+                cand = cand[keep]
+        idx = native.wrap(xp, cand)
+        if self.max_select_ratio is not None and cand.size > self.max_select_ratio * k:
+            idx, L = self._exact(xp, acc, xp.abs(acc), k)  # hard cap (§5): exact for this step
+            capped = True
+        return idx, L, raises, capped
+
     def select(self, xp, acc, k, state, ctx):
         n = xp.numel(acc)
         L = state.get("threshold")
         reev = (ctx.step % self.threshold_period == 0 or L is None or not L > 0.0
                 or state.get("size", ctx.size) != ctx.size)
         raises, capped = 0, False
+        view = None if (n == 0 or reev) else native.f32_view(xp, acc)
         if n == 0:
             idx, L = xp.zeros(0, xp.index_dtype, like=acc), 0.0
+        elif view is not None:                              # reuse step, fused CPU kernel
+            idx, L, raises, capped = self._reuse_fused(xp, acc, view, k, L)
         else:
             mag = xp.abs(acc)
             if reev:                                        # exact k-th |a| (re-evaluation step)

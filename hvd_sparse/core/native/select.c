@@ -1,0 +1,170 @@
+/* hvd_sparse fused select-and-compact kernel (see __init__.py for the design and the Python API).
+ *
+ * hvds_select_f32: one read pass over a float32 buffer x[0..n) that writes, in ascending order, the
+ * indices i (plus `base`) with  lo <= (bits(x[i]) & 0x7fffffff) <= hi,  i.e. lo <= bits(|x[i]|) <= hi.
+ * For non-negative floats the IEEE-754 bit patterns order like the values, so every threshold rule of the
+ * library (|x| >= t, |x| > t, |x| >= t and x != 0) is one such integer range, computed by the caller;
+ * hi <= 0x7f800000 (+inf) keeps NaN (bits above +inf) out of every selection.
+ *
+ * Threads: the buffer is cut into `nthreads` contiguous chunks (multiples of 64 elements); thread t writes
+ * its indices to idx_out[t*cap ...] (and the values' bits to val_out[t*cap ...] when val_out != NULL),
+ * at most `cap` of them, but counts all of them in counts[t]. The caller concatenates the segments in
+ * order, or, when some counts[t] > cap, grows cap and calls again. idx_out == NULL: count only.
+ * Plain pthreads, created per call (no OpenMP runtime next to the ones torch and TensorFlow bundle, and
+ * nothing left running across fork()).  No torch / Python headers: compiles in well under a second.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stddef.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define HVDS_SIMD "avx2"
+#elif defined(__SSE2__)
+#include <emmintrin.h>
+#define HVDS_SIMD "sse2"
+#else
+#define HVDS_SIMD "scalar"
+#endif
+
+#define HVDS_ABI 1
+#define HVDS_MAX_THREADS 256
+
+int hvds_abi_version(void) { return HVDS_ABI; }
+const char *hvds_simd(void) { return HVDS_SIMD; }
+
+typedef struct {
+    const uint32_t *u;
+    int64_t s, e;          /* element range [s, e) of this thread */
+    uint32_t lo, hi;
+    int64_t base;          /* added to every written index */
+    int64_t *io;           /* this thread's index segment, or NULL (count only) */
+    uint32_t *vo;          /* this thread's value segment, or NULL */
+    int64_t cap;
+    int64_t count;         /* out: number of matches in [s, e) */
+} job_t;
+
+#define HVDS_EMIT(pos)                                                \
+    do {                                                              \
+        if (c < cap) {                                                \
+            io[c] = base + (pos);                                     \
+            if (vo) vo[c] = u[(pos)];                                 \
+        }                                                             \
+        c++;                                                          \
+    } while (0)
+
+static int64_t scan(const uint32_t *u, int64_t s, int64_t e, uint32_t lo, uint32_t hi, int64_t base,
+                    int64_t *io, uint32_t *vo, int64_t cap)
+{
+    int64_t c = 0, i = s;
+    const uint32_t span = hi - lo;  /* lo <= hi checked by the caller */
+#if defined(__AVX2__)
+    /* a = bits(|x|) < 2^31, lo - 1 >= -1, hi + 1 <= 0x7f800001: signed compares are exact */
+    const __m256i absm = _mm256_set1_epi32(0x7fffffff);
+    const __m256i vlo = _mm256_set1_epi32((int32_t)lo - 1);
+    const __m256i vhi = _mm256_set1_epi32((int32_t)hi + 1);
+    for (; i + 32 <= e; i += 32) {
+        uint32_t m = 0;
+        for (int q = 0; q < 4; q++) {
+            __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(u + i + 8 * q)), absm);
+            __m256i sel = _mm256_and_si256(_mm256_cmpgt_epi32(a, vlo), _mm256_cmpgt_epi32(vhi, a));
+            m |= (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(sel)) << (8 * q);
+        }
+        if (!io) { c += __builtin_popcount(m); continue; }
+        while (m) {
+            int j = __builtin_ctz(m);
+            m &= m - 1;
+            HVDS_EMIT(i + j);
+        }
+    }
+#elif defined(__SSE2__)
+    const __m128i absm = _mm_set1_epi32(0x7fffffff);
+    const __m128i vlo = _mm_set1_epi32((int32_t)lo - 1);
+    const __m128i vhi = _mm_set1_epi32((int32_t)hi + 1);
+    for (; i + 16 <= e; i += 16) {
+        uint32_t m = 0;
+        for (int q = 0; q < 4; q++) {
+            __m128i a = _mm_and_si128(_mm_loadu_si128((const __m128i *)(u + i + 4 * q)), absm);
+            __m128i sel = _mm_and_si128(_mm_cmpgt_epi32(a, vlo), _mm_cmpgt_epi32(vhi, a));
+            m |= (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(sel)) << (4 * q);
+        }
+        if (!io) { c += __builtin_popcount(m); continue; }
+        while (m) {
+            int j = __builtin_ctz(m);
+            m &= m - 1;
+            HVDS_EMIT(i + j);
+        }
+    }
+#else
+    for (; i + 32 <= e; i += 32) {          /* a vectorisable "any match in this block" test first */
+        uint32_t any = 0;
+        for (int j = 0; j < 32; j++) any |= (uint32_t)(((u[i + j] & 0x7fffffffu) - lo) <= span);
+        if (!any) continue;
+        for (int j = 0; j < 32; j++) {
+            if (((u[i + j] & 0x7fffffffu) - lo) <= span) {
+                if (io) HVDS_EMIT(i + j); else c++;
+            }
+        }
+    }
+#endif
+    for (; i < e; i++) {
+        if (((u[i] & 0x7fffffffu) - lo) <= span) {
+            if (io) HVDS_EMIT(i); else c++;
+        }
+    }
+    return c;
+}
+
+static void *run_job(void *arg)
+{
+    job_t *j = (job_t *)arg;
+    j->count = scan(j->u, j->s, j->e, j->lo, j->hi, j->base, j->io, j->vo, j->cap);
+    return NULL;
+}
+
+/* Returns the total count (sum of counts[0..nthreads)), or -1 on bad arguments. */
+int64_t hvds_select_f32(const float *x, int64_t n, uint32_t lo, uint32_t hi, int64_t base,
+                        int64_t *idx_out, uint32_t *val_out, int64_t cap, int nthreads, int64_t *counts)
+{
+    job_t jobs[HVDS_MAX_THREADS];
+    pthread_t tids[HVDS_MAX_THREADS];
+    int started[HVDS_MAX_THREADS];
+    if (n < 0 || cap < 0 || nthreads < 1 || nthreads > HVDS_MAX_THREADS || !counts || hi > 0x7f800000u)
+        return -1;
+    if (n == 0 || lo > hi) {
+        for (int t = 0; t < nthreads; t++) counts[t] = 0;
+        return 0;
+    }
+    int64_t chunk = (n + nthreads - 1) / nthreads;
+    chunk = (chunk + 63) & ~(int64_t)63;
+    for (int t = 0; t < nthreads; t++) {
+        job_t *j = &jobs[t];
+        int64_t s = (int64_t)t * chunk, e = s + chunk;
+        if (s > n) s = n;
+        if (e > n) e = n;
+        j->u = (const uint32_t *)x;
+        j->s = s;
+        j->e = e;
+        j->lo = lo;
+        j->hi = hi;
+        j->base = base;
+        j->io = idx_out ? idx_out + (int64_t)t * cap : NULL;
+        j->vo = (idx_out && val_out) ? val_out + (int64_t)t * cap : NULL;
+        j->cap = cap;
+        j->count = 0;
+        started[t] = 0;
+    }
+    for (int t = 1; t < nthreads; t++)
+        if (jobs[t].e > jobs[t].s) started[t] = pthread_create(&tids[t], NULL, run_job, &jobs[t]) == 0;
+    run_job(&jobs[0]);
+    for (int t = 1; t < nthreads; t++) {   /* a thread that could not start runs here */
+        if (started[t]) pthread_join(tids[t], NULL);
+        else if (jobs[t].e > jobs[t].s) run_job(&jobs[t]);
+    }
+    int64_t total = 0;
+    for (int t = 0; t < nthreads; t++) {
+        counts[t] = jobs[t].count;
+        total += jobs[t].count;
+    }
+    return total;
+}

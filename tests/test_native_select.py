@@ -1,0 +1,379 @@
+"""The fused select-and-compact kernel (hvd_sparse.core.native) against numpy, and the sparsifiers that use it
+(ThresholdReuse, Gaussiank, ExDyna) against their generic array path (HVD_SPARSE_NATIVE=0), bit for bit.
+
+Reference semantics (numpy, float32): ge_nonzero = |x| >= t and x != 0 (t <= 0 or NaN: |x| > 0); gt = |x| > t;
+ge = |x| >= t; t is the threshold rounded to float32; NaN is never selected.
+"""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hvd_sparse.core import native
+from hvd_sparse.core.engine import StepContext
+from hvd_sparse.core.sim import SimulatedWorld
+from hvd_sparse.core.sparsifiers.exdyna import ExDyna
+from hvd_sparse.core.sparsifiers.gaussiank import GaussianK
+from hvd_sparse.core.sparsifiers.threshold_reuse import ThresholdReuse
+from hvd_sparse.core.xp import backend_of
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernel is unavailable")
+
+SPECIALS = np.array([0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf, 1e-45, -1e-45, 1.1754942e-38,
+                     np.finfo(np.float32).max, 1.0, -1.0], np.float32)
+
+
+def reference(x, th, rule):
+    """Ascending indices that ``rule`` selects from float32 ``x`` at ``th``: plain numpy, no bit tricks."""
+    a = np.abs(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        t = np.float32(th)
+        if rule == "gt":
+            m = a > t
+        elif rule == "ge":
+            m = a >= t
+        else:
+            m = (a >= t) & (a != 0) if t > 0 else a > 0
+    return np.flatnonzero(m).astype(np.int64)
+
+
+def check_select(x, th, rule, threads, base=0):
+    ref = reference(x, th, rule)
+    idx, val = native.select(x, th, rule, base=base, values=True, threads=threads)
+    assert idx.dtype == np.int64 and val.dtype == np.float32
+    np.testing.assert_array_equal(idx, ref + base)
+    np.testing.assert_array_equal(val.view(np.uint32), x[ref].view(np.uint32))      # bits: -0.0, subnormals
+    assert native.count(x, th, rule, threads=threads) == ref.size
+    return ref.size
+
+
+# -- build variants: AVX2 (-march=native here), SSE2 (-O3), portable C (-mno-sse2, x86 only) --------------------
+def _variants():
+    out = [("native", native.FLAG_SETS[0]), ("baseline", native.FLAG_SETS[1])]
+    if os.uname().machine in ("x86_64", "AMD64"):
+        out.append(("portable", ("-O3", "-mno-sse2")))
+    return out
+
+
+@pytest.fixture(scope="module", params=_variants(), ids=lambda v: v[0])
+def kernel_build(request, tmp_path_factory):
+    name, flags = request.param
+    path = native.build(flags, directory=tmp_path_factory.mktemp(f"kernel-{name}"))
+    return name, native.load(path)
+
+
+@pytest.fixture
+def kernel(kernel_build, monkeypatch):
+    """Route the module's calls to one build variant (the module caches one library per process)."""
+    name, lib = kernel_build
+    monkeypatch.setitem(native._state, "lib", lib)
+    monkeypatch.setitem(native._state, "tried", True)
+    return name, lib
+
+
+def test_build_variants_compile_the_intended_code_path(kernel):
+    name, lib = kernel
+    simd = lib.hvds_simd().decode()
+    if name == "portable":
+        assert simd == "scalar"
+    elif name == "baseline" and os.uname().machine == "x86_64":
+        assert simd == "sse2"
+    else:
+        assert simd in ("avx2", "sse2", "scalar")
+
+
+@pytest.mark.parametrize("rule", native.RULES)
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 63, 64, 65, 1000, 4099])
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
+def test_kernel_equals_numpy_on_sizes_that_are_not_multiples_of_the_chunk(kernel, rule, n, threads):
+    rng = np.random.default_rng(n * 31 + threads)
+    x = rng.standard_normal(n).astype(np.float32)
+    if n:
+        x[rng.integers(0, n, size=max(1, n // 5))] = 0.0
+        x[rng.integers(0, n, size=max(1, n // 50))] = SPECIALS[rng.integers(0, SPECIALS.size, max(1, n // 50))]
+    for th in [0.0, -0.0, -1.0, 0.5, 1.5, 1e-45, np.inf, np.nan] + ([float(abs(x[n // 2]))] if n else []):
+        check_select(x, th, rule, threads)
+    check_select(x, 0.5, rule, threads, base=1 << 40)
+
+
+@pytest.mark.parametrize("rule", native.RULES)
+def test_ties_at_the_threshold_and_every_special_value(kernel, rule):
+    x = np.tile(np.concatenate([SPECIALS, -SPECIALS, np.float32([0.25, -0.25, 0.25000003, 0.24999999])]), 50)
+    for th in [0.25, np.float32(0.25), 0.0, 1e-45, float(np.finfo(np.float32).max), np.inf, np.nan, -np.inf]:
+        for threads in (1, 4):
+            check_select(x, th, rule, threads)
+    # a threshold between two floats is rounded to the nearest float32 first (as numpy and torch compare)
+    lo = np.float32(0.1)
+    hi = np.nextafter(lo, np.float32(1))
+    x = np.array([lo, hi, -lo, -hi], np.float32)
+    near_hi = float(lo) + 0.6 * (float(hi) - float(lo))           # rounds to hi
+    assert native.select(x, near_hi, rule)[0].tolist() == ([] if rule == "gt" else [1, 3])
+    near_lo = float(lo) + 0.4 * (float(hi) - float(lo))           # rounds to lo
+    assert native.select(x, near_lo, rule)[0].tolist() == ([1, 3] if rule == "gt" else [0, 1, 2, 3])
+
+
+def test_nan_is_never_selected_and_nan_threshold_follows_the_generic_rules(kernel):
+    x = np.array([np.nan, 1.0, -np.nan, 0.0, np.inf, np.float32("nan")], np.float32)
+    for rule in native.RULES:
+        for th in (-1.0, 0.0, 0.5):
+            assert 0 not in native.select(x, th, rule)[0] and 2 not in native.select(x, th, rule)[0]
+    assert native.select(x, np.nan, "gt")[0].size == 0
+    assert native.select(x, np.nan, "ge")[0].size == 0
+    assert native.select(x, np.nan, "ge_nonzero")[0].tolist() == [1, 4]       # rule_mask: t <= 0 -> |x| > 0
+
+
+_F32 = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), pool=st.lists(_F32, min_size=1, max_size=8), n=st.integers(0, 700),
+       seed=st.integers(0, 2**32 - 1), threads=st.integers(1, 5), rule=st.sampled_from(native.RULES),
+       base=st.integers(0, 2**40))
+def test_property_kernel_equals_numpy(data, pool, n, seed, threads, rule, base):
+    # a few distinct values (ties, signed zeros, NaN, inf, subnormals) spread over n positions; the
+    # threshold is one of them or any float. Runs on the process's own (native) build.
+    x = np.array(pool, np.float32)[np.random.default_rng(seed).integers(0, len(pool), n)]
+    th = data.draw(st.one_of(st.sampled_from(pool), _F32, st.floats(allow_nan=True)))
+    check_select(x, th, rule, threads, base=base)
+
+
+def test_workspace_overflow_grows_and_a_spike_does_not_pin_memory():
+    n = 3 * 70_000
+    x = np.zeros(n, np.float32)
+    x[-60_000:] = 2.0                       # every match in the last thread's chunk: its segment overflows
+    x[::1000] = 3.0
+    for threads in (1, 3):
+        native._tls.ws = native._Workspace()
+        idx, val = native.select(x, 1.0, "gt", values=True, threads=threads, expect=10)
+        np.testing.assert_array_equal(idx, reference(x, 1.0, "gt"))
+        assert np.all(val >= 2.0)
+        assert native._tls.ws.cap >= 60_000 // 2
+        # a small selection afterwards releases the large segments
+        idx, _ = native.select(x, 2.5, "gt", threads=threads)
+        assert idx.size == n // 1000 and native._tls.ws.cap == 0
+    # results are fresh arrays: the next call does not overwrite them
+    a, _ = native.select(x, 1.0, "gt")
+    b, _ = native.select(x, 2.5, "gt")
+    np.testing.assert_array_equal(a, reference(x, 1.0, "gt"))
+    assert not np.shares_memory(a, b)
+
+
+def test_views_only_for_contiguous_1d_float32_cpu_arrays():
+    import torch
+
+    xp_np = backend_of(np.zeros(1, np.float32))
+    a = np.arange(10, dtype=np.float32)
+    assert native.f32_view(xp_np, a) is a
+    assert native.f32_view(xp_np, a[::2]) is None
+    assert native.f32_view(xp_np, a.astype(np.float64)) is None
+    assert native.f32_view(xp_np, a.reshape(2, 5)) is None
+    assert native.f32_view(xp_np, a.astype(">f4")) is None
+    t = torch.arange(10, dtype=torch.float32, requires_grad=True)
+    xp_t = backend_of(t)
+    v = native.f32_view(xp_t, t)
+    assert isinstance(v, np.ndarray) and v.ctypes.data == t.data_ptr()                # no copy
+    assert native.f32_view(xp_t, t.detach()[::2]) is None
+    assert native.f32_view(xp_t, t.detach().double()) is None
+    idx = native.wrap(xp_t, native.select(v, 4.5, "gt")[0])
+    assert isinstance(idx, torch.Tensor) and idx.dtype == torch.int64 and idx.tolist() == [5, 6, 7, 8, 9]
+
+
+def test_thread_settings(monkeypatch):
+    monkeypatch.setenv("HVD_SPARSE_NATIVE_THREADS", "3")
+    assert native.default_threads() == 3
+    assert native.threads_for(10) == 1 and native.threads_for(10 * native.MIN_PER_THREAD) == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("HVD_SPARSE_NATIVE_THREADS", bad)
+        with pytest.raises(ValueError, match="HVD_SPARSE_NATIVE_THREADS must be a positive integer"):
+            native.default_threads()
+
+
+def test_bad_rule_is_named():
+    with pytest.raises(ValueError, match="rule must be one of"):
+        native.select(np.zeros(3, np.float32), 1.0, ">=")
+    with pytest.raises(TypeError, match="1-D contiguous numpy float32"):
+        native.count(np.zeros(3, np.float64), 1.0, "gt")
+
+
+# -- build, cache and fallback -------------------------------------------------------------------------------
+def test_cache_honours_xdg_and_concurrent_builders_do_not_clash(tmp_path):
+    """Four processes build into one empty cache at once (as horovodrun ranks do): all load the same file."""
+    code = ("import sys; from hvd_sparse.core import native; p = native.build(('-O1',)); "
+            "native.load(p); print(p)")
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for _ in range(4)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1].decode()[-500:] for o in outs]
+    paths = {o[0].decode().strip() for o in outs}
+    assert len(paths) == 1
+    path = paths.pop()
+    assert path.startswith(str(tmp_path / "hvd_sparse" / "native"))
+    assert os.listdir(tmp_path / "hvd_sparse" / "native") == [os.path.basename(path)]   # no temp files left
+    other = native.build(("-O2",), directory=tmp_path / "hvd_sparse" / "native")
+    assert str(other) != path                                      # flags are part of the cache key
+
+
+def test_no_compiler_falls_back_with_one_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_state", {"lib": None, "tried": False, "path": None, "flags": None,
+                                           "reason": None})
+    with pytest.warns(RuntimeWarning, match="native selection kernel could not be built"):
+        assert not native.available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                             # only once
+        assert native.f32_view(backend_of(np.zeros(1, np.float32)), np.zeros(4, np.float32)) is None
+        assert native.info()["enabled"] is False and "no-such-cc" in native.info()["reason"]
+        sp = ThresholdReuse(0.1)
+        x = np.arange(1, 101, dtype=np.float32)
+        idx = sp.select(backend_of(x), x, 10, {"threshold": 95.0}, _ctx(1))
+        np.testing.assert_array_equal(idx, np.arange(94, 100))
+
+
+def test_switch_off_with_the_environment(monkeypatch):
+    x = np.ones(10, np.float32)
+    assert native.f32_view(backend_of(x), x) is x
+    monkeypatch.setenv("HVD_SPARSE_NATIVE", "0")
+    assert native.f32_view(backend_of(x), x) is None and not native.available()
+    assert native.info()["reason"] == "HVD_SPARSE_NATIVE=0"
+
+
+# -- the sparsifiers: native path == generic path ----------------------------------------------------------
+_COMM = SimulatedWorld(1).communicators()[0]
+
+
+def _ctx(step, rank=0, size=1):
+    return StepContext(rank, size, step, None, _COMM, False)
+
+
+def _both_paths(monkeypatch, fn):
+    """fn() with the kernel, then with HVD_SPARSE_NATIVE=0; asserts the kernel really ran (and then didn't)."""
+    c0 = native.calls()
+    got = fn()
+    assert native.calls() > c0, "the native path was not taken"
+    monkeypatch.setenv("HVD_SPARSE_NATIVE", "0")
+    c1 = native.calls()
+    want = fn()
+    assert native.calls() == c1
+    monkeypatch.delenv("HVD_SPARSE_NATIVE")
+    return got, want
+
+
+def _assert_same(got, want):
+    assert len(got) == len(want)
+    for (i1, s1), (i2, s2) in zip(got, want):
+        assert type(i1) is type(i2)
+        np.testing.assert_array_equal(backend_of(i1).to_numpy(i1), backend_of(i2).to_numpy(i2))
+        assert backend_of(i1).dtype_of(i1) == backend_of(i2).dtype_of(i2)
+        assert s1 == s2                                            # thresholds bit-equal as Python floats
+
+
+def _steps(sp, xs, backend, P=1, rank=0, state=None, update=False):
+    import torch
+
+    state = dict(state) if state is not None else sp.initial_state()
+    out = []
+    for t, x in enumerate(xs):
+        acc = torch.from_numpy(x.copy()) if backend == "torch" else x.copy()
+        idx = sp.select(backend_of(acc), acc, sp.k_for(x.size), state, _ctx(t + 1, rank, P))
+        if update:
+            sp.update(backend_of(acc), state, {"counts": [len(idx)] * P}, _ctx(t + 1, rank, P))
+        out.append((idx, {k: v for k, v in state.items()}))
+    return out
+
+
+def _grads(n, steps, seed, heavy=False):
+    rng = np.random.default_rng(seed)
+    xs = []
+    for t in range(steps):
+        x = (rng.standard_normal(n) * (1 + t)).astype(np.float32)
+        x[rng.random(n) < 0.2] = 0.0
+        if heavy:
+            x[: n // 10] *= 30                                    # overshoot: the guard has to raise L
+        xs.append(x)
+    return xs
+
+
+THRESHOLD_CONFIGS = {
+    "library": dict(guard_ratio=1.15, guard_factor=1.03, guard_iters=30, guard_target=1.05, band_lo=0.95,
+                    band_relax=1.03),
+    "ref_lstm_gt": dict(select_rule="gt", guard_ratio=1.5, guard_iters=5),
+    "no_guard": dict(guard_ratio=None),
+    "guard_zero_iters": dict(guard_iters=0),
+    "cap": dict(guard_ratio=1.5, guard_iters=2, max_select_ratio=1.2),
+    "cap_gt": dict(select_rule="gt", guard_ratio=None, max_select_ratio=1.0),
+}
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("cfg", list(THRESHOLD_CONFIGS))
+def test_threshold_reuse_native_equals_generic(monkeypatch, backend, cfg):
+    sp = ThresholdReuse(0.02, threshold_period=1000, **THRESHOLD_CONFIGS[cfg])
+    xs = _grads(20_011, 6, seed=len(cfg), heavy=True)
+    start = {"threshold": float(np.sort(np.abs(xs[0]))[-40 * 20_011 // 1000]) / 3, "size": 1}   # too low
+    got, want = _both_paths(monkeypatch, lambda: _steps(sp, xs, backend, state=start))
+    _assert_same(got, want)
+    raises = sum(s["guard_raises"] for _, s in got)
+    if cfg in ("library", "ref_lstm_gt", "cap"):
+        assert raises > 0                                          # the candidate-only guard was exercised
+    if cfg.startswith("cap"):
+        assert any(s["capped"] for _, s in got)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**31), density=st.sampled_from([0.01, 0.05, 0.3, 1.0]),
+       rule=st.sampled_from(["ge_nonzero", "gt"]), guard=st.sampled_from([None, 1.0, 1.5]),
+       scale=st.sampled_from([0.1, 0.5, 1.0, 3.0]), ints=st.booleans())
+def test_property_threshold_reuse_native_equals_generic(monkeypatch, n, seed, density, rule, guard, scale, ints):
+    rng = np.random.default_rng(seed)
+    xs = [(rng.integers(-3, 4, n) if ints else rng.standard_normal(n)).astype(np.float32) for _ in range(3)]
+    k = max(1, int(density * n))
+    mags = np.sort(np.abs(xs[0]))[::-1]
+    start = {"threshold": float(mags[min(k, n) - 1]) * scale + 1e-30, "size": 1}
+    sp = ThresholdReuse(density, threshold_period=1000, select_rule=rule, guard_ratio=guard, guard_iters=4)
+    got, want = _both_paths(monkeypatch, lambda: _steps(sp, xs, "numpy", state=start))
+    _assert_same(got, want)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("adjust", ["lstm", "bert", "vgg"])
+def test_gaussiank_native_equals_generic(monkeypatch, backend, adjust):
+    sp = GaussianK(0.01, adjust=adjust)
+    if adjust == "vgg":                                            # heavy tail: the fit selects too many
+        xs = _grads(30_000, 3, seed=7, heavy=True)
+    else:                                                          # light tail (uniform): too few
+        rng = np.random.default_rng(7)
+        xs = [rng.uniform(-1, 1, 30_000).astype(np.float32) for _ in range(3)]
+    xs[1][:5] = 0.0
+    got, want = _both_paths(monkeypatch, lambda: _steps(sp, xs, backend))
+    _assert_same(got, want)
+    assert any(s["iterations"] > 0 for _, s in got)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("P,rank", [(1, 0), (3, 1), (4, 3)])
+def test_exdyna_native_equals_generic(monkeypatch, backend, P, rank):
+    sp = ExDyna(0.01, num_blk=64, init_threshold=0.7, threshold_rule="proportional", freeze_tau_on_empty=False)
+    xs = _grads(40_000, 5, seed=P)
+    xs[2][:] = 0.0                                                 # an empty partition: the fallback index
+    got, want = _both_paths(monkeypatch, lambda: _steps(sp, xs, backend, P=P, rank=rank, update=P == 1))
+    _assert_same(got, want)
+    assert any(s["fallback"] for _, s in got) and not all(s["fallback"] for _, s in got)
+
+
+def test_exdyna_zero_partition_flag_uses_the_kernel_count(monkeypatch):
+    sp = ExDyna(0.01, num_blk=64, init_threshold=100.0, freeze_tau_on_empty=True)
+    x = np.zeros(10_000, np.float32)
+    x[5000] = 1.0                                                  # below tau: fallback, but not all-zero
+    for xs, zero in (([x], False), ([np.zeros(10_000, np.float32)], True)):
+        got, want = _both_paths(monkeypatch, lambda: _steps(sp, xs, "numpy"))
+        _assert_same(got, want)
+        assert got[0][1]["fallback"] and got[0][1]["zero_partition"] is zero
