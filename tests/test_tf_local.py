@@ -31,7 +31,7 @@ def test_distributed_optimizer_forwards_keras_optimizers_and_rejects_v1():
     with pytest.raises(ValueError, match="already a distributed optimizer"):
         hvdk.DistributedOptimizer(opt)
     with pytest.raises(ValueError, match="backward_passes_per_step"):
-        hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+        hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), backward_passes_per_step=0)
 
 
 def test_single_process_fit_sparsifies_with_error_feedback_like_the_simulator():
@@ -50,3 +50,116 @@ def test_single_process_fit_sparsifies_with_error_feedback_like_the_simulator():
     assert stats["selected"] == stats["k"] == 3 and stats["collectives"] == 0
     sim = simulate(hvdk.Compression.topka(0.2), np.stack([g[None]] * 3), shapes=[(15,), (3,)])
     np.testing.assert_allclose(opt.residual_norm(), np.linalg.norm(sim.residuals[-1, 0]), rtol=1e-5)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_backward_passes_per_step_accumulates_then_applies_once(eager):
+    """P = 1, a custom loop through apply_gradients: weights move only on every 3rd call, by the sum of the 3
+    gradients (average_aggregated_gradients=False), and iterations count every call, as in Horovod."""
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2)])
+    opt = hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.5), backward_passes_per_step=3)
+    xs = [tf.constant(np.random.default_rng(i).standard_normal((5, 4)).astype(np.float32)) for i in range(6)]
+
+    def grads(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(model(x)))
+        return tape.gradient(loss, model.trainable_variables)
+
+    def step(x):
+        opt.apply_gradients(zip(grads(x), model.trainable_variables))
+
+    step = step if eager else tf.function(step)
+    w0 = [w.numpy() for w in model.trainable_variables]
+    total = [np.zeros_like(w) for w in w0]
+    for i, x in enumerate(xs[:3]):
+        total = [t + g.numpy() for t, g in zip(total, grads(x))]
+        step(x)
+        assert int(opt.iterations) == i + 1
+        moved = [not np.array_equal(w.numpy(), a) for w, a in zip(model.trainable_variables, w0)]
+        assert any(moved) == (i == 2), f"call {i}: the weights must move on the 3rd call only"
+    for w, a, t in zip(model.trainable_variables, w0, total):
+        np.testing.assert_allclose(w.numpy(), a - 0.5 * t, rtol=1e-5, atol=1e-6)
+    for x in xs[3:]:
+        step(x)
+    assert int(opt.iterations) == 6
+
+
+def test_tape_checkpoint_with_sparse_state_resumes_bit_for_bit(tmp_path):
+    """P = 1 (sparsification and error feedback run at P = 1 too): a tape inside tf.function with an Ok-Topk
+    preset, 6 steps -> tf.train.Checkpoint(SparseState(preset)) -> a fresh preset and variables restored before
+    their first step -> 6 more == 12 uninterrupted steps; dense compressions have nothing to save."""
+    rng = np.random.default_rng(0)
+    xs = [tf.constant(rng.standard_normal((6, 7)).astype(np.float32)) for _ in range(12)]
+
+    def run(steps, comp, w):
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.square(tf.tanh(tf.matmul(x, w))))
+            (g,) = hvds.DistributedGradientTape(tape, compression=comp).gradient(loss, [w])
+            w.assign_sub(0.1 * g)
+
+        for x in steps:
+            step(x)
+
+    def fresh(seed):
+        return tf.Variable(np.random.default_rng(seed).standard_normal((7, 5)).astype(np.float32))
+
+    w = fresh(1)
+    run(xs, hvds.Compression.oktopk(0.1, threshold_period=3), w)
+    straight = w.numpy()
+    comp, w = hvds.Compression.oktopk(0.1, threshold_period=3), fresh(1)
+    run(xs[:6], comp, w)
+    path = tf.train.Checkpoint(w=w, sparse=hvds.SparseState(comp)).write(str(tmp_path / "ckpt"))
+    comp, w = hvds.Compression.oktopk(0.1, threshold_period=3), fresh(2)
+    tf.train.Checkpoint(w=w, sparse=hvds.SparseState(comp)).read(path).assert_consumed()
+    assert hvds.SparseState(comp).state_dict()["units"]["model"]["steps"] == 6     # pending until the 1st step
+    run(xs[6:], comp, w)
+    assert w.numpy().tobytes() == straight.tobytes()
+    cold_comp, w = hvds.Compression.oktopk(0.1, threshold_period=3), fresh(2)
+    tf.train.Checkpoint(w=w).read(path).expect_partial()
+    run(xs[6:], cold_comp, w)
+    assert w.numpy().tobytes() != straight.tobytes()                 # the restored state mattered
+    with pytest.raises(TypeError, match="no sparse state"):
+        hvds.SparseState(hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)))
+    with pytest.raises(ValueError, match="saved with"):
+        tf.train.Checkpoint(sparse=hvds.SparseState(hvds.Compression.topka(0.1))).read(path).expect_partial()
+
+
+@pytest.mark.parametrize("flavour", ["keras3", "tf_keras"])
+def test_nonfinite_gradients_skip_the_keras_update_or_raise(flavour):
+    """nonfinite="skip": no variable changes (not even iterations), eagerly and in tf.function, then training goes
+    on; "raise" names the rank; the tape returns all-NaN gradients; integer tensors are refused."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1" if flavour == "tf_keras" else "0",
+               PYTHONPATH=str(Path(__file__).parent.parent))
+    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "hvd_workers" / "tf_nonfinite_worker.py")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(line[7:])
+    for mode in ("eager", "function"):
+        assert res[mode] == {"unchanged": True, "moves_after": True, "warned": True, "skipped": 1}, mode
+    assert "non-finite gradient (NaN or Inf) on rank 0" in res["raise"]
+    assert res["tape_all_nan"]
+    assert "tensor must be floating point" in res["int_error"]
+
+
+def test_indexed_slices_need_sparse_as_dense():
+    table = tf.Variable(np.arange(12, dtype=np.float32).reshape(6, 2))
+
+    def grads(**kw):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.gather(table, [1, 4]))          # an embedding lookup: tf.IndexedSlices
+        return hvds.DistributedGradientTape(tape, compression=hvds.Compression.topka(0.5), **kw).gradient(
+            loss, [table])
+
+    with pytest.raises(ValueError, match="IndexedSlices.*sparse_as_dense=True"):
+        grads()
+    g = grads(sparse_as_dense=True)[0].numpy()
+    assert g.shape == (6, 2) and np.isfinite(g).all() and g[[1, 4]].any()

@@ -1,37 +1,55 @@
-"""The digits task shared by the demo, the benchmarks and the tests: scikit-learn's digits (1,797 8x8 grey
-images, 10 classes, shipped with the package: nothing is downloaded) and a small CNN (38,282 parameters)."""
+"""The digits task shared by the demos, the benchmarks and the tests: scikit-learn's digits (1,797 8x8 grey
+images, 10 classes, shipped with the package: nothing is downloaded), split 80/20 by a fixed permutation.
+
+This module imports no framework (numpy and scikit-learn only), so a TensorFlow job does not load PyTorch and
+vice versa. The model lives next to it, once per framework, with the same layers and the same 38,282 parameters:
+
+    hvd_sparse.bench.digits_torch   Net (torch.nn.Module, channels first) and load_data() as torch tensors
+    hvd_sparse.bench.digits_keras   make_model(keras) (channels last), for tf.keras = Keras 3 or tf_keras
+
+    conv 3x3, 16 ch, ReLU -> conv 3x3, 32 ch, ReLU -> max-pool 2 -> dense 64, ReLU -> dense 10 (logits)
+
+``from hvd_sparse.bench.digits import Net, load_data`` still works (it loads ``digits_torch`` on first use).
+"""
+
+from __future__ import annotations
 
 import numpy as np
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
+
+#: trainable parameters of the digits CNN (both frameworks)
+NUM_PARAMETERS = 38_282
+NUM_CLASSES = 10
+_LAYOUTS = ("channels_first", "channels_last")
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv1 = nn.Conv2d(1, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
-        self.fc1 = nn.Linear(32 * 4 * 4, 64)
-        self.fc2 = nn.Linear(64, 10)
+def load_arrays(seed=42, layout="channels_first"):
+    """Digits split 80/20 with a fixed permutation of ``seed`` (identical on every rank); pixels in [0, 1].
 
-    def forward(self, x):
-        x = F.relu(self.conv1(x))
-        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
-        return self.fc2(F.relu(self.fc1(x.flatten(1))))
-
-
-
-def load_data(seed=42):
-    """Digits split 80/20 with a fixed permutation (identical on every rank); pixels scaled to [0, 1].
-
-    Returns ((x_train, y_train), (x_test, y_test)) as torch tensors, x of shape (N, 1, 8, 8).
+    Args:
+        seed (int): seed of the permutation. Default: 42.
+        layout (str): ``"channels_first"`` (x of shape (N, 1, 8, 8), PyTorch) or ``"channels_last"``
+            ((N, 8, 8, 1), Keras). Default: ``"channels_first"``.
+    Returns:
+        ((x_train, y_train), (x_test, y_test)): C-contiguous numpy arrays, x float32, y int64;
+        1,437 training and 360 test images.
     """
+    if layout not in _LAYOUTS:
+        raise ValueError(f"hvd_sparse.bench.digits.load_arrays: layout must be one of {', '.join(_LAYOUTS)}, "
+                         f"got {layout!r}")
     from sklearn.datasets import load_digits
 
     x, y = load_digits(return_X_y=True)
     perm = np.random.default_rng(seed).permutation(len(x))
-    x = torch.tensor(x[perm] / 16.0, dtype=torch.float32).view(-1, 1, 8, 8)
-    y = torch.tensor(y[perm], dtype=torch.long)
+    shape = (-1, 1, 8, 8) if layout == "channels_first" else (-1, 8, 8, 1)
+    x = np.ascontiguousarray((x[perm] / 16.0).astype(np.float32).reshape(shape))
+    y = np.ascontiguousarray(y[perm].astype(np.int64))
     cut = int(0.8 * len(x))
     return (x[:cut], y[:cut]), (x[cut:], y[cut:])
+
+
+def __getattr__(name):              # the torch model and loader, imported only when asked for
+    if name in ("Net", "load_data"):
+        from . import digits_torch
+
+        return getattr(digits_torch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,7 +38,7 @@ class ErrorFeedback:
         if included is ALL:
             self.residual = None
         else:
-            xp.put_(acc, included, 0.0)
+            self.residual = xp.put_(acc, included, 0.0)
 
     def norm(self, xp):
         """L2 norm of the residual (0.0 before the first step)."""

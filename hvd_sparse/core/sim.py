@@ -132,7 +132,8 @@ class SimulatedCommunicator:
                 raise ValueError(f"allreduce {phase!r}: sizes differ across ranks: {[xp.numel(y) for y in xs]}")
             out = xp.copy(xs[0])
             for y in xs[1:]:                   # rank order 0..P-1: deterministic
-                out = out + y if op == SUM else (np.maximum(out, y) if xp.name == "numpy" else out.maximum(y))
+                out = out + y if op == SUM else (np.maximum(out, y) if xp.name == "numpy" else
+                                                 out.maximum(y) if xp.name == "torch" else xp.maximum(out, y))
             if xp.name == "numpy":
                 out.flags.writeable = False
             return out

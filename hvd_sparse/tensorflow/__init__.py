@@ -8,15 +8,19 @@
 How it runs: the gradients of all sources are concatenated (in the order of ``sources``, which is the same on
 every rank) into one float32 buffer, and one engine step -- the same engine code as PyTorch and the simulator:
 error feedback, sparsifier, sparse allreduce -- runs on it inside a ``tf.py_function``, eagerly and inside
-``tf.function`` alike. Its collectives are Horovod's TensorFlow ops, named ``hvd_sparse.<bucket>.<phase>``.
-The engine's state (residuals, thresholds) lives in the compression object, in Python, so it survives
-retracing.
+``tf.function`` alike. The engine computes on the TensorFlow eager tensor itself (the TensorFlow backend of
+``hvd_sparse.core.xp``; no numpy copy), and its collectives are Horovod's TensorFlow ops, named
+``hvd_sparse.<bucket>.<phase>``. The engine's state (residuals, thresholds) lives in the compression object, in
+Python, so it survives retracing; :class:`SparseState` puts it into a ``tf.train.Checkpoint``.
 
-Here: ``DistributedGradientTape``, ``sparse_allreduce``, ``Compression``; Keras: ``hvd_sparse.tensorflow.keras``.
-Not yet: ``DistributedOptimizer`` for TensorFlow optimizers (use the tape, or the Keras optimizer).
+Here: ``DistributedGradientTape``, ``DistributedOptimizer`` (for Keras optimizers), ``sparse_allreduce``,
+``Compression``, ``SparseState``; Keras: ``hvd_sparse.tensorflow.keras``.
 """
 
 from __future__ import annotations
+
+import pickle
+import warnings
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -25,10 +29,12 @@ from horovod.tensorflow.compression import Compression as _HorovodCompression
 
 from ..compression import Compression as _SparsePresets
 from ..compression import SparseCompression
-from ..core.errors import check_op, check_same_layout, scale_factors
+from ..core.errors import check_nonfinite, check_op, check_same_layout, scale_factors
 from .comm import HorovodTFCommunicator
 
-__all__ = ["Compression", "DistributedGradientTape", "DistributedOptimizer", "sparse_allreduce"]
+_Trackable = tf.__internal__.tracking.Trackable
+
+__all__ = ["Compression", "DistributedGradientTape", "DistributedOptimizer", "SparseState", "sparse_allreduce"]
 
 
 class Compression(_SparsePresets):
@@ -38,28 +44,47 @@ class Compression(_SparsePresets):
     fp16 = _HorovodCompression.fp16
 
 
-def _flat_step(compression, bucket, owner, process_set, tensors, average, prescale, postscale):
-    """One engine step over ``tensors`` (a list of dense tf tensors) inside a tf.py_function."""
+def _flat_step(compression, bucket, owner, process_set, tensors, average, prescale, postscale, nonfinite="skip"):
+    """One engine step over ``tensors`` (a list of dense tf tensors) inside a tf.py_function.
+
+    Returns ``(reduced tensors, skipped)``: ``skipped`` is a boolean tensor, True on every rank when a NaN or Inf
+    on some rank skipped the step (``nonfinite="skip"``; the reduced tensors are then all NaN)."""
     sizes = [int(t.shape.num_elements()) for t in tensors]
     # Compared across ranks once: positions and shapes, not names -- Keras names layers from a process-wide
     # counter, so a rank that built one more model earlier has other names for the same variables.
     layout = [(f"variable #{i}", tuple(t.shape.as_list())) for i, t in enumerate(tensors)]
     flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], axis=0)
 
-    def step(x):
-        engine = compression.engine(bucket, owner, lambda: HorovodTFCommunicator(process_set, bucket))
+    def step(x):                                               # x: an EagerTensor, the engine runs on it
+        engine = _engine(compression, bucket, owner, process_set)
         if engine.steps == 0 and process_set.size() > 1:     # once: the same parameters on every rank
             from horovod.tensorflow.functions import allgather_object
 
             check_same_layout(allgather_object(layout, name=f"hvd_sparse.{bucket}.layout",
                                                process_set=process_set), "hvd_sparse.tensorflow")
         engine.layout = sizes
-        return engine.step(x.numpy(), average=average, prescale=prescale, postscale=postscale)
+        out = engine.step(x, average=average, prescale=prescale, postscale=postscale, nonfinite=nonfinite)
+        if engine.last["skipped"]:
+            bad = engine.last["nonfinite_ranks"]
+            warnings.warn(f"hvd_sparse.tensorflow: non-finite gradient on rank{'s' if len(bad) > 1 else ''} "
+                          f"{', '.join(map(str, bad))}: this step is skipped on every rank (nonfinite='skip'); "
+                          "sparse state is unchanged", RuntimeWarning, stacklevel=2)
+        return out, tf.constant(bool(engine.last["skipped"]))
 
-    out = tf.py_function(step, [flat], tf.float32)
+    out, skipped = tf.py_function(step, [flat], [tf.float32, tf.bool])
     out.set_shape(flat.shape)
+    skipped.set_shape(())
     pieces = tf.split(out, sizes) if len(sizes) > 1 else [out]
-    return [tf.cast(tf.reshape(p, t.shape), t.dtype) for p, t in zip(pieces, tensors)]
+    return [tf.cast(tf.reshape(p, t.shape), t.dtype) for p, t in zip(pieces, tensors)], skipped
+
+
+def _engine(compression, bucket, owner, process_set):
+    """The engine of ``bucket`` (created at its first use), with a state restored by :class:`SparseState` loaded."""
+    engine = compression.engine(bucket, owner, lambda: HorovodTFCommunicator(process_set, bucket))
+    pending = getattr(compression, "_hvds_pending_state", None)
+    if pending and bucket in pending:
+        engine.load_state_dict(pending.pop(bucket))
+    return engine
 
 
 class _Reduction:
@@ -69,7 +94,9 @@ class _Reduction:
     No ``.ref()`` on variables (Keras 3 variables have none), no Keras-2 internals: works with tf.Variables,
     Keras 3 and tf_keras variables alike."""
 
-    def __init__(self, compression, op, gradient_predivide_factor, sparse_as_dense, process_set, api):
+    def __init__(self, compression, op, gradient_predivide_factor, sparse_as_dense, process_set, api,
+                 nonfinite="skip"):
+        self.nonfinite = check_nonfinite(nonfinite, api)
         self.compression = compression
         self.sparse = isinstance(compression, SparseCompression)
         self.op = op
@@ -79,26 +106,38 @@ class _Reduction:
         self.process_set = process_set
         self.api = api
 
-    def __call__(self, grads, variables):
+    def densify(self, grads, variables):
+        """Dense gradients: zeros for ``None`` (unused on this rank, as in Horovod), ``tf.IndexedSlices``
+        converted with ``sparse_as_dense=True`` (an error otherwise)."""
         dense = []
         for g, v in zip(grads, variables):
             if g is None:
-                g = tf.zeros_like(v)                      # unused on this rank: zeros, as in Horovod
+                g = tf.zeros_like(v)
             elif isinstance(g, tf.IndexedSlices):
                 if not self.sparse_as_dense:
                     raise ValueError(f"{self.api}: the gradient of {v.name} is a tf.IndexedSlices (an embedding "
                                      "lookup); pass sparse_as_dense=True")
                 g = tf.convert_to_tensor(g)
             dense.append(g)
+        return dense
+
+    def __call__(self, grads, variables):
+        return self.reduce_flagged(grads, variables)[0]
+
+    def reduce_flagged(self, grads, variables):
+        """``(reduced grads, skipped)``; ``skipped`` is a boolean tensor (True on every rank when a non-finite
+        gradient skipped a sparse step) or ``None`` on the dense path (a dense allreduce spreads a NaN to every
+        rank by itself)."""
+        dense = self.densify(grads, variables)
         if not dense or not self.process_set.included():
-            return dense
+            return dense, None
         if self.sparse:
             # The state's owner is the preset itself (a tape is created anew every step); a preset shared by
             # two models of different sizes is caught by the engine's layout check.
             return _flat_step(self.compression, "model", self.compression, self.process_set, dense,
-                              self.average, self.prescale, self.postscale)
+                              self.average, self.prescale, self.postscale, self.nonfinite)
         if self.process_set.size() == 1:
-            return dense
+            return dense, None
         # Horovod's own dense path: one named allreduce per tensor, in the (rank-consistent) order of sources
         if self.op == Average:
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
@@ -106,7 +145,7 @@ class _Reduction:
             pre = post = 1.0
         return [hvd.allreduce(g, op=self.op, compression=self.compression, prescale_factor=pre,
                               postscale_factor=post, name=f"hvd_sparse.dense.{i}", ignore_name_scope=True,
-                              process_set=self.process_set) for i, g in enumerate(dense)]
+                              process_set=self.process_set) for i, g in enumerate(dense)], None
 
 
 class _DistributedGradientTape(tf.GradientTape):
@@ -143,7 +182,8 @@ class _DistributedGradientTape(tf.GradientTape):
 
 def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compression=Compression.none,
                             sparse_as_dense=False, op=Average, gradient_predivide_factor=1.0, num_groups=0,
-                            groups=None, process_set=global_process_set, scale_local_gradients=True):
+                            groups=None, process_set=global_process_set, scale_local_gradients=True, *,
+                            nonfinite="skip"):
     """Wrap a ``tf.GradientTape`` so that ``gradient()`` returns gradients averaged over Horovod ranks -- sparsely,
     when ``compression`` is a sparse preset. Horovod's signature, in Horovod's order.
 
@@ -159,10 +199,13 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
         op: ``hvd.Average`` (default) or ``hvd.Sum``; ``hvd.Adasum`` is not supported.
         device_dense, device_sparse, num_groups, groups: accepted for compatibility, unused.
         gradient_predivide_factor, process_set, scale_local_gradients: as in Horovod.
+        nonfinite (str, keyword-only): when any rank's gradient holds a NaN or Inf (sparse presets): ``"skip"``
+            (default: sparse state untouched on every rank and every returned gradient all NaN on every rank, so
+            a loss scaler, or ``tf.math.is_finite``, skips the update everywhere alike) or ``"raise"``.
     """
     api = "hvd_sparse.tensorflow.DistributedGradientTape"
     check_op(op, gradient_predivide_factor, api)
-    reduction = _Reduction(compression, op, gradient_predivide_factor, sparse_as_dense, process_set, api)
+    reduction = _Reduction(compression, op, gradient_predivide_factor, sparse_as_dense, process_set, api, nonfinite)
     cls = type(gradtape.__class__.__name__, (gradtape.__class__,),
                dict(_DistributedGradientTape.__dict__, _hvds_inner=gradtape.__class__))
     return cls(gradtape._tape, reduction, gradtape._persistent, gradtape._watch_accessed_variables,
@@ -172,7 +215,8 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='', device_sparse='',
                          compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, average_aggregated_gradients=False,
-                         num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True):
+                         num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True, *,
+                         nonfinite="skip"):
     """Horovod's ``horovod.tensorflow.DistributedOptimizer`` signature. Keras optimizers (Keras 3 or tf_keras)
     are forwarded to :func:`hvd_sparse.tensorflow.keras.DistributedOptimizer`, as Horovod does. Legacy
     ``tf.compat.v1.train.Optimizer`` graphs are not supported (NotImplementedError): use
@@ -187,10 +231,118 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
                             gradient_predivide_factor=gradient_predivide_factor, op=op,
                             backward_passes_per_step=backward_passes_per_step,
                             average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
-                            groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+                            groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
+                            nonfinite=nonfinite)
 
 
-def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=global_process_set):
+# -- checkpoints -----------------------------------------------------------------------------------------------
+_STATE_VERSION = 1
+
+
+def _signature(compression):
+    """What a state must have been saved with: the sparsifier's and reducer's full configuration."""
+    return f"{compression.sparsifier!r} + {compression.reducer!r}"
+
+
+def sparse_state_dict(compression, process_set=global_process_set):
+    """This rank's sparsification state of every unit of ``compression`` (numpy arrays and Python values).
+
+    ``{"version", "rank", "size", "compression", "units": {bucket: Engine.state_dict()}}``; a state restored
+    but not yet used by a step is included as it was restored."""
+    units = {bucket: engine.state_dict() for bucket, (_, engine) in compression._engines.items()}
+    for bucket, state in (getattr(compression, "_hvds_pending_state", None) or {}).items():
+        units.setdefault(bucket, state)
+    return {"version": _STATE_VERSION, "rank": process_set.rank(), "size": process_set.size(),
+            "compression": _signature(compression), "units": units}
+
+
+def load_sparse_state_dict(compression, state, process_set=global_process_set, api="hvd_sparse.tensorflow"):
+    """Restore :func:`sparse_state_dict` into ``compression``: at once into the units that exist, at their first
+    step into the others. Raises ValueError (and restores nothing) for a state of another rank, another
+    number of ranks or another compression."""
+    if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "units" not in state:
+        raise ValueError(f"{api}: not a state saved by hvd_sparse.tensorflow (sparse_state_dict() or SparseState), "
+                         f"got {type(state).__name__}")
+    rank, size = process_set.rank(), process_set.size()
+    if state["size"] != size or state["rank"] != rank:
+        raise ValueError(f"{api}: this sparse state was saved by rank {state['rank']} of {state['size']}, but this "
+                         f"is rank {rank} of {size}; residuals are per rank: every rank must restore the "
+                         "checkpoint it wrote itself (put hvd.rank() in the checkpoint path), with the same number "
+                         "of ranks")
+    if state["compression"] != _signature(compression):
+        raise ValueError(f"{api}: this sparse state was saved with {state['compression']}, but it is being restored "
+                         f"into {_signature(compression)}; rebuild the same compression preset (same scheme and "
+                         "arguments) before restoring")
+    pending = {}
+    for bucket, unit in state["units"].items():
+        entry = compression._engines.get(bucket)
+        if entry is not None:
+            entry[1].load_state_dict(unit)
+        else:
+            pending[bucket] = unit
+    compression._hvds_pending_state = pending
+
+
+def _sparse_target(obj, process_set, api):
+    """(compression, process_set) of a sparse preset, a DistributedGradientTape or a Keras DistributedOptimizer."""
+    reduction = getattr(obj, "_hvds_reduce", None)
+    compression = obj if reduction is None else reduction.compression
+    if reduction is not None and process_set is None:
+        process_set = reduction.process_set
+    if not isinstance(compression, SparseCompression):
+        raise TypeError(f"{api}: expected a sparse compression preset, or a DistributedGradientTape / Keras "
+                        f"DistributedOptimizer of hvd_sparse that uses one, got {obj!r}"
+                        + (" (it reduces densely: there is no sparse state to save)" if reduction is not None
+                           else ""))
+    return compression, process_set or global_process_set
+
+
+class SparseState(_Trackable):
+    """The sparsification state of one rank (residuals, thresholds, partitions, step counters) as an object
+    ``tf.train.Checkpoint`` can save and restore::
+
+        ckpt = tf.train.Checkpoint(model=model, optimizer=opt, sparse=hvds.SparseState(opt))
+        ckpt.write(f"ckpt/rank{hvd.rank()}")          # EVERY rank writes its own file
+        ...
+        ckpt.read(f"ckpt/rank{hvd.rank()}")           # each rank reads the file it wrote
+
+    Residuals are per rank (the gradient mass this rank has not sent yet), so unlike model weights the state
+    must not be broadcast from rank 0: every rank saves and restores its own checkpoint, with the rank in the
+    path. Restoring another rank's file, a file of a job with another number of ranks, or a state of another
+    compression (scheme or arguments) raises ValueError from ``read``/``restore``. A state restored before the
+    first step is applied at that step, so restore into a freshly built model, optimizer and preset works.
+
+    The state travels as one ``tf.string`` tensor (a pickle of the engines' ``state_dict()``): load checkpoints
+    only from sources you trust, as with ``pickle`` or ``torch.load``. Save and restore eagerly
+    (``tf.train.Checkpoint.write/read/save/restore``); SparseState is not part of a SavedModel.
+
+    Args:
+        obj: a Keras ``DistributedOptimizer`` of hvd_sparse, a ``DistributedGradientTape`` of hvd_sparse, or the
+            sparse preset itself (e.g. the ``Compression.oktopk(...)`` object handed to a tape each step, or to
+            ``sparse_allreduce``).
+        process_set: the ranks taking part. Default: the optimizer's or tape's, else all ranks.
+    """
+
+    def __init__(self, obj, process_set=None):
+        self._hvds_compression, self._hvds_process_set = _sparse_target(obj, process_set, "hvd_sparse.SparseState")
+
+    def state_dict(self):
+        """What is saved: :func:`sparse_state_dict` of the compression."""
+        return sparse_state_dict(self._hvds_compression, self._hvds_process_set)
+
+    def load_state_dict(self, state):
+        load_sparse_state_dict(self._hvds_compression, state, self._hvds_process_set, "hvd_sparse.SparseState")
+
+    def _serialize_to_tensors(self):
+        return {"state": tf.constant(pickle.dumps(self.state_dict(), protocol=4), dtype=tf.string)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        self.load_state_dict(pickle.loads(restored_tensors["state"].numpy()))
+        return tf.no_op()
+
+
+def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=global_process_set, *,
+                     nonfinite="skip"):
     """Average ``tensor`` over ``process_set``, sending only the entries that ``compression`` selects.
 
     Collective: every rank calls it in the same order, with the same ``name``, shape and dtype; works eagerly and
@@ -202,6 +354,8 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
         name (str): residual key and base of the op names. Default: ``"sparse_allreduce"``.
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
         process_set: ranks taking part. Default: all ranks.
+        nonfinite (str): when any rank's ``tensor`` holds a NaN or Inf: ``"skip"`` (default; the result is all
+            NaN on every rank and the residual untouched) or ``"raise"``.
 
     Returns:
         tf.Tensor: same shape and dtype as ``tensor``, bit-identical on every rank.
@@ -211,7 +365,12 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
         raise TypeError(f"{api}: compression must be a sparse preset such as Compression.topka(0.01), got "
                         f"{compression!r}; for dense tensors use hvd.allreduce")
     check_op(op, 1.0, api)
+    check_nonfinite(nonfinite, api)
+    tensor = tf.convert_to_tensor(tensor)
+    if not tensor.dtype.is_floating:
+        raise TypeError(f"{api}: tensor must be floating point, got {tensor.dtype.name}; sparsifying integers "
+                        "would round the average -- use hvd.allreduce")
     bucket = name or "sparse_allreduce"
     prescale, postscale, average = scale_factors(op, 1.0)
-    return _flat_step(compression, bucket, bucket, process_set, [tf.convert_to_tensor(tensor)], average,
-                      prescale, postscale)[0]
+    return _flat_step(compression, bucket, bucket, process_set, [tensor], average, prescale, postscale,
+                      nonfinite)[0][0]

@@ -6,6 +6,11 @@ Scenarios:
            the raw and reduced gradients of every step (recorded around the reduction) and the final weights
   eager    the same for one preset with run_eagerly=True (graph and eager must agree)
   misuse   wrapping twice raises; a preset shared by two models raises
+  bpps     backward_passes_per_step=2: Compression.none (averaged) next to a bpps=1 run on double batches, and
+           a sparse preset (summed), with what reached the reduction and the final weights
+  checkpoint  oktopk: 12 uninterrupted steps vs 6 steps -> tf.train.Checkpoint with SparseState (one file per
+           rank) -> a rebuilt model/optimizer/preset restored -> 6 more; a cold restart (no SparseState); the
+           errors of restoring the other rank's file and of restoring into another preset
 """
 
 import os
@@ -19,7 +24,7 @@ import tensorflow as tf  # noqa: E402
 
 import hvd_sparse.tensorflow as hvd_tf  # noqa: E402
 import hvd_sparse.tensorflow.keras as hvds  # noqa: E402
-from hvd_sparse.bench.digits import load_data  # noqa: E402
+from hvd_sparse.bench.digits import load_arrays  # noqa: E402
 from hvd_sparse.bench.presets import make, names  # noqa: E402
 
 keras = tf.keras
@@ -27,10 +32,10 @@ FLAVOUR = "tf_keras" if os.environ.get("TF_USE_LEGACY_KERAS") == "1" else "keras
 STEPS, BATCH, DENSITY = 6, 32, 0.05
 
 
-def dataset():
-    (x, y), _ = load_data(0)
-    x = x.numpy().reshape(len(x), -1)[hvd.rank()::hvd.size()][:STEPS * BATCH]
-    return x.astype(np.float32), y.numpy()[hvd.rank()::hvd.size()][:STEPS * BATCH]
+def dataset(steps=STEPS):
+    (x, y), _ = load_arrays(0)                 # numpy only: no torch in a TensorFlow job
+    x = x.reshape(len(x), -1)[hvd.rank()::hvd.size()][:steps * BATCH]
+    return x.astype(np.float32), y[hvd.rank()::hvd.size()][:steps * BATCH]
 
 
 def model():
@@ -42,6 +47,9 @@ class Recorder:
     def __init__(self, inner):
         self.inner, self.raw, self.red = inner, [], []
         self.compression = inner.compression
+
+    def __getattr__(self, name):               # densify, process_set, ...: the wrapped reduction's
+        return getattr(self.inner, name)
 
     def __call__(self, grads, variables):
         out = self.inner(grads, variables)
@@ -56,19 +64,25 @@ class Recorder:
             return [tf.identity(t) for t in out]
 
 
-def fit(compression, run_eagerly=False):
+def flat_weights(m):
+    return np.concatenate([w.reshape(-1) for w in m.get_weights()])
+
+
+def fit(compression, run_eagerly=False, batch=BATCH, info=None, **kwargs):
     x, y = dataset()
     m = model()
-    opt = hvds.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=compression)
+    opt = hvds.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=compression, **kwargs)
     assert type(opt).__name__ == "SGD" and isinstance(opt, keras.optimizers.SGD)
     rec = opt._hvds_reduce = Recorder(opt._hvds_reduce)
     m.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
               run_eagerly=run_eagerly)
-    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
-    weights = np.concatenate([w.reshape(-1) for w in m.get_weights()])
+    m.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
     rebuilt = type(opt).from_config(opt.get_config())
     assert type(rebuilt) is type(opt)
-    return np.array(rec.raw), np.array(rec.red), weights
+    if info is not None:
+        info["iterations"] = int(opt.iterations.numpy())
+        info["w0"] = flat_weights(model())
+    return np.array(rec.raw), np.array(rec.red), flat_weights(m)
 
 
 def scenario_fit(out):
@@ -86,6 +100,73 @@ def scenario_eager(out):
     for eager in (False, True):
         tag = "eager" if eager else "graph"
         res[f"{tag}.raw"], res[f"{tag}.red"], res[f"{tag}.weights"] = fit(make("oktopk", DENSITY), eager)
+    np.savez(out, **res)
+
+
+def scenario_bpps(out):
+    res = {}
+    info = {}
+    # Compression.none, 2 passes per step, averaged: the reduction sees the sum of 2 batch gradients
+    res["none2.raw"], res["none2.red"], res["none2.weights"] = fit(
+        hvds.Compression.none, backward_passes_per_step=2, average_aggregated_gradients=True, info=info)
+    res["none2.iterations"], res["w0"] = info["iterations"], info["w0"]
+    # the reference: 1 pass per step on batches twice as large (the mean over 64 = the mean of two means of 32)
+    res["none1.raw"], res["none1.red"], res["none1.weights"] = fit(hvds.Compression.none, batch=2 * BATCH, info=info)
+    res["none1.iterations"] = info["iterations"]
+    # a sparse preset, 2 passes per step, summed (average_aggregated_gradients=False, Horovod's default); the
+    # eager tf.cond is tested in one process (tests/test_tf_local.py)
+    res["sparse2.raw"], res["sparse2.red"], res["sparse2.weights"] = fit(
+        make("oktopk", DENSITY), backward_passes_per_step=2, info=info)
+    res["sparse2.iterations"] = info["iterations"]
+    res["layout"] = np.array([int(np.prod(v.shape)) for v in model().trainable_variables])
+    np.savez(out, **res)
+
+
+def scenario_checkpoint(out):
+    outdir = os.path.dirname(out)
+    x, y = dataset(12)
+    half = 6 * BATCH
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def build(seed, compression=None):
+        keras.utils.set_random_seed(seed)
+        m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
+        comp = compression or hvds.Compression.oktopk(DENSITY, threshold_period=3)
+        opt = hvds.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), compression=comp)
+        m.compile(optimizer=opt, loss=loss)
+        opt.build(m.trainable_variables)       # slots exist before a restore (assert_consumed)
+        return m, opt
+
+    def ckpt(m, opt):
+        return tf.train.Checkpoint(model=m, optimizer=opt, sparse=hvd_tf.SparseState(opt))
+
+    res = {}
+    m, opt = build(0)                                     # 12 uninterrupted steps
+    m.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
+    res["straight"] = flat_weights(m)
+    m, opt = build(0)                                     # 6 steps, then a checkpoint per rank
+    m.fit(x[:half], y[:half], batch_size=BATCH, shuffle=False, verbose=0)
+    path = ckpt(m, opt).write(f"{outdir}/ckpt_rank{hvd.rank()}")
+    hvd.allreduce(tf.constant(0), name="barrier.written")    # every rank's file exists
+    m, opt = build(1)                                     # rebuilt from scratch (other initial weights)
+    ckpt(m, opt).read(path).assert_consumed()
+    m.fit(x[half:], y[half:], batch_size=BATCH, shuffle=False, verbose=0)
+    res["resumed"] = flat_weights(m)
+    res["resumed_iterations"] = int(opt.iterations.numpy())
+    m, opt = build(1)                                     # cold restart: model and optimizer only
+    tf.train.Checkpoint(model=m, optimizer=opt).read(path).expect_partial()
+    m.fit(x[half:], y[half:], batch_size=BATCH, shuffle=False, verbose=0)
+    res["cold"] = flat_weights(m)
+    msgs = []
+    other = f"{outdir}/ckpt_rank{(hvd.rank() + 1) % hvd.size()}"
+    for comp in (None, hvds.Compression.topka(DENSITY)):   # the other rank's file; another preset
+        m, opt = build(1, comp)
+        try:
+            ckpt(m, opt).read(other if comp is None else path)
+            msgs.append("no error")
+        except ValueError as e:
+            msgs.append(str(e))
+    res["msgs"] = np.array(msgs)
     np.savez(out, **res)
 
 

@@ -41,6 +41,8 @@ def pack_pairs(xp, idx, vals, wire, like):
     bits = xp.bitcast(xp.astype(vals, xp.float32), xp.int32)
     if wire != xp.int32:
         bits = xp.astype(bits, wire)
+    if xp.name not in ("numpy", "torch"):          # immutable tensors (TensorFlow)
+        return xp.interleave(xp.astype(idx, wire), bits)
     out = xp.zeros(2 * m, wire, like=like)
     out[0::2] = xp.astype(idx, wire)
     out[1::2] = bits

@@ -38,7 +38,7 @@ class ExDynaReducer(Reducer):
         m = xp.numel(idx)
         u = xp.zeros(n, xp.float32, like=acc)
         if comm.size == 1:
-            xp.put_(u, idx, xp.take(acc, idx))
+            u = xp.put_(u, idx, xp.take(acc, idx))
             return u, idx, {"counts": [m], "K": m}
         # 5.7 step 1: counts
         ks = [int(c) for c in xp.to_numpy(comm.allgather(xp.asarray([m], xp.index_dtype, like=acc), "count"))]
@@ -51,5 +51,5 @@ class ExDynaReducer(Reducer):
         # 5.7 step 3: every rank's own values at the whole union
         vals = comm.allreduce(xp.take(acc, S), SUM, "values")
         # 5.7 step 4 / 5.8: u[S] = summed values; the residual is cleared on all of S
-        xp.put_(u, S, vals)
+        u = xp.put_(u, S, vals)
         return u, S, {"counts": ks, "K": K}

@@ -311,7 +311,7 @@ class OkTopk(Reducer):
         # §3.6.8 output and included set I = S ∩ G (exact)
         u = xp.zeros(n, xp.float32, like=acc)
         if xp.numel(g_idx):
-            xp.put_(u, g_idx, g_val)
+            u = xp.put_(u, g_idx, g_val)
         included = intersect_sorted(xp, idx, g_idx)
         state.update(t=t + 1, gamma=gamma_next, offsets=list(offsets), size=P)
         info = {"K": xp.numel(g_idx), "threshold": used, "next_threshold": gamma_next, "reeval": bool(reev),

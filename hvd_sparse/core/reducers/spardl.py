@@ -112,6 +112,8 @@ def _topk_rows(xp, X, k):
             tied &= np.cumsum(tied, axis=1) <= (k - above[bad])[:, None]
             cols[bad] = np.nonzero((sub > tb) | tied)[1].reshape(bad.size, k)
         return np.sort(cols, axis=1).astype(np.int64, copy=False)
+    if xp.name != "torch":                           # TensorFlow: the backend's own helper
+        return xp.topk_rows(X, k)
     torch = xp.torch
     if k >= c:
         return torch.arange(c, dtype=torch.int64, device=X.device).expand(m, c)
@@ -131,11 +133,32 @@ def _topk_rows(xp, X, k):
     return cols.sort(dim=1).values
 
 
+def _reshape(xp, x, *shape):
+    """``x.reshape(*shape)`` (TensorFlow tensors have no reshape method)."""
+    return x.reshape(*shape) if xp.name in ("numpy", "torch") else xp.reshape(x, shape)
+
+
+def _set_slice_(xp, x, lo, hi, value):
+    """``x[lo:hi] = value``; returns x (a new tensor for immutable TensorFlow tensors)."""
+    if xp.name not in ("numpy", "torch"):
+        return xp.set_slice_(x, lo, hi, value)
+    x[lo:hi] = value
+    return x
+
+
+def _add_slice_(xp, x, lo, hi, y):
+    """``x[lo:hi] += y``; returns x (a new tensor for immutable TensorFlow tensors)."""
+    if xp.name not in ("numpy", "torch"):
+        return xp.add_slice_(x, lo, hi, y)
+    x[lo:hi] += y
+    return x
+
+
 def _flat_index(xp, cols, lo, c, like):
     """Flat indices (row-major) of the columns ``cols`` (m, k) of blocks lo..lo+m-1."""
     m = cols.shape[0]
     rows = (xp.arange(m, xp.index_dtype, like=like) + lo) * c
-    return (rows[:, None] + cols).reshape(-1)
+    return _reshape(xp, rows[:, None] + cols, -1)
 
 
 def _choice(value, name, allowed):
@@ -223,8 +246,9 @@ class SparDL(Reducer):
         w = xp.itemsize(ints) // 4
         kk = xp.numel(vals)
         y = comm.allgather(xp.concat([xp.bitcast(ints, xp.float32), vals], like=vals), phase)
-        y2 = y.reshape(comm.size, (w + 1) * kk)
-        return xp.bitcast(y2[:, :w * kk].reshape(-1), xp.dtype_of(ints)), y2[:, w * kk:].reshape(-1)
+        y2 = _reshape(xp, y, comm.size, (w + 1) * kk)
+        return (xp.bitcast(_reshape(xp, y2[:, :w * kk], -1), xp.dtype_of(ints)),
+                _reshape(xp, y2[:, w * kk:], -1))
 
     # -- one step -----------------------------------------------------------------------------------------
     def reduce(self, xp, acc, idx, k, comm, state, ctx):
@@ -266,27 +290,28 @@ class SparDL(Reducer):
         eager = self.selection == "eager"
 
         # 5.1 working blocks (dense); lazy: A doubles as D (a block is selected once, then only dropped
-        # values remain in it), eager: a separate D accumulates every selection's drop.
+        # values remain in it; D = A once the SRS is done), eager: a separate D accumulates every drop.
+        # Every write rebinds A / D to the result (TensorFlow tensors are immutable).
         A = xp.concat([acc, xp.zeros(Q * c - n, f32, like=acc)], like=acc) if Q * c > n else xp.copy(acc)
-        D = xp.zeros(Q * c, f32, like=acc) if eager else A
+        D = xp.zeros(Q * c, f32, like=acc) if eager else None
         last = [None] * Q                              # eager: latest selection (flat indices) per block
 
         def select(lo, hi, kk):
             """5.3 select(b, kk) for the blocks lo..hi-1: (flat int64 indices in block order, values)."""
+            nonlocal A, D
             seg = A[lo * c:hi * c]
-            cols = _topk_rows(xp, seg.reshape(hi - lo, c), kk)
+            cols = _topk_rows(xp, _reshape(xp, seg, hi - lo, c), kk)
             flat = _flat_index(xp, cols, lo, c, acc)
             vals = xp.take(A, flat)
             if eager:
-                dropped = xp.copy(seg)
-                xp.put_(dropped, flat - lo * c, 0.0)
-                D[lo * c:hi * c] += dropped
-                A[lo * c:hi * c] = 0.0
-                xp.put_(A, flat, vals)
+                dropped = xp.put_(xp.copy(seg), flat - lo * c, 0.0)
+                D = _add_slice_(xp, D, lo * c, hi * c, dropped)
+                A = _set_slice_(xp, A, lo * c, hi * c, 0.0)
+                A = xp.put_(A, flat, vals)
                 for i in range(hi - lo):
                     last[lo + i] = flat[i * kk:(i + 1) * kk]
             else:
-                xp.put_(A, flat, 0.0)                  # A[b] now holds what was dropped here: D[b]
+                A = xp.put_(A, flat, 0.0)              # A[b] now holds what was dropped here: D[b]
             return flat, vals
 
         # 5.2-5.3 Spar-Reduce-Scatter inside the team
@@ -302,11 +327,13 @@ class SparDL(Reducer):
                 flat = xp.concat([p[0] for p in parts], like=acc)
                 vals = xp.concat([p[1] for p in parts], like=acc)
             ri, rv = self._exchange(xp, comm, f"srs.{s}", base + (r + gap) % Q, xp.astype(flat, wire), vals)
-            xp.scatter_add_(A, xp.astype(ri, i64), rv)  # indices unique within a message
+            A = xp.scatter_add_(A, xp.astype(ri, i64), rv)  # indices unique within a message
             if eager:
                 for lo, hi in _segments(r, m, Q):
                     select(lo, hi, kb)
         own_idx, own_vals = select(r, r + 1, h)       # final own block, h entries
+        if not eager:
+            D = A                                      # lazy: what is left in A is what this rank dropped
         info = {"k_b": kb, "h": h, "srs_pairs": (Q - 1) * kb}
 
         # 5.5 Spar-All-Gather across the d teams (ranks {(g', r)})
@@ -325,12 +352,13 @@ class SparDL(Reducer):
             for t in range(d):                                       # canonical team order (§8)
                 bi, bv = bufs[(t - g) % d]
                 loc = xp.astype(bi, i64) - r * c
-                xp.scatter_add_(S, loc, bv)
-                xp.put_(mark, loc, 1.0)
+                S = xp.scatter_add_(S, loc, bv)
+                mark = xp.put_(mark, loc, 1.0)
             U = xp.nonzero(xp.gt(mark, 0))
             u = xp.numel(U)
             if u > kb:                                               # the trim, identical on all d ranks
-                keep = xp.take(U, _topk_rows(xp, xp.take(S, U).reshape(1, u), kb).reshape(-1))
+                keep = xp.take(U, _reshape(xp, _topk_rows(xp, _reshape(xp, xp.take(S, U), 1, u), kb),
+                                               -1))
             else:
                 keep = U
             F_idx, F_vals = keep + r * c, xp.take(S, keep)
@@ -347,15 +375,16 @@ class SparDL(Reducer):
                 S = xp.zeros(c, f32, like=acc)
                 mark = xp.zeros(c, f32, like=acc)
                 for bi, bv in ((mine, theirs) if g < pg else (theirs, mine)):   # lower team first
-                    xp.scatter_add_(S, bi - r * c, bv)
-                    xp.put_(mark, bi - r * c, 1.0)
+                    S = xp.scatter_add_(S, bi - r * c, bv)
+                    mark = xp.put_(mark, bi - r * c, 1.0)
                 U = xp.nonzero(xp.gt(mark, 0))
                 u = xp.numel(U)
                 if u > kb:
-                    keep = xp.take(U, _topk_rows(xp, xp.take(S, U).reshape(1, u), kb).reshape(-1))
-                    xp.put_(mark, keep, 0.0)
+                    keep = xp.take(U, _reshape(xp, _topk_rows(xp, _reshape(xp, xp.take(S, U), 1, u), kb),
+                                                   -1))
+                    mark = xp.put_(mark, keep, 0.0)
                     drop = xp.nonzero(xp.gt(mark, 0))
-                    xp.scatter_add_(D, drop + r * c, xp.mul(xp.take(S, drop), 0.5 ** (s + 1)))
+                    D = xp.scatter_add_(D, drop + r * c, xp.mul(xp.take(S, drop), 0.5 ** (s + 1)))
                 else:
                     keep = U
                 F_idx, F_vals = keep + r * c, xp.take(S, keep)
@@ -384,14 +413,12 @@ class SparDL(Reducer):
                     ov += cnt
             all_idx, all_vals = xp.concat(held_i, like=acc), xp.concat(held_v, like=acc)
         all_idx = xp.astype(all_idx, i64)
-        out = xp.zeros(Q * c, f32, like=acc)
-        xp.put_(out, all_idx, all_vals)                # F unique over all blocks; padding carries 0
+        out = xp.put_(xp.zeros(Q * c, f32, like=acc), all_idx, all_vals)   # F unique; padding carries 0
         u = out[:n]
 
         # 5.4 Global Residual Collection: own value outside F, what this rank dropped inside F
         kept = xp.take(D, all_idx)
-        D[:n] = acc
-        xp.put_(D, all_idx, kept)
+        D = xp.put_(_set_slice_(xp, D, 0, n, acc), all_idx, kept)
         included = xp.sort(xp.take(all_idx, xp.nonzero(xp.gt(xp.abs(all_vals), 0))))   # support of u
         info.update(K=xp.numel(included), final_entries=xp.numel(all_idx), residual=D[:n])
         return u, included, info

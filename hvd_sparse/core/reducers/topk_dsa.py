@@ -53,7 +53,7 @@ class TopkDSA(Reducer):
         P = comm.size
         if P == 1:                              # no collective; same semantics (the one region is R_0)
             u = xp.zeros(n, xp.float32, like=acc)
-            xp.put_(u, idx, xp.take(acc, idx))
+            u = xp.put_(u, idx, xp.take(acc, idx))
             N = n - xp.sum_int(xp.eq(u, 0))
             return u, idx, {"N": N, "dense_switch": 3 * N >= n}
         r = comm.rank
@@ -83,7 +83,7 @@ class TopkDSA(Reducer):
             flat = comm.allgather(pack_pairs(xp, nz + lo, xp.take(rho, nz), g_wire, acc), "sparse")
             g_idx, g_val = unpack_pairs(xp, flat)
             u = xp.zeros(n, xp.float32, like=acc)
-            xp.put_(u, g_idx, g_val)                       # regions are disjoint: no duplicate index
+            u = xp.put_(u, g_idx, g_val)                   # regions are disjoint: no duplicate index
             dense = False
         else:
             u = comm.allgather(rho, "dense")

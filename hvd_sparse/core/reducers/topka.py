@@ -58,7 +58,7 @@ def sum_in_rank_order(xp, n, all_idx, all_vals, counts, like):
     off = 0
     for c in counts:
         if c:
-            xp.add_unique_(u, all_idx[off:off + c], all_vals[off:off + c])
+            u = xp.add_unique_(u, all_idx[off:off + c], all_vals[off:off + c])
         off += c
     return u[:n]
 

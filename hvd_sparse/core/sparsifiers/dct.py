@@ -48,7 +48,7 @@ def _nan_to_zero(xp, x):
         return np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
     if xp.name == "torch":
         return xp.torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-    raise NotImplementedError(f"{_API}: nan_to_num for backend {xp.name!r}")
+    return xp.nan_to_zero(x)
 
 
 def _snap(x):
