@@ -18,6 +18,7 @@ COMMANDS = {
     "volume": ("volume", "words received per rank per step, every reducer, simulated ranks"),
     "select": ("select", "seconds of each sparsifier's selection vs torch.topk and one streaming pass"),
     "convergence": ("convergence", "train the digits CNN with each algorithm under horovodrun"),
+    "network": ("network", "seconds per step of P Horovod workers on a tc-shaped network (root)"),
 }
 
 

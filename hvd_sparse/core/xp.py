@@ -122,7 +122,10 @@ class NumpyBackend(_Indexing):
 
     @staticmethod
     def all_finite(x):
-        return bool(np.isfinite(x).all())
+        # A finite sum proves every entry finite (a NaN or Inf poisons the sum); only a sum that overflowed needs
+        # the exact elementwise pass. One streaming read instead of a full boolean mask.
+        with np.errstate(over="ignore", invalid="ignore"):
+            return bool(np.isfinite(x.sum())) or bool(np.isfinite(x).all())
 
     @staticmethod
     def kth_largest(x, k):
@@ -225,7 +228,8 @@ class TorchBackend(_Indexing):
         return x * s
 
     def all_finite(self, x):
-        return bool(self.torch.isfinite(x).all())
+        # as NumpyBackend.all_finite: the sum first, the elementwise pass only after an overflow
+        return bool(self.torch.isfinite(x.sum())) or bool(self.torch.isfinite(x).all())
 
     def kth_largest(self, x, k):
         # topk's *values* are exact; only the order of tied indices is unspecified, and we do not use it.

@@ -1,0 +1,208 @@
+"""Worker of ``python -m hvd_sparse.bench network``: one Horovod rank in its own network namespace.
+
+Started by :mod:`hvd_sparse.bench.network` with ``ip netns exec`` and the environment ``horovodrun --gloo``
+would give it (rendezvous address and port, rank, size, ``HOROVOD_GLOO_IFACE``); not meant to be run by hand.
+
+For each algorithm in turn, on the same gradients (:class:`SharedGradients`, bit-identical to
+``SyntheticGradients(n, P, seed).grad(t, rank)``):
+
+    params    = zeros in the layout of --numel or --model; SGD(lr) wrapped by hvd_sparse.torch.DistributedOptimizer
+                (dense: Compression.none -> Horovod's own optimizer; else the preset of bench/presets.py)
+    for t in range(warmup + steps):
+        p.grad  = views of grad(t, rank)                     # backward-free
+        hvd.allreduce(one value)                             # barrier: the ranks start the step together
+        t0; optimizer.step(); seconds[t] = now - t0          # exchange + write-back + SGD update
+        hvd.allreduce(one value)                             # nobody draws the next gradient meanwhile
+        recv_bytes[t], selected[t] = optimizer.sparse_stats()   (sparse presets)
+
+Rank 0 gathers every rank's records and writes them to ``--out`` (JSON); the parent computes the statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .data import SyntheticGradients
+from .network import PROGRESS, model_layout, synthetic_layout
+
+
+class SharedGradients(SyntheticGradients):
+    """``SyntheticGradients`` whose rank-independent parts were computed once by the parent process
+    (:func:`hvd_sparse.bench.network.write_gradient_data`) and are mapped read-only from ``directory``:
+    the noise pool, the per-layer scale and the shared component c[t] of every step. ``grad(t, r)`` is the
+    inherited formula, so the values are bit-identical to ``SyntheticGradients(n, workers, seed)``'s."""
+
+    def __init__(self, directory):   # noqa: super().__init__ would draw the 8n-value pool again
+        d = Path(directory)
+        meta = json.loads((d / "meta.json").read_text())
+        self.n, self.workers, self.seed = meta["n"], meta["workers"], meta["seed"]
+        self.rho, self.noise, self.layout = meta["rho"], meta["noise"], meta["layout"]
+        self.steps = meta["steps"]
+        self.scale = np.load(d / "scale.npy", mmap_mode="r")
+        pool = np.load(d / "pool.npy", mmap_mode="r")
+        self._noise_pool = [pool[i] for i in range(pool.shape[0])]
+        self._commons = np.load(d / "common.npy", mmap_mode="r")
+
+    def common(self, t):
+        if not 0 <= t < self.steps:
+            raise IndexError(f"SharedGradients: step {t} was not precomputed (0 <= t < {self.steps})")
+        return self._commons[t]
+
+    def grad(self, t, r, out=None):
+        """``SyntheticGradients.grad(t, r)``, bit for bit, computed in place (one buffer instead of four;
+        ``out``, if given, is reused: a float32 array of n values whose old content is overwritten)."""
+        h = np.random.default_rng([self.seed, 2, t, r]).integers(0, 2**62)
+        src = self._noise_pool[h % len(self._noise_pool)]
+        s = int(h // 7) % self.n
+        e = np.empty(self.n, np.float32) if out is None else out
+        e[s:] = src[:self.n - s]                    # np.roll(src, s)
+        e[:s] = src[self.n - s:]
+        e *= np.float32(self.noise)                 # scale * (c + noise * e): the same float32 operations
+        e += self.common(t)
+        e *= self.scale
+        return e
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--algorithms", required=True, help="comma-separated preset names; dense = Horovod's")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--numel", type=int)
+    size.add_argument("--model")
+    p.add_argument("--density", type=float, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--data", required=True, help="directory written by network.write_gradient_data")
+    p.add_argument("--out", required=True, help="JSON file written by rank 0")
+    p.add_argument("--profile", default=None, help="write cProfile top functions to <PROFILE>.rank<r>.txt")
+    return p.parse_args(argv)
+
+
+def _compression(name, density):
+    import hvd_sparse.torch as hvds
+
+    from .presets import make
+
+    # the baseline is Horovod's own optimizer and fused ring allreduce, not the engine's Dense reducer
+    return hvds.Compression.none if name == "dense" else make(name, density)
+
+
+def measure(args, name, layout, data):
+    """Run one algorithm; returns this rank's per-step records."""
+    import horovod.torch as hvd
+    import torch
+
+    import hvd_sparse.torch as hvds
+
+    rank = hvd.rank()
+    compression = _compression(name, args.density)
+    partitioned = bool(getattr(getattr(compression, "sparsifier", None), "partitioned", False))
+    params = [(pname, torch.nn.Parameter(torch.zeros(shape))) for pname, shape in layout]
+    optimizer = torch.optim.SGD([p for _, p in params], lr=args.lr)
+    optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=params, compression=compression)
+    sparse = hasattr(optimizer, "sparse_stats")
+    T = args.warmup + args.steps
+    seconds, recv, selected, special = [0.0] * T, [0.0] * T, [0] * T, [False] * T
+    barrier = torch.zeros(1)
+    profiler = None
+    buf = np.empty(data.n, np.float32)              # this rank's gradient, rewritten every step
+    for t in range(T):
+        flat = torch.from_numpy(data.grad(t, rank, out=buf))
+        off = 0
+        for _, p in params:                         # the optimizer's order (sorted by name): no copy
+            m = p.numel()
+            p.grad = flat[off:off + m].view(p.shape)
+            off += m
+        if args.profile and t == args.warmup:
+            import cProfile
+            profiler = cProfile.Profile()
+        hvd.allreduce(barrier, name="hvd_sparse.bench.network.barrier")
+        if profiler is not None:
+            profiler.enable()
+        t0 = time.perf_counter()
+        optimizer.step()
+        seconds[t] = time.perf_counter() - t0
+        if profiler is not None:
+            profiler.disable()
+        # a rank that is done must not draw its next gradient while others are still inside the timed step
+        hvd.allreduce(barrier, name="hvd_sparse.bench.network.barrier_after")
+        if sparse:
+            st = optimizer.sparse_stats()
+            recv[t], selected[t] = float(st["recv_bytes"]), int(st["selected"])
+            info = st.get("info") or {}
+            special[t] = bool(info.get("reeval") or info.get("repartition"))
+        if rank == 0:
+            print(f"{PROGRESS} [{name}] step {t + 1}/{T}{' (warm-up)' if t < args.warmup else ''}  "
+                  f"{seconds[t]:.3f} s (rank 0)", flush=True)
+    if profiler is not None:
+        _write_profile(profiler, f"{args.profile}.{name}.rank{rank}.txt", name, rank, args.steps)
+    tag = f"hvd_sparse.bench.network.{name}"
+    gathered = {}
+    for key, values, dtype in (("seconds", seconds, torch.float64), ("recv_bytes", recv, torch.float64),
+                               ("selected", selected, torch.int64)):
+        g = hvd.allgather(torch.tensor([values], dtype=dtype), name=f"{tag}.{key}")
+        gathered[key] = g.tolist()
+    del optimizer, params, flat, buf
+    gc.collect()
+    return {"algorithm": name, "partitioned": partitioned, "special": special, **gathered}
+
+
+def private_peak_bytes():
+    """Peak resident memory of this process minus the shared gradient data it maps now (VmHWM - RssFile -
+    RssShmem from /proc/self/status): about the largest private memory it has used so far; 0 if unknown."""
+    try:
+        with open("/proc/self/status") as f:
+            st = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if k in
+                  ("VmHWM", "RssFile", "RssShmem")}
+        return max(0, st["VmHWM"] - st.get("RssFile", 0) - st.get("RssShmem", 0))
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+def _write_profile(profiler, path, name, rank, steps):
+    import io
+    import pstats
+
+    s = io.StringIO()
+    s.write(f"{name}, rank {rank}, {steps} measured steps (optimizer.step only)\n")
+    pstats.Stats(profiler, stream=s).sort_stats("cumulative").print_stats(35)
+    Path(path).write_text(s.getvalue())
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import horovod.torch as hvd
+    import torch
+
+    torch.set_num_threads(1)
+    hvd.init()
+    layout = model_layout(args.model) if args.model else synthetic_layout(args.numel)
+    n = sum(int(np.prod(s)) for _, s in layout)
+    data = SharedGradients(args.data)
+    if data.n != n:
+        raise ValueError(f"network worker: the gradient data has {data.n} values, the model {n}")
+    runs = [measure(args, name, layout, data) for name in args.algorithms.split(",") if name]
+    peak = hvd.allgather(torch.tensor([private_peak_bytes()], dtype=torch.int64),
+                         name="hvd_sparse.bench.network.memory").tolist()
+    if hvd.rank() == 0:
+        report = {"workers": hvd.size(), "numel": n, "torch_threads": torch.get_num_threads(), "runs": runs,
+                  "private_peak_bytes": peak}
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, args.out)
+    hvd.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    main()
