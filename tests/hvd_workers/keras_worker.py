@@ -52,7 +52,10 @@ class Recorder:
         return getattr(self.inner, name)
 
     def __call__(self, grads, variables):
-        out = self.inner(grads, variables)
+        return self.reduce_flagged(grads, variables)[0]
+
+    def reduce_flagged(self, grads, variables):     # the optimizers' entry point: (grads, non-finite skip flag)
+        out, skipped = self.inner.reduce_flagged(grads, variables)
         flat = lambda ts: tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in ts], 0)  # noqa: E731
 
         def record(a, b):
@@ -61,7 +64,7 @@ class Recorder:
             return 0
 
         with tf.control_dependencies([tf.py_function(record, [flat(grads), flat(out)], tf.int32)]):
-            return [tf.identity(t) for t in out]
+            return [tf.identity(t) for t in out], skipped
 
 
 def flat_weights(m):
