@@ -25,7 +25,8 @@ import tensorflow as tf  # noqa: E402
 import hvd_sparse.tensorflow.keras as hvds  # noqa: E402
 import hvd_sparse.tensorflow.keras.callbacks as hvds_callbacks  # noqa: E402
 from hvd_sparse.bench import presets  # noqa: E402
-from hvd_sparse.bench.digits import load_data  # noqa: E402  (the 80/20 split of sklearn's digits)
+from hvd_sparse.bench.digits import load_arrays  # noqa: E402  (the 80/20 split of sklearn's digits, numpy)
+from hvd_sparse.bench.digits_keras import make_model  # noqa: E402  (the digits CNN, 38,282 parameters)
 
 keras = tf.keras          # Keras 3, or tf_keras when TF_USE_LEGACY_KERAS=1
 
@@ -43,30 +44,11 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def make_model():
-    """The CNN of hvd_sparse.bench.digits.Net (38,282 parameters), in Keras, channels last."""
-    return keras.Sequential([
-        keras.Input((8, 8, 1)),
-        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(2),
-        keras.layers.Flatten(),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10),
-    ])
-
-
-def numpy_data(seed):
-    (x_tr, y_tr), (x_te, y_te) = load_data(seed)           # torch tensors, x of shape (N, 1, 8, 8)
-    nhwc = lambda x: np.ascontiguousarray(x.numpy().transpose(0, 2, 3, 1))  # noqa: E731
-    return (nhwc(x_tr), y_tr.numpy().astype(np.int64)), (nhwc(x_te), y_te.numpy().astype(np.int64))
-
-
 def main(argv=None):
     args = parse_args(argv)
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    (x_tr, y_tr), (x_te, y_te) = numpy_data(args.seed)
+    (x_tr, y_tr), (x_te, y_te) = load_arrays(args.seed, layout="channels_last")
     # each rank its own shard, cut to the same number of full batches everywhere (the ranks must run the same
     # number of steps: every step is a collective)
     steps = len(x_tr) // hvd.size() // args.batch_size
@@ -75,7 +57,7 @@ def main(argv=None):
                                                                                          args.density)
 
     keras.utils.set_random_seed(args.seed + hvd.rank())    # different weights per rank: the broadcast fixes it
-    model = make_model()
+    model = make_model(keras)    # conv 16 -> conv 32 -> max-pool -> dense 64 -> dense 10, channels last
     optimizer = hvds.DistributedOptimizer(keras.optimizers.SGD(args.lr, momentum=0.9), compression=compression)
     model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])

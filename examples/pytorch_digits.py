@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import hvd_sparse.torch as hvds
-from hvd_sparse.bench.digits import Net, load_data   # the CNN and the 80/20 split of sklearn's digits
+from hvd_sparse.bench.digits_torch import Net, load_data   # the CNN and the 80/20 split of sklearn's digits
 
 PRESETS = {"topka": hvds.Compression.topka}
 

@@ -23,7 +23,8 @@ import tensorflow as tf  # noqa: E402
 
 import hvd_sparse.tensorflow as hvds  # noqa: E402
 from hvd_sparse.bench import presets  # noqa: E402
-from hvd_sparse.bench.digits import load_data  # noqa: E402  (the 80/20 split of sklearn's digits)
+from hvd_sparse.bench.digits import load_arrays  # noqa: E402  (the 80/20 split of sklearn's digits, numpy)
+from hvd_sparse.bench.digits_keras import make_model  # noqa: E402  (the digits CNN, 38,282 parameters)
 
 keras = tf.keras          # Keras 3, or tf_keras when TF_USE_LEGACY_KERAS=1
 
@@ -38,25 +39,6 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05, help="initial SGD lr, cosine-decayed to 0 (default: 0.05)")
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args(argv)
-
-
-def make_model():
-    """The CNN of hvd_sparse.bench.digits.Net (38,282 parameters), in Keras, channels last."""
-    return keras.Sequential([
-        keras.Input((8, 8, 1)),
-        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-        keras.layers.MaxPooling2D(2),
-        keras.layers.Flatten(),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10),
-    ])
-
-
-def numpy_data(seed):
-    (x_tr, y_tr), (x_te, y_te) = load_data(seed)           # torch tensors, x of shape (N, 1, 8, 8)
-    nhwc = lambda x: np.ascontiguousarray(x.numpy().transpose(0, 2, 3, 1))  # noqa: E731
-    return (nhwc(x_tr), y_tr.numpy().astype(np.int64)), (nhwc(x_te), y_te.numpy().astype(np.int64))
 
 
 def tf_variables(variables):
@@ -80,11 +62,11 @@ def main(argv=None):
     args = parse_args(argv)
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    (x_tr, y_tr), (x_te, y_te) = numpy_data(args.seed)
+    (x_tr, y_tr), (x_te, y_te) = load_arrays(args.seed, layout="channels_last")
     compression = hvds.Compression.none if args.compression == "none" else presets.make(args.compression,
                                                                                          args.density)
     keras.utils.set_random_seed(args.seed + hvd.rank())    # different on purpose: the broadcast fixes it
-    model = make_model()
+    model = make_model(keras)    # conv 16 -> conv 32 -> max-pool -> dense 64 -> dense 10, channels last
     n = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     # Same initial weights everywhere: rank 0's. The optimizer's slots start at zero and then only see averaged
     # gradients, so they agree too (the error-feedback residuals are per rank by design).

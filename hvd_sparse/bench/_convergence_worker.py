@@ -3,7 +3,7 @@
     horovodrun -np 2 -H localhost:2 --gloo python -m hvd_sparse.bench._convergence_worker \
         --algorithms dense,topka --epochs 12 --density 0.01 --out result.json
 
-Trains the digits CNN (:mod:`hvd_sparse.bench.digits`) once per algorithm, every run from the same initial
+Trains the digits CNN (:mod:`hvd_sparse.bench.digits_torch`) once per algorithm, every run from the same initial
 weights, with the recipe of ``examples/pytorch_digits.py``: SGD with momentum 0.9, learning rate decayed to
 0 by a cosine over the run, each rank on its own shard of the training set reshuffled every epoch.
 "dense" is Horovod's own dense allreduce (``hvd_sparse.torch.Compression.none``); every other name is a
@@ -24,8 +24,9 @@ import time
 PROGRESS = "hvd_sparse.convergence:"
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parser(description):
+    """The arguments of both workers (this one and the Keras one)."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--algorithms", required=True, help="comma-separated preset names; dense = Horovod's")
     p.add_argument("--epochs", type=int, required=True)
     p.add_argument("--density", type=float, required=True)
@@ -33,7 +34,24 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--out", required=True, help="JSON file written by rank 0")
-    return p.parse_args(argv)
+    return p
+
+
+def run_all(args, train, train_set, test_set, rank, size, **extra):
+    """``train(args, name, train_set, test_set) -> (n, history)`` for each of ``args.algorithms`` in order;
+    rank 0 then writes ``{"workers", "numel", "train_images", "test_images", **extra, "runs"}`` to ``args.out``
+    (atomically: the parent never reads half a file)."""
+    runs, n = [], 0
+    for name in [a for a in args.algorithms.split(",") if a]:
+        n, history = train(args, name, train_set, test_set)
+        runs.append({"algorithm": name, "epochs": history})
+    if rank == 0:
+        report = {"workers": size, "numel": n, "train_images": len(train_set[0]), "test_images": len(test_set[0]),
+                  **extra, "runs": runs}
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, args.out)
 
 
 def _compression(name, density):
@@ -53,7 +71,7 @@ def train(args, name, train_set, test_set):
 
     import hvd_sparse.torch as hvds
 
-    from .digits import Net
+    from .digits_torch import Net
 
     compression = _compression(name, args.density)
     partitioned = getattr(getattr(compression, "sparsifier", None), "partitioned", False)
@@ -111,27 +129,16 @@ def train(args, name, train_set, test_set):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    args = parser(__doc__.split("\n\n")[0]).parse_args(argv)
     import horovod.torch as hvd
     import torch
 
-    from .digits import load_data
+    from .digits_torch import load_data
 
     hvd.init()
     torch.set_num_threads(1)
     train_set, test_set = load_data(args.seed)
-    names = [a for a in args.algorithms.split(",") if a]
-    runs, n = [], 0
-    for name in names:
-        n, history = train(args, name, train_set, test_set)
-        runs.append({"algorithm": name, "epochs": history})
-    if hvd.rank() == 0:
-        report = {"workers": hvd.size(), "numel": n, "train_images": len(train_set[0]),
-                  "test_images": len(test_set[0]), "runs": runs}
-        tmp = f"{args.out}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f)
-        os.replace(tmp, args.out)
+    run_all(args, train, train_set, test_set, hvd.rank(), hvd.size())
     hvd.shutdown()
     return 0
 

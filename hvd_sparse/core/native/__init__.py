@@ -339,14 +339,19 @@ def _check_view(view):
                         f"got {type(view).__name__} {getattr(view, 'dtype', '')}")
 
 
-def count(view, th, rule, threads=None):
-    """Number of entries of ``view`` that ``rule`` selects at threshold ``th`` (one read pass)."""
+def _prepare(view, th, rule):
+    """The checks and bounds shared by :func:`count` and :func:`select`: ``(library, n, lo, hi)``."""
     _check_view(view)
     lib = _library()
     if lib is None:
         raise RuntimeError("hvd_sparse.core.native: the kernel is not available (check available() first)")
-    n = view.size
     lo, hi = bounds(th, rule)
+    return lib, view.size, lo, hi
+
+
+def count(view, th, rule, threads=None):
+    """Number of entries of ``view`` that ``rule`` selects at threshold ``th`` (one read pass)."""
+    lib, n, lo, hi = _prepare(view, th, rule)
     if n == 0 or lo > hi:
         return 0
     T = threads or threads_for(n)
@@ -372,12 +377,7 @@ def select(view, th, rule, *, base=0, values=False, expect=0, threads=None):
     Returns:
         ``(indices, values or None)``: fresh numpy arrays the caller owns.
     """
-    _check_view(view)
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("hvd_sparse.core.native: the kernel is not available (check available() first)")
-    n = view.size
-    lo, hi = bounds(th, rule)
+    lib, n, lo, hi = _prepare(view, th, rule)
     if n == 0 or lo > hi:
         return np.zeros(0, np.int64), (np.zeros(0, np.float32) if values else None)
     T = threads or threads_for(n)
