@@ -17,7 +17,7 @@ flag (phase ``nonfinite``; P = 1: none), which ranks hold a NaN or Inf. Then, on
 
 * ``"skip"`` (default, like AMP's ``GradScaler``): the step is skipped -- residual, thresholds, partitions and
   the step counter are left untouched, nothing is selected or exchanged, :attr:`Engine.last` says
-  ``skipped=True`` and names the ranks, and the returned gradient is all NaN on every rank, so a loss scaler
+  ``skipped=True`` and names the ranks (as does a ``RuntimeWarning``), and the returned gradient is all NaN on every rank, so a loss scaler
   that inspects it backs off on every rank and the adapters skip the optimizer update;
 * ``"raise"``: :class:`NonFiniteGradientError` names the ranks and the step, on every rank.
 
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import numpy as np
 
@@ -120,6 +121,9 @@ class Engine:
                     f"{self.steps}; raised on every rank (nonfinite='raise'). Pass nonfinite='skip' to skip such "
                     "steps, or lower the learning rate / use a loss scaler")
             self.skipped_steps += 1
+            warnings.warn(f"hvd_sparse engine '{self.bucket}': non-finite gradient on {where} at step {self.steps}: "
+                          "this step is skipped on every rank (nonfinite='skip'); sparse state is unchanged",
+                          RuntimeWarning, stacklevel=3)
             self.last = StepStats(n=n, k=0, selected=0, density=0.0, info={}, skipped=True,
                                   nonfinite_ranks=bad, control_bytes=control, **self.comm.meter.totals())
             return xp.astype(xp.full(n, float("nan"), xp.float32, like=grad32), xp.dtype_of(grad))

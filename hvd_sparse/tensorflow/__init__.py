@@ -20,7 +20,6 @@ Here: ``DistributedGradientTape``, ``DistributedOptimizer`` (for Keras optimizer
 from __future__ import annotations
 
 import pickle
-import warnings
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -64,11 +63,6 @@ def _flat_step(compression, bucket, owner, process_set, tensors, average, presca
                                                process_set=process_set), "hvd_sparse.tensorflow")
         engine.layout = sizes
         out = engine.step(x, average=average, prescale=prescale, postscale=postscale, nonfinite=nonfinite)
-        if engine.last["skipped"]:
-            bad = engine.last["nonfinite_ranks"]
-            warnings.warn(f"hvd_sparse.tensorflow: non-finite gradient on rank{'s' if len(bad) > 1 else ''} "
-                          f"{', '.join(map(str, bad))}: this step is skipped on every rank (nonfinite='skip'); "
-                          "sparse state is unchanged", RuntimeWarning, stacklevel=2)
         return out, tf.constant(bool(engine.last["skipped"]))
 
     out, skipped = tf.py_function(step, [flat], [tf.float32, tf.bool])

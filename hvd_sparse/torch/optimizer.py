@@ -168,13 +168,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             engine.layout = [p.numel() for _, p in dense_params]
             out = engine.step(flat, average=average, prescale=prescale, postscale=postscale,
                               nonfinite=self._hvds_nonfinite)
-            if engine.last["skipped"]:
-                self._hvds_skip_step = True
-                bad = engine.last["nonfinite_ranks"]
-                warnings.warn(f"{_API}: non-finite gradient on rank{'s' if len(bad) > 1 else ''} "
-                              f"{', '.join(map(str, bad))}: this step is skipped on every rank (nonfinite='skip'); "
-                              "sparse state is unchanged",
-                              RuntimeWarning, stacklevel=2)
+            self._hvds_skip_step = engine.last["skipped"]       # the engine warned, naming the ranks
             offset = 0
             for _, p in dense_params:
                 m = p.numel()
