@@ -20,12 +20,17 @@ requires_horovod = pytest.mark.skipif(not horovodrun_available(), reason="horovo
                                       "(run `make test`, which builds it)")
 
 
+def job_env(**extra):
+    """The environment of a test's horovodrun job: this venv's binaries, one thread per worker, the repo."""
+    return dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
+                PYTHONPATH=str(HERE.parent), **extra)
+
+
 def horovodrun(np_, script, *args, timeout=300, env=None):
     """Run ``script args`` on ``np_`` local Gloo workers; fail the test with the job's output on error."""
     cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
            sys.executable, str(HERE / "hvd_workers" / script), *map(str, args)]
-    full_env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
-                    PYTHONPATH=str(HERE.parent), **(env or {}))
+    full_env = job_env(**(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
     if proc.returncode != 0:
         pytest.fail(f"horovodrun -np {np_} {script} {' '.join(map(str, args))} failed "

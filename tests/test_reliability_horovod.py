@@ -1,7 +1,6 @@
 """Reliability through real `horovodrun --gloo` (issue 6): non-finite skip/raise across processes, the AMP
 recipe, the consistency guard, and a worker that dies mid-step ending the job fast for every reducer."""
 
-import os
 import subprocess
 import sys
 import time
@@ -9,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from horovod_helpers import BIN, HERE, horovodrun, load_ranks, requires_horovod
+from horovod_helpers import BIN, HERE, horovodrun, job_env, load_ranks, requires_horovod
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
@@ -81,9 +80,7 @@ LIMIT = 60.0
 def _launch(how, preset, outdir):
     cmd = [str(BIN / "horovodrun"), "-np", str(NP), "-H", f"localhost:{NP}", "--gloo", sys.executable,
            str(HERE / "hvd_workers" / "reliability_worker.py"), how, str(outdir), preset]
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(HERE.parent))
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env())
 
 
 def test_a_worker_killed_or_raising_mid_step_ends_the_job_within_60s_naming_the_rank(tmp_path):
@@ -125,9 +122,7 @@ def test_elastic_run_survives_a_killed_worker_and_resets_sparse_state(tmp_path, 
     discover.chmod(0o755)
     cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
            str(discover), sys.executable, str(HERE / "hvd_workers" / "elastic_worker.py"), str(tmp_path), policy]
-    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(HERE.parent))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=job_env())
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     survivors = [dict(np.load(f)) for f in sorted(tmp_path.glob("elastic.*.npz"))]
     assert len(survivors) == 2                                  # the worker on 127.0.0.1 died at step 5
