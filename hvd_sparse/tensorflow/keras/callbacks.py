@@ -39,6 +39,8 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from .._variables import HVD_DTYPES, broadcast_variables, optimizer_variables, same_variable
+
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
            "SparsityCallback", "KERAS", "FLAVOUR"]
 
@@ -64,9 +66,9 @@ def keras_flavour(obj):
 FLAVOUR = keras_flavour(_Callback)
 
 _PREFIX = "hvd_sparse.keras"
-# dtypes Horovod's TensorFlow collectives accept (horovod/common/message.h, TF ops)
-_HVD_DTYPES = {tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64, tf.float16, tf.float32, tf.float64,
-               tf.bool}
+_HVD_DTYPES = HVD_DTYPES
+_optimizer_variables = optimizer_variables
+_same_variable = same_variable
 
 
 # -- helpers (no Keras API) ------------------------------------------------------------------------------------
@@ -78,27 +80,6 @@ def _to_numpy(value):
 
 def _to_float(value):
     return float(_to_numpy(value))
-
-
-def _optimizer_variables(optimizer):
-    """``optimizer.variables`` (Keras 3, a list) or ``optimizer.variables()`` (tf_keras, a method)."""
-    if optimizer is None:
-        return []
-    variables = getattr(optimizer, "variables", [])
-    if callable(variables):
-        variables = variables()
-    return list(variables)
-
-
-def _same_variable(a, b):
-    """Identity, also across a Keras 3 variable and the tf.Variable it wraps (``.value``)."""
-    if a is b:
-        return True
-    for x, y in ((a, b), (b, a)):
-        inner = getattr(x, "_value", None)      # Keras 3 KerasVariable -> backend tf.Variable
-        if inner is not None and inner is y:
-            return True
-    return False
 
 
 def _set_hparam(optimizer, name, value):
@@ -177,29 +158,9 @@ class BroadcastGlobalVariablesCallbackImpl:
 
     def broadcast(self):
         """Broadcast now (collective: every rank calls it)."""
-        variables = self._variables()
-        tag = f"{_PREFIX}.BroadcastGlobalVariablesCallback"
-        # Same variable list everywhere, or the named broadcasts would pair wrong tensors / hang: check first.
-        sig = np.array([len(variables), sum(int(np.prod(v.shape)) for v in variables)], dtype=np.int64)
-        with tf.device(self.device):
-            gathered = hvd.allgather(tf.constant(sig[None, :]), name=f"{tag}.signature",
-                                     ignore_name_scope=True).numpy()
-        if not (gathered == gathered[0]).all():
-            raise ValueError("hvd_sparse BroadcastGlobalVariablesCallback: the ranks have different variables "
-                             f"(count, total size per rank: {gathered.tolist()}); build the same model and "
-                             "optimizer on every rank")
-        # One broadcast per dtype of the concatenated variables (sorted dtype names: same order everywhere).
-        by_dtype = {}
-        for var in variables:
-            by_dtype.setdefault(tf.as_dtype(var.dtype).name, []).append(var)
-        for dtype in sorted(by_dtype):
-            group = by_dtype[dtype]
-            flat = tf.concat([tf.reshape(tf.convert_to_tensor(v), [-1]) for v in group], axis=0)
-            with tf.device(self.device):
-                flat = hvd.broadcast(flat, self.root_rank, name=f"{tag}.{dtype}", ignore_name_scope=True)
-            pieces = tf.split(flat, [int(np.prod(v.shape)) for v in group]) if len(group) > 1 else [flat]
-            for var, piece in zip(group, pieces):
-                var.assign(tf.reshape(piece, var.shape))
+        # Same variable list everywhere (checked first), one broadcast per dtype
+        broadcast_variables(self._variables(), self.root_rank, f"{_PREFIX}.BroadcastGlobalVariablesCallback",
+                            "hvd_sparse BroadcastGlobalVariablesCallback", device=self.device)
 
     def on_batch_end(self, batch, logs=None):
         if self.broadcast_done:
