@@ -14,26 +14,31 @@ error feedback, sparsifier, sparse allreduce -- runs on it inside a ``tf.py_func
 Python, so it survives retracing; :class:`SparseState` puts it into a ``tf.train.Checkpoint``.
 
 Here: ``DistributedGradientTape``, ``DistributedOptimizer`` (for Keras optimizers), ``sparse_allreduce``,
-``Compression``, ``SparseState``; Keras: ``hvd_sparse.tensorflow.keras``.
+``Compression``, ``SparseState``, ``check_consistency``; Keras: ``hvd_sparse.tensorflow.keras``; elastic Horovod:
+``hvd_sparse.tensorflow.elastic`` (``TensorFlowState``, ``run``) and ``hvd_sparse.tensorflow.keras.elastic``
+(``KerasState``).
 """
 
 from __future__ import annotations
 
+import copy
 import pickle
 
 import horovod.tensorflow as hvd
+import numpy as np
 import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 from horovod.tensorflow.compression import Compression as _HorovodCompression
 
 from ..compression import Compression as _SparsePresets
 from ..compression import SparseCompression
-from ..core.errors import check_nonfinite, check_op, check_same_layout, scale_factors
+from ..core.errors import check_nonfinite, check_op, check_replicas_agree, check_same_layout, scale_factors
 from .comm import HorovodTFCommunicator
 
 _Trackable = tf.__internal__.tracking.Trackable
 
-__all__ = ["Compression", "DistributedGradientTape", "DistributedOptimizer", "SparseState", "sparse_allreduce"]
+__all__ = ["Compression", "DistributedGradientTape", "DistributedOptimizer", "SparseState", "check_consistency",
+           "sparse_allreduce"]
 
 
 class Compression(_SparsePresets):
@@ -210,7 +215,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
                          compression=Compression.none, sparse_as_dense=False, backward_passes_per_step=1,
                          op=Average, gradient_predivide_factor=1.0, average_aggregated_gradients=False,
                          num_groups=0, groups=None, process_set=global_process_set, scale_local_gradients=True, *,
-                         nonfinite="skip"):
+                         nonfinite="skip", consistency_check_every=0, elastic_residuals="keep"):
     """Horovod's ``horovod.tensorflow.DistributedOptimizer`` signature. Keras optimizers (Keras 3 or tf_keras)
     are forwarded to :func:`hvd_sparse.tensorflow.keras.DistributedOptimizer`, as Horovod does. Legacy
     ``tf.compat.v1.train.Optimizer`` graphs are not supported (NotImplementedError): use
@@ -226,7 +231,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
                             backward_passes_per_step=backward_passes_per_step,
                             average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
                             groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
-                            nonfinite=nonfinite)
+                            nonfinite=nonfinite, consistency_check_every=consistency_check_every,
+                            elastic_residuals=elastic_residuals)
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------------
@@ -274,6 +280,51 @@ def load_sparse_state_dict(compression, state, process_set=global_process_set, a
             entry[1].load_state_dict(unit)
         else:
             pending[bucket] = unit
+    compression._hvds_pending_state = pending
+
+
+# -- elastic Horovod: this rank's sparse state in memory (hvd_sparse.tensorflow.elastic) -------------------------
+#: ``elastic_residuals=``: what a reset does to this rank's residual
+ELASTIC_RESIDUALS = ("keep", "drop")
+
+
+def _units_snapshot(compression):
+    """A copy of this rank's state of every unit of ``compression`` (engine ``state_dict()`` s, states restored but
+    not yet used included): what an elastic commit keeps. No collective and no rank/size check, so that it can be
+    restored while Horovod is down (after a failure, before the reset)."""
+    units = {bucket: engine.state_dict() for bucket, (_, engine) in compression._engines.items()}
+    for bucket, state in (getattr(compression, "_hvds_pending_state", None) or {}).items():
+        units.setdefault(bucket, copy.deepcopy(state))
+    return units
+
+
+def _units_restore(compression, units):
+    """Roll every unit back to ``units`` (a :func:`_units_snapshot`): loaded into the engines that exist, applied
+    at their first step for the others; an engine created after the snapshot is dropped (it starts afresh)."""
+    for bucket in [b for b in compression._engines if b not in units]:
+        del compression._engines[bucket]
+    pending = {}
+    for bucket, state in units.items():
+        entry = compression._engines.get(bucket)
+        if entry is not None:
+            entry[1].load_state_dict(copy.deepcopy(state))
+        else:
+            pending[bucket] = copy.deepcopy(state)
+    compression._hvds_pending_state = pending
+
+
+def _units_reset(compression, keep_residuals):
+    """After an elastic reset (ranks left or joined): every unit starts afresh at its next step -- a new engine over
+    the new process set, partitions, thresholds and step counters from scratch, as at step 0 of a run -- with this
+    rank's residual carried over (``keep_residuals``) or zero."""
+    units = _units_snapshot(compression)
+    compression._engines.clear()
+    pending = {}
+    for bucket, state in units.items():
+        if keep_residuals and state.get("residual") is not None:
+            fresh = compression.new_engine(None, bucket).state_dict()       # the state of step 0
+            fresh.update(numel=state["numel"], residual=state["residual"])
+            pending[bucket] = fresh
     compression._hvds_pending_state = pending
 
 
@@ -368,3 +419,81 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
     prescale, postscale, average = scale_factors(op, 1.0)
     return _flat_step(compression, bucket, bucket, process_set, [tensor], average, prescale, postscale,
                       nonfinite)[0][0]
+
+
+# -- consistency guard -----------------------------------------------------------------------------------------
+_WORD = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _checksum(value):
+    """Two int64 checksums of an array's bits: the sum of its words and a position-weighted sum (any single changed
+    bit changes the first; swapped words change the second). Deterministic, wraps on overflow; the same definition
+    as hvd_sparse.torch's."""
+    a = np.ascontiguousarray(value).reshape(-1)
+    w = a.view(_WORD[a.dtype.itemsize]).astype(np.int64)
+    weights = np.arange(w.size, dtype=np.int64) % 65521 + 1
+    with np.errstate(over="ignore"):
+        return [int(w.sum()), int((w * weights).sum())]
+
+
+def variable_name(variable):
+    """A variable's name for messages: Keras 3's ``path`` (``"sequential/dense/kernel"``), else ``name``."""
+    return getattr(variable, "path", None) or variable.name
+
+
+def _check_now(names, values, process_set, step, name, api):
+    """The check, eagerly, on ``values`` (arrays) of the variables called ``names``."""
+    if not process_set.included() or process_set.size() == 1:
+        return
+    sums = np.array([_checksum(np.asarray(v)) for v in values], dtype=np.int64).reshape(1, -1, 2)
+    gathered = hvd.allgather(tf.constant(sums), name=name, ignore_name_scope=True, process_set=process_set)
+    per_rank = [[tuple(c) for c in row] for row in gathered.numpy().tolist()]
+    check_replicas_agree(list(names), per_rank, step, api)
+
+
+def _run_check(variables, check, extra_inputs=()):
+    """Run ``check(values, *extra)`` on the current values of ``variables``: at once eagerly; inside a ``tf.function``
+    in a ``tf.py_function`` (returned) that takes the values as inputs -- reads of the variables, which TensorFlow's
+    automatic control dependencies order after every earlier write to them (a py_function without those inputs
+    could run before the update: it is ordered with nothing)."""
+    n = len(variables)
+
+    def run(*args):
+        check([a.numpy() for a in args[:n]], *[a.numpy() for a in args[n:]])
+        return tf.constant(0, tf.int32)
+
+    if tf.executing_eagerly():
+        check([np.asarray(v.numpy()) for v in variables], *[np.asarray(x) for x in extra_inputs])
+        return None
+    return tf.py_function(run, [tf.convert_to_tensor(v) for v in variables] + list(extra_inputs), tf.int32)
+
+
+def check_consistency(variables, process_set=global_process_set, name="hvd_sparse.consistency", step=None):
+    """Collective: raise :class:`hvd_sparse.ReplicaDivergenceError` on every rank unless all ranks of
+    ``process_set`` hold bit-identical ``variables`` (two 64-bit checksums of each variable's bits, one allgather of
+    16 bytes per variable; the message names the first differing variable and the ranks that differ from rank 0).
+
+    For the ``DistributedGradientTape`` path (the Keras ``DistributedOptimizer`` has ``consistency_check_every=N``
+    and ``check_consistency()``): call it every N steps with ``model.trainable_variables`` (every rank, same list,
+    same order). Eagerly it raises ``ReplicaDivergenceError`` itself; inside a ``tf.function`` it runs eagerly in a
+    ``tf.py_function`` (returned) fed with reads of the variables, so that it sees every earlier update of them, and
+    the step fails with a ``tf.errors.UnknownError`` carrying the same message.
+
+    Args:
+        variables: ``tf.Variable`` s or Keras variables, the same list in the same order on every rank.
+        process_set: the ranks that must agree. Default: all ranks.
+        name: the allgather's name (the same on every rank).
+        step: the step number for the message: an int, or a tensor / variable read when the check runs (e.g.
+            ``optimizer.iterations``). Default: unknown (``?``).
+    """
+    api = "hvd_sparse.tensorflow.check_consistency"
+    variables = list(variables)
+    names = [variable_name(v) for v in variables]
+    # a step given as a tensor or variable (e.g. optimizer.iterations) is read when the check runs
+    extra = [tf.convert_to_tensor(step)] if step is not None and not isinstance(step, (int, np.integer)) else []
+
+    def check(values, *at):
+        _check_now(names, values, process_set, int(at[0]) if at else ("?" if step is None else int(step)), name,
+                   api)
+
+    return _run_check(variables, check, extra)

@@ -18,18 +18,27 @@ optimizer overrides Keras 2 internals that Keras 3 never calls, so it silently s
 ``backward_passes_per_step=N`` accumulates the gradients of N calls locally (in ``tf.Variable`` s) and reduces
 and applies them on the N-th, as Horovod does; ``sparse_state_dict()`` / ``load_sparse_state_dict()`` and
 :class:`hvd_sparse.tensorflow.SparseState` checkpoint the per-rank sparse state.
+
+``consistency_check_every=N`` (default 0: off) proves every N applied updates that all ranks hold bit-identical
+variables (those the optimizer updates), or fails the step on every rank naming the first differing variable and
+the ranks (``ReplicaDivergenceError``; see :meth:`check_consistency`). Inside a ``tf.function`` the check runs in a
+``tf.py_function`` fed with reads of the variables (so ordered after the update), so it works the same in eager code,
+in a ``tf.function`` and in ``model.fit``; elastic Horovod: :mod:`hvd_sparse.tensorflow.keras.elastic` (``KerasState``,
+``elastic_residuals=``).
 """
 
 from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 
 from ...compression import SparseCompression
 from ...core.errors import check_op, check_positive_int
-from .. import Compression, SparseState, _Reduction, load_sparse_state_dict, sparse_state_dict
+from .. import (ELASTIC_RESIDUALS, Compression, SparseState, _check_now, _Reduction, _run_check, _units_reset,
+                load_sparse_state_dict, sparse_state_dict, variable_name)
 
 _API = "hvd_sparse.tensorflow.keras.DistributedOptimizer"
 
@@ -92,21 +101,33 @@ class _LocalAggregation:
         self.counter.assign(0)
 
 
+class _Guard:
+    """Per optimizer, in a plain Python object (not tracked by Keras or tf.train.Checkpoint): the variables the
+    optimizer updates (from its last call), the number of applied updates, and ``consistency_check_every``."""
+
+    def __init__(self, every):
+        self.every = every
+        self.steps = 0
+        self.variables = None
+
+
 def _count_iteration(optimizer):
     """A call that only accumulates: the optimizer counts it (Horovod's ``increment_optimizer_iteration``)."""
     optimizer.iterations.assign_add(1)
 
 
-def _unless(skipped, apply):
-    """Run ``apply()`` unless ``skipped`` (the engine's non-finite flag, the same on every rank): a skipped step
-    changes no variable, not even ``iterations`` (as hvd_sparse.torch's ``step()``). ``skipped is None``: the
-    dense path, apply."""
+def _unless(skipped, apply, after):
+    """Run ``apply()`` then ``after()`` unless ``skipped`` (the engine's non-finite flag, the same on every rank): a
+    skipped step changes no variable, not even ``iterations`` (as hvd_sparse.torch's ``step()``). ``skipped is None``:
+    the dense path, apply."""
     if skipped is None:
         apply()
+        after()
         return
 
     def run():
         apply()
+        after()
         return tf.constant(True)
 
     tf.cond(skipped, lambda: tf.constant(False), run)
@@ -115,11 +136,14 @@ def _unless(skipped, apply):
 class _Keras3Methods:
     def apply(self, grads, trainable_variables=None):
         variables = list(trainable_variables if trainable_variables is not None else self._trainable_variables)
+        self._hvds_guard.variables = variables
         agg = self._hvds_agg
         if agg is None:
             grads, skipped = self._hvds_reduce.reduce_flagged(list(grads), variables)
             if skipped is None:
-                return self._hvds_inner.apply(self, grads, trainable_variables)
+                out = self._hvds_inner.apply(self, grads, trainable_variables)
+                self._hvds_updated()
+                return out
         if not self.built:                    # create the slots here, not inside a branch of a tf.cond
             import keras
 
@@ -127,13 +151,13 @@ class _Keras3Methods:
                 self.build(variables)
             self.built = True
         if agg is None:
-            _unless(skipped, lambda: self._hvds_inner.apply(self, grads, trainable_variables))
+            _unless(skipped, lambda: self._hvds_inner.apply(self, grads, trainable_variables), self._hvds_updated)
             return
         ready = agg.accumulate(self._hvds_reduce.densify(list(grads), variables), variables, _API)
 
         def reduce_and_apply():
             grads, skipped = agg.reduced(self._hvds_reduce, variables)
-            _unless(skipped, lambda: self._hvds_inner.apply(self, grads, variables))
+            _unless(skipped, lambda: self._hvds_inner.apply(self, grads, variables), self._hvds_updated)
             agg.clear()
 
         tf.cond(ready, reduce_and_apply, lambda: _count_iteration(self))
@@ -143,17 +167,20 @@ class _TFKerasMethods:
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
         variables = [v for _, v in grads_and_vars]
+        self._hvds_guard.variables = variables
         agg = self._hvds_agg
         if agg is None:
             grads, skipped = self._hvds_reduce.reduce_flagged([g for g, _ in grads_and_vars], variables)
             if skipped is None:
-                return self._hvds_inner.apply_gradients(self, list(zip(grads, variables)), *args, **kwargs)
+                out = self._hvds_inner.apply_gradients(self, list(zip(grads, variables)), *args, **kwargs)
+                self._hvds_updated()
+                return out
         with tf.init_scope():                 # the slots: here, not inside a branch of a tf.cond
             create = getattr(self, "_create_all_weights", None) or self.build
             create(variables)
         if agg is None:
             _unless(skipped, lambda: self._hvds_inner.apply_gradients(self, list(zip(grads, variables)), *args,
-                                                                       **kwargs))
+                                                                       **kwargs), self._hvds_updated)
             return self.iterations
         ready = agg.accumulate(self._hvds_reduce.densify([g for g, _ in grads_and_vars], variables), variables,
                                _API)
@@ -161,7 +188,7 @@ class _TFKerasMethods:
         def reduce_and_apply():
             grads, skipped = agg.reduced(self._hvds_reduce, variables)
             _unless(skipped, lambda: self._hvds_inner.apply_gradients(self, list(zip(grads, variables)), *args,
-                                                                       **kwargs))
+                                                                       **kwargs), self._hvds_updated)
             agg.clear()
 
         tf.cond(ready, reduce_and_apply, lambda: _count_iteration(self))
@@ -169,6 +196,61 @@ class _TFKerasMethods:
 
 
 class _CommonMethods:
+    def _hvds_updated(self):
+        """After an applied update (not a skipped or an only-accumulating call): with ``consistency_check_every=N``
+        count it and check every N-th. Eagerly the check runs at once; in a ``tf.function`` (``model.fit``) it runs
+        eagerly inside a ``tf.py_function`` fed with reads of the variables, which TensorFlow orders after the
+        update's writes, so it sees the updated values. (A py_function without those inputs is ordered with
+        nothing: under Keras 3 it ran before the update.)"""
+        guard = self._hvds_guard
+        if not guard.every:
+            return
+        variables = guard.variables
+        names = [variable_name(v) for v in variables]
+
+        def count_and_check(values):
+            guard.steps += 1
+            if guard.steps % guard.every == 0:
+                self._hvds_check(names, values)
+
+        _run_check(variables, count_and_check)
+
+    def _hvds_check(self, names, values):
+        _check_now(names, values, self._hvds_reduce.process_set, self._hvds_guard.steps,
+                   "hvd_sparse.model.consistency", _API)
+
+    def _hvds_elastic_reset(self):
+        """After an elastic reset (:mod:`hvd_sparse.tensorflow.keras.elastic`): the sparse engine starts afresh over
+        the new process set at the next step (partitions, thresholds, counters), this rank's residual kept or
+        dropped by ``elastic_residuals``; gradients accumulated locally (``backward_passes_per_step > 1``) since
+        the last reduction are dropped; the consistency guard counts from 0 again."""
+        comp = self._hvds_reduce.compression
+        if isinstance(comp, SparseCompression):
+            _units_reset(comp, self._hvds_elastic_residuals == "keep")
+        if self._hvds_agg is not None and self._hvds_agg.sums is not None:
+            self._hvds_agg.clear()
+        self._hvds_guard.steps = 0         # as on a joining process: every rank checks at the same steps again
+
+    def check_consistency(self, variables=None):
+        """Collective: raise :class:`hvd_sparse.ReplicaDivergenceError` on every rank unless all ranks hold
+        bit-identical variables (two 64-bit checksums of each variable's bits, one allgather), naming the first
+        differing variable (Keras 3 ``path``, else ``name``) and the ranks that differ from rank 0.
+
+        Runs by itself every ``consistency_check_every`` applied updates; call it at any point every rank reaches
+        (e.g. from a callback). ``variables``: default, those of the optimizer's last update (pass e.g.
+        ``model.trainable_variables`` before the first one). Eagerly it raises ``ReplicaDivergenceError``; inside a
+        ``tf.function`` (the automatic check in ``model.fit``) the step fails with a ``tf.errors.UnknownError``
+        that carries the same message (TensorFlow converts exceptions of a ``tf.py_function``)."""
+        api = f"{_API}.check_consistency"
+        if variables is None:
+            variables = self._hvds_guard.variables
+            if variables is None:
+                raise ValueError(f"{api}: this optimizer has not updated any variable yet, so it does not know which "
+                                 "to check; pass variables=model.trainable_variables")
+        variables = list(variables)
+        names = [variable_name(v) for v in variables]
+        return _run_check(variables, lambda values: self._hvds_check(names, values))
+
     def sparse_stats(self):
         """Statistics of this rank's last sparse step: ``n, k, selected, density, sent_bytes, recv_bytes,
         sent_words, recv_words, collectives``; empty with a dense compression or before the first step."""
@@ -182,7 +264,11 @@ class _CommonMethods:
         """L2 norm of this rank's error-feedback residual (0.0 with a dense compression)."""
         comp = self._hvds_reduce.compression
         entry = getattr(comp, "_engines", {}).get("model")
-        return 0.0 if entry is None else entry[1].residual_norm()
+        if entry is not None:
+            return entry[1].residual_norm()
+        pending = (getattr(comp, "_hvds_pending_state", None) or {}).get("model")   # restored / kept on reset,
+        r = None if pending is None else pending.get("residual")                     # applied at the next step
+        return 0.0 if r is None else float((np.asarray(r, dtype=np.float64) ** 2).sum() ** 0.5)
 
     def sparse_state_dict(self):
         """This rank's sparsification state (residual, thresholds, partitions, counters) for a checkpoint: a dict
@@ -211,7 +297,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
                          backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
                          groups=None, process_set=global_process_set, scale_local_gradients=True, *,
-                         nonfinite="skip"):
+                         nonfinite="skip", consistency_check_every=0, elastic_residuals="keep"):
     """Wrap a Keras optimizer so that every update first averages the gradients over Horovod ranks -- sparsely,
     when ``compression`` is a sparse preset. Horovod's signature (``horovod.tensorflow.keras``), in its order.
 
@@ -238,6 +324,13 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
             ``"skip"`` (default: on every rank the update is skipped -- no variable changes, not even
             ``iterations`` -- and the sparse state is untouched) or ``"raise"`` (the step fails on every rank
             with hvd_sparse.NonFiniteGradientError's message).
+        consistency_check_every (int, keyword-only): every that many applied updates (counted since the start or
+            the last elastic reset), check that all ranks hold bit-identical variables (one small allgather; see
+            :meth:`check_consistency`); 0 (default) turns it off. Works with every compression (the dense path
+            included), eagerly, in ``tf.function`` and ``model.fit``.
+        elastic_residuals (str, keyword-only): under elastic Horovod (:class:`hvd_sparse.tensorflow.keras.elastic.
+            KerasState`), what a reset (a rank left or joined) does to this rank's residual: ``"keep"`` (default)
+            or ``"drop"``; partitions, thresholds and counters always start afresh.
 
     Raises:
         ValueError: an optimizer that is already distributed (by hvd_sparse or Horovod), or bad arguments.
@@ -253,6 +346,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         raise ValueError(f"{_API}: {compression!r} is already used by another optimizer; a sparse preset keeps "
                          "per-model state (residuals, thresholds): create one per optimizer")
     passes = check_positive_int(backward_passes_per_step, "backward_passes_per_step", _API)
+    every = check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
+    if elastic_residuals not in ELASTIC_RESIDUALS:
+        raise ValueError(f"{_API}: elastic_residuals must be 'keep' or 'drop', got {elastic_residuals!r}")
     methods = dict(_TFKerasMethods.__dict__ if _is_tf_keras(optimizer) else _Keras3Methods.__dict__)
     methods.update({k: v for k, v in _CommonMethods.__dict__.items() if not k.startswith("__")})
     methods = {k: v for k, v in methods.items() if not k.startswith("__")}
@@ -262,6 +358,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     new._hvds_reduce = _Reduction(compression, op, gradient_predivide_factor, sparse_as_dense, process_set, _API,
                                   nonfinite)
     new._hvds_agg = _LocalAggregation(passes, bool(average_aggregated_gradients)) if passes > 1 else None
+    new._hvds_guard = _Guard(every)
+    new._hvds_elastic_residuals = elastic_residuals
     if isinstance(compression, SparseCompression):
         compression._hvds_keras_owner = weakref.ref(new)
     return new
