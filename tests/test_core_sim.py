@@ -237,3 +237,39 @@ def test_state_dict_round_trip_resumes_bit_for_bit(preset):
     _, cold = run(8, 8)
     assert resumed.tobytes() == straight[:, 8:].tobytes()
     assert cold.tobytes() != straight[:, 8:].tobytes()
+
+
+@pytest.mark.parametrize("P", [1, 3])
+@pytest.mark.parametrize("name", __import__("hvd_sparse.bench.presets", fromlist=["names"]).names())
+def test_engine_on_gradient_pieces_written_in_place_equals_the_flat_path(name, P):
+    """What the torch optimizer does -- the engine reads the gradients where they are (a list of pieces, one fp16)
+    and writes the averaged result back into them (``out=``) -- gives the same bits as one flat float32 buffer
+    in and a new flat result out, step after step (error feedback, thresholds and partitions included)."""
+    import torch
+
+    from hvd_sparse.bench.presets import make
+
+    sizes = [40, 7, 90, 23]
+    g = int_grads(6, P, sum(sizes), seed=P, scale=2**8)      # integers <= 2^8: exact in fp16 too
+    world = SimulatedWorld(P)
+    comms_flat, comms_pieces = world.communicators(), SimulatedWorld(P).communicators()
+    flat_engines = [make(name, 0.1).new_engine(c) for c in comms_flat]
+    piece_engines = [make(name, 0.1).new_engine(c) for c in comms_pieces]
+
+    def body(comm):                    # rank r's thread drives both worlds, in the same order on every rank
+        r = comm.rank
+        a, b = flat_engines[r], piece_engines[r]
+        a.layout = b.layout = sizes
+        for t in range(6):
+            want = a.step(torch.from_numpy(g[t, r].copy())).split(sizes)
+            pieces = list(torch.from_numpy(g[t, r].copy()).split(sizes))
+            pieces[1] = pieces[1].half()
+            assert b.step(pieces, out=pieces) is pieces
+            for p, w in zip(pieces, want):
+                assert p.numpy().tobytes() == w.to(p.dtype).numpy().tobytes(), (name, P, t, r)
+            ra, rb = a.memory.residual, b.memory.residual
+            assert (ra is None and rb is None) or ra.numpy().tobytes() == rb.numpy().tobytes()
+            assert a.last["selected"] == b.last["selected"]
+        return True
+
+    assert all(world.run(body, comms_flat))

@@ -237,6 +237,57 @@ def test_no_compiler_falls_back_with_one_warning(tmp_path, monkeypatch):
         np.testing.assert_array_equal(idx, np.arange(94, 100))
 
 
+@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 4099])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_add_kernel_equals_numpy_bit_for_bit_and_counts_the_non_finite_sums(kernel, n, threads):
+    rng = np.random.default_rng(n + 7 * threads)
+    r = rng.standard_normal(n).astype(np.float32)
+    g = rng.standard_normal(n).astype(np.float32)
+    if n:
+        r[rng.integers(0, n, max(1, n // 20))] = SPECIALS[rng.integers(0, SPECIALS.size, max(1, n // 20))]
+        g[rng.integers(0, n, max(1, n // 20))] = SPECIALS[rng.integers(0, SPECIALS.size, max(1, n // 20))]
+        g[0], r[0] = np.finfo(np.float32).max, np.finfo(np.float32).max          # finite + finite overflows
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = r + g
+    out = np.empty(n, np.float32)
+    bad = native.add(r, g, out, threads=threads)
+    assert out.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()       # -0.0, NaN payloads, subnormals
+    assert bad == int(np.count_nonzero(~np.isfinite(want)))
+    assert native.add(None, g, out, threads=threads) == int(np.count_nonzero(~np.isfinite(g)))
+    assert out.view(np.uint32).tobytes() == g.view(np.uint32).tobytes()          # a copy: -0.0 stays -0.0
+    native.add(r, g, r, threads=threads)                                          # out may alias an input
+    assert r.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
+    with pytest.raises(ValueError, match="differ in size"):
+        native.add(None, g, np.empty(n + 1, np.float32))
+
+
+def test_error_feedback_pieces_native_equals_generic(monkeypatch):
+    """acc = residual + pieces (float32 pieces with the kernel, an fp16 piece generic) and its finiteness verdict
+    are the same with and without the kernel, and the residual is not touched before update()."""
+    import torch
+
+    from hvd_sparse.core.memory import ErrorFeedback
+
+    rng = np.random.default_rng(3)
+    res = rng.standard_normal(300).astype(np.float32)
+
+    def run(pieces):
+        mem = ErrorFeedback()
+        mem.residual = torch.from_numpy(res.copy())
+        acc, finite = mem.compensate(backend_of(pieces[0]), pieces)
+        assert np.array_equal(mem.residual.numpy(), res)
+        return acc.clone(), finite
+
+    f32 = [torch.from_numpy(rng.standard_normal(m).astype(np.float32)) for m in (100, 150)]
+    half = torch.from_numpy(rng.standard_normal(50).astype(np.float16))
+    for pieces, verdict in (([*f32, half], None), (f32 + [half.float()], True)):
+        (a1, v1), (a2, v2) = _both_paths(monkeypatch, lambda: run(pieces))
+        assert a1.numpy().tobytes() == a2.numpy().tobytes() and v1 == verdict and v2 is None
+    f32[1][7] = float("inf")
+    (_, v1), (_, v2) = _both_paths(monkeypatch, lambda: run(f32 + [half.float()]))
+    assert v1 is False and v2 is None
+
+
 def test_switch_off_with_the_environment(monkeypatch):
     x = np.ones(10, np.float32)
     assert native.f32_view(backend_of(x), x) is x

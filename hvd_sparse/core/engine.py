@@ -34,7 +34,16 @@ import numpy as np
 
 from .errors import NonFiniteGradientError, check_nonfinite
 from .memory import ErrorFeedback
+from .reducers.base import SparseSum
 from .xp import backend_of
+
+
+def _offsets(xp, arrays):
+    """[0, n_0, n_0 + n_1, ..., n]: where each array starts in the flat buffer (and the end)."""
+    offs = [0]
+    for a in arrays:
+        offs.append(offs[-1] + xp.numel(a))
+    return offs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +100,28 @@ class Engine:
         self.skipped_steps = 0  # steps skipped for non-finite gradients (not counted in ``steps``)
 
     # -- one step ------------------------------------------------------------------------------------
-    def step(self, grad, average=True, prescale=1.0, postscale=1.0, nonfinite="skip"):
-        """Run one step on the flat gradient ``grad`` (1-D numpy array or torch tensor).
+    def step(self, grad, average=True, prescale=1.0, postscale=1.0, nonfinite="skip", out=None):
+        """Run one step on the flat gradient ``grad``.
 
-        Returns the reduced flat gradient in ``grad``'s dtype, bit-identical on every rank (all NaN when a
-        non-finite gradient on any rank skipped the step: see the module docstring for ``nonfinite``).
+        Args:
+            grad: a 1-D numpy array / torch tensor / TF tensor, or a list of 1-D ones: the pieces of the flat
+                gradient in layout order (e.g. views of every ``p.grad``; read once, never modified -- no
+                concatenated copy is made on numpy and torch).
+            out: None (default), or a list of 1-D arrays, one per piece and of its size (they may be the very
+                pieces of ``grad``): the result is written into them, cast to each one's dtype.
+        Returns:
+            the reduced flat gradient in ``grad``'s dtype (``out`` None), or ``out``; bit-identical on every
+            rank (all NaN when a non-finite gradient on any rank skipped the step: see the module docstring).
         """
-        xp = backend_of(grad)
-        n = xp.numel(grad)
+        pieces = list(grad) if isinstance(grad, (list, tuple)) else [grad]
+        if not pieces:
+            raise ValueError(f"hvd_sparse engine '{self.bucket}': no gradient pieces")
+        xp = backend_of(pieces[0])
+        sizes = [xp.numel(p) for p in pieces]
+        n = sum(sizes)
+        if out is not None and [xp.numel(o) for o in out] != sizes:
+            raise ValueError(f"hvd_sparse engine '{self.bucket}': out must hold one array per gradient piece, "
+                             f"of sizes {sizes}")
         if self.numel is None:
             self.numel = n
         elif n != self.numel:
@@ -108,9 +131,16 @@ class Engine:
         check_nonfinite(nonfinite, "hvd_sparse")
         comp = self.compression
         reducer = comp.reducer
-        grad32 = xp.astype(grad, xp.float32)
         self.comm.meter.reset()
-        bad = self._nonfinite_ranks(xp, grad32)
+        # Sparse reducers read the gradient once, into acc = residual + grad (the residual itself is untouched
+        # until the step succeeds). A NaN/Inf in grad makes acc non-finite, and a finite residual (the invariant:
+        # nothing non-finite is ever stored) keeps acc finite otherwise, but for an overflow of residual + grad,
+        # which is caught too (it could not be selected or sent either).
+        if reducer.sparse:
+            acc, finite = self.memory.compensate(xp, pieces)
+        else:
+            acc, finite = xp.astype(pieces[0] if len(pieces) == 1 else xp.concat(pieces), xp.float32), None
+        bad = self._nonfinite_ranks(xp, xp.all_finite(acc) if finite is None else finite, acc)
         control = self.comm.meter.totals()["sent_bytes"]
         self.comm.meter.reset()
         if bad:
@@ -126,14 +156,13 @@ class Engine:
                           RuntimeWarning, stacklevel=3)
             self.last = StepStats(n=n, k=0, selected=0, density=0.0, info={}, skipped=True,
                                   nonfinite_ranks=bad, control_bytes=control, **self.comm.meter.totals())
-            return xp.astype(xp.full(n, float("nan"), xp.float32, like=grad32), xp.dtype_of(grad))
+            return self._emit(xp, xp.full(n, float("nan"), xp.float32, like=acc), 1.0, pieces, out)
         ctx = StepContext(self.comm.rank, self.comm.size, self.steps,
                           tuple(self.layout) if self.layout is not None else (n,), self.comm,
                           bool(comp.sparsifier is not None and comp.sparsifier.exact_k))
         if reducer.sparse:
             sparsifier = comp.sparsifier
             k = sparsifier.k_for(n)
-            acc = self.memory.compensate(xp, grad32)
             if reducer.uses_selection:
                 idx = sparsifier.select(xp, acc, k, self.sparsifier_state, ctx)
                 selected = xp.numel(idx)
@@ -141,27 +170,56 @@ class Engine:
                 idx, selected = None, k
             u, included, info = reducer.reduce(xp, acc, idx, k, self.comm, self.reducer_state, ctx)
             if "residual" in info:
-                self.memory.residual = info.pop("residual")
+                self.memory.replace(info.pop("residual"))
             else:
                 self.memory.update(xp, acc, included)
             sparsifier.update(xp, self.sparsifier_state, info, ctx)
         else:
             k = selected = n
-            u, _, info = reducer.reduce(xp, grad32, None, n, self.comm, self.reducer_state, ctx)
+            u, _, info = reducer.reduce(xp, acc, None, n, self.comm, self.reducer_state, ctx)
         scale = float(prescale) * float(postscale) / (self.comm.size if average else 1)
-        out = xp.mul(u, scale) if scale != 1.0 else xp.copy(u)
         self.steps += 1
         self.last = StepStats(n=n, k=k, selected=selected, density=selected / n if n else 0.0,
                               info=info, skipped=False, nonfinite_ranks=[], control_bytes=control,
                               **self.comm.meter.totals())
-        return xp.astype(out, xp.dtype_of(grad))
+        return self._emit(xp, u, scale, pieces, out)
 
-    def _nonfinite_ranks(self, xp, grad32):
-        """The ranks (sorted) whose gradient holds a NaN or Inf: one allgather of a one-word flag."""
-        flag = 0 if xp.all_finite(grad32) else 1
+    @staticmethod
+    def _emit(xp, u, scale, pieces, out):
+        """``u · scale`` (dense, or a :class:`SparseSum`) as the flat result in the gradient's dtype, or written
+        into ``out``. A sparse sum is scaled on its K values only and scattered into zeroed outputs."""
+        dtype = xp.dtype_of(pieces[0])
+        n = sum(xp.numel(p) for p in pieces)
+        if isinstance(u, SparseSum):
+            val = xp.mul(u.val, scale) if scale != 1.0 else u.val
+            if out is None:
+                dense = xp.zeros(n, xp.float32, like=val)
+                return xp.astype(xp.put_(dense, u.idx, val) if xp.numel(u.idx) else dense, dtype)
+            bounds = xp.to_numpy(xp.searchsorted(u.idx, xp.asarray(_offsets(xp, out), xp.index_dtype, like=u.idx)))
+            off = 0
+            for j, o in enumerate(out):
+                lo, hi = int(bounds[j]), int(bounds[j + 1])
+                xp.fill_(o, 0.0)
+                if hi > lo:
+                    xp.put_(o, u.idx[lo:hi] - off, xp.astype(val[lo:hi], xp.dtype_of(o)))
+                off += xp.numel(o)
+            return out
+        if out is None:
+            return xp.astype(xp.mul(u, scale) if scale != 1.0 else xp.copy(u), dtype)
+        off = 0
+        for o in out:
+            m = xp.numel(o)
+            xp.mul_into(u[off:off + m], scale, o)
+            off += m
+        return out
+
+    def _nonfinite_ranks(self, xp, finite, like):
+        """The ranks (sorted) whose gradient holds a NaN or Inf (``finite``: this rank's verdict): one allgather
+        of a one-word flag."""
+        flag = 0 if finite else 1
         if self.comm.size == 1:
             return [self.comm.rank] if flag else []
-        flags = self.comm.allgather(xp.asarray([flag], xp.int32, like=grad32), "nonfinite")
+        flags = self.comm.allgather(xp.asarray([flag], xp.int32, like=like), "nonfinite")
         return [r for r, f in enumerate(xp.to_numpy(flags).tolist()) if f]
 
     # -- state -------------------------------------------------------------------------------------

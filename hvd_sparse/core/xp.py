@@ -62,6 +62,7 @@ class NumpyBackend(_Indexing):
     """numpy arrays (the simulator's backend)."""
 
     name = "numpy"
+    mutable = True
     float32 = np.float32
     index_dtype = np.int64
     int32 = np.int32
@@ -70,6 +71,10 @@ class NumpyBackend(_Indexing):
     @staticmethod
     def zeros(n, dtype, like=None):
         return np.zeros(n, dtype=dtype)
+
+    @staticmethod
+    def empty(n, dtype, like=None):
+        return np.empty(n, dtype=dtype)
 
     @staticmethod
     def arange(n, dtype, like=None):
@@ -121,6 +126,29 @@ class NumpyBackend(_Indexing):
         return x * np.asarray(s, dtype=x.dtype)
 
     @staticmethod
+    def add_into(a, b, out):
+        """``out[:] = a + b`` (``a`` None: ``out[:] = b``), cast to ``out``'s dtype; one pass, returns ``out``."""
+        if a is None:
+            np.copyto(out, b, casting="same_kind")
+        else:
+            np.add(a, b, out=out)
+        return out
+
+    @staticmethod
+    def mul_into(x, s, out):
+        """``out[:] = x * s`` (``s`` a Python scalar, computed in ``x``'s dtype, then cast to ``out``'s)."""
+        if out.dtype == x.dtype:
+            np.multiply(x, np.asarray(s, dtype=x.dtype), out=out)
+        else:
+            out[...] = x * np.asarray(s, dtype=x.dtype)
+        return out
+
+    @staticmethod
+    def fill_(x, value):
+        x.fill(value)
+        return x
+
+    @staticmethod
     def all_finite(x):
         # A finite sum proves every entry finite (a NaN or Inf poisons the sum); only a sum that overflowed needs
         # the exact elementwise pass. One streaming read instead of a full boolean mask.
@@ -153,6 +181,23 @@ class NumpyBackend(_Indexing):
         return np.sort(x)
 
     @staticmethod
+    def unique_inverse(x):
+        """``(u, slot)``: the distinct values ``u`` of the 1-D int ``x``, ascending, and for every entry its
+        position in ``u`` (``u[slot] == x``). A stable sort finds and merges runs, so ``x`` made of P sorted
+        pieces costs O(m log P)."""
+        m = x.size
+        if m == 0:
+            return x.astype(np.int64), np.zeros(0, np.int64)
+        order = np.argsort(x, kind="stable")
+        s = x[order]
+        first = np.empty(m, dtype=bool)
+        first[0] = True
+        np.not_equal(s[1:], s[:-1], out=first[1:])
+        slot = np.empty(m, dtype=np.int64)
+        slot[order] = np.cumsum(first) - 1
+        return s[first].astype(np.int64, copy=False), slot
+
+    @staticmethod
     def searchsorted(sorted_x, values, right=False):
         """Insertion points (int64) of ``values`` in the ascending 1-D ``sorted_x``."""
         return np.searchsorted(sorted_x, values, side="right" if right else "left").astype(np.int64, copy=False)
@@ -172,6 +217,7 @@ class TorchBackend(_Indexing):
     """torch tensors, CPU or CUDA (the PyTorch adapter's backend)."""
 
     name = "torch"
+    mutable = True
 
     def __init__(self):
         import torch
@@ -183,6 +229,9 @@ class TorchBackend(_Indexing):
 
     def zeros(self, n, dtype, like=None):
         return self.torch.zeros(n, dtype=dtype, device=None if like is None else like.device)
+
+    def empty(self, n, dtype, like=None):
+        return self.torch.empty(n, dtype=dtype, device=None if like is None else like.device)
 
     def arange(self, n, dtype, like=None):
         return self.torch.arange(n, dtype=dtype, device=None if like is None else like.device)
@@ -227,6 +276,22 @@ class TorchBackend(_Indexing):
     def mul(x, s):
         return x * s
 
+    def add_into(self, a, b, out):
+        """``out[:] = a + b`` (``a`` None: ``out[:] = b``), cast to ``out``'s dtype; one pass, returns ``out``."""
+        if a is None:
+            return out.copy_(b)
+        return self.torch.add(a, b, out=out)
+
+    def mul_into(self, x, s, out):
+        """``out[:] = x * s`` (``s`` a Python scalar, computed in ``x``'s dtype, then cast to ``out``'s)."""
+        if out.dtype == x.dtype:
+            return self.torch.mul(x, s, out=out)
+        return out.copy_(x * s)
+
+    @staticmethod
+    def fill_(x, value):
+        return x.fill_(value)
+
     def all_finite(self, x):
         # as NumpyBackend.all_finite: the sum first, the elementwise pass only after an overflow
         return bool(self.torch.isfinite(x.sum())) or bool(self.torch.isfinite(x).all())
@@ -251,6 +316,12 @@ class TorchBackend(_Indexing):
     def sort(x):
         return x.sort().values
 
+    def unique_inverse(self, x):
+        if x.device.type == "cpu":          # numpy's stable sort merges the sorted runs (torch's sort does not)
+            u, slot = NumpyBackend.unique_inverse(x.numpy())
+            return self.torch.from_numpy(u), self.torch.from_numpy(slot)
+        return x.unique(sorted=True, return_inverse=True)
+
     def searchsorted(self, sorted_x, values, right=False):
         return self.torch.searchsorted(sorted_x.contiguous(), values.contiguous(), side="right" if right else "left")
 
@@ -274,6 +345,7 @@ class TFBackend:
     """
 
     name = "tensorflow"
+    mutable = False                                  # no in-place writes: every ``_`` function returns a new tensor
 
     def __init__(self):
         import tensorflow as tf
@@ -404,6 +476,10 @@ class TFBackend:
 
     def sort(self, x):
         return self.tf.sort(x)
+
+    def unique_inverse(self, x):
+        u = self.tf.unique(self.tf.sort(x)).y
+        return u, self.searchsorted(u, x)
 
     def searchsorted(self, sorted_x, values, right=False):
         """Insertion points (int64) of ``values`` in the ascending 1-D ``sorted_x``."""
@@ -542,3 +618,21 @@ def topk_indices(xp, acc, k):
     tied = xp.nonzero(xp.eq(mag, th))[:need]  # ascending index: lower index wins
     idx = xp.concat([above, tied], like=acc)
     return xp.sort(idx), th_f
+
+
+def intersect_sorted(xp, a, b):
+    """The elements of the sorted unique int ``a`` that occur in the sorted unique ``b`` (exact, ascending).
+
+    numpy and CPU torch merge the two runs with one stable sort (O(|a| + |b|)); other backends binary-search
+    ``a`` in ``b``."""
+    if xp.numel(a) == 0 or xp.numel(b) == 0:
+        return a[:0]
+    if xp.name == "numpy" or (xp.name == "torch" and a.device.type == "cpu" and b.device.type == "cpu"):
+        an, bn = (a, b) if xp.name == "numpy" else (a.numpy(), b.numpy())
+        c = np.concatenate([an, bn.astype(an.dtype, copy=False)])
+        c.sort(kind="stable")
+        both = c[:-1][c[1:] == c[:-1]]
+        return both if xp.name == "numpy" else xp.torch.from_numpy(both)
+    pos = xp.clamp_max(xp.searchsorted(b, a), xp.numel(b) - 1)
+    return xp.take(a, xp.nonzero(xp.eq(xp.take(b, pos), a)))
+

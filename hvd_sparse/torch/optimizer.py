@@ -10,10 +10,12 @@ preset) the optimizer *is* Horovod's, built by Horovod's own factory: bit-identi
 With a sparse preset the whole model is one sparsification unit:
 
 1. backward hooks only count passes (no collective is ever issued from a hook);
-2. ``synchronize()`` concatenates the gradients of all parameters that require grad into one flat float32
-   buffer in sorted parameter-name order (identical on every rank; a parameter without a gradient
-   contributes zeros), runs one engine step -- error feedback, the sparsifier, the sparse allreduce over
-   ``process_set`` -- and writes the averaged result back into ``p.grad``;
+2. ``synchronize()`` runs one engine step over the gradients of all parameters that require grad, taken as
+   one flat float32 vector in sorted parameter-name order (identical on every rank; a parameter without a
+   gradient contributes zeros) -- error feedback, the sparsifier, the sparse allreduce over ``process_set`` --
+   and writes the averaged result back into ``p.grad``. The gradients are read where they are (added into
+   the error-feedback buffer, no concatenated copy) and the result is written into them in place (for
+   Ok-Topk: zeros plus the K reduced values);
 3. ``step()`` then runs your optimizer on those gradients.
 
 Two safety nets, keyword-only options of :func:`DistributedOptimizer`:
@@ -158,26 +160,24 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             else:
                 dense_params.append((name, p))
         if dense_params:
-            flat = torch.cat([(p.grad.to_dense() if p.grad.is_sparse else p.grad).reshape(-1)
-                              .to(torch.float32) for _, p in dense_params])
+            # The engine reads the gradients in place (no concatenated copy) and writes the result back into
+            # them; sparse (sparse_as_dense) and non-contiguous gradients go through a dense contiguous copy.
+            grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad.contiguous() for _, p in dense_params]
+            flats = [g.view(-1) for g in grads]
             prescale, postscale, average = scale_factors(self.op, self.gradient_predivide_factor)
             engine = self._hvds_engine()
             if engine.steps == 0 and self.process_set.size() > 1:    # once: the same parameters everywhere
                 check_same_layout(allgather_object([(n, tuple(p.shape)) for n, p in dense_params],
                                                    "hvd_sparse.model.layout", self.process_set), _API)
-            engine.layout = [p.numel() for _, p in dense_params]
-            out = engine.step(flat, average=average, prescale=prescale, postscale=postscale,
-                              nonfinite=self._hvds_nonfinite)
+            engine.layout = [f.numel() for f in flats]
+            engine.step(flats, average=average, prescale=prescale, postscale=postscale,
+                        nonfinite=self._hvds_nonfinite, out=flats)
             self._hvds_skip_step = engine.last["skipped"]       # the engine warned, naming the ranks
-            offset = 0
-            for _, p in dense_params:
-                m = p.numel()
-                piece = out[offset:offset + m].view(p.shape).to(p.dtype)
-                offset += m
+            for (_, p), g in zip(dense_params, grads):
                 if p.grad.is_sparse:
-                    p.grad = piece.to_sparse()
-                else:
-                    p.grad.copy_(piece)
+                    p.grad = g.to_sparse()
+                elif g is not p.grad:
+                    p.grad.copy_(g)
         for name, p in sparse_params:            # Horovod's own allgather-based sparse allreduce
             handle = hvd.sparse_allreduce_async(p.grad, name=f"hvd_sparse.sparse_grad.{name}", op=self.op,
                                                 process_set=self.process_set)

@@ -82,7 +82,7 @@ INF_BITS = 0x7F800000
 #: elements per kernel thread at least (smaller chunks do not pay for a thread start)
 MIN_PER_THREAD = 1 << 20
 #: kernel ABI expected from select.c
-ABI = 1
+ABI = 2
 #: compiler flag sets tried in order
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))
 _COMMON_FLAGS = ("-shared", "-fPIC", "-pthread")
@@ -191,6 +191,9 @@ def load(path):
     f.restype = ctypes.c_int64
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64,
                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
+    f = lib.hvds_add_f32
+    f.restype = ctypes.c_int64
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     return lib
 
 
@@ -407,3 +410,22 @@ def select(view, th, rule, *, base=0, values=False, expect=0, threads=None):
         val = np.concatenate([ws.val[a:b] for a, b in parts]).view(np.float32) if values else None
     ws.trim(worst)
     return idx, val
+
+
+def add(r, g, out, threads=None):
+    """``out[:] = r + g`` (``r`` None: ``out[:] = g``) over 1-D contiguous float32 numpy arrays of one size, in
+    one pass; returns how many results are not finite (NaN or +-inf). ``out`` may be ``r`` or ``g``."""
+    for a in (g, out) if r is None else (r, g, out):
+        _check_view(a)
+        if a.size != out.size:
+            raise ValueError("hvd_sparse.core.native.add: the arrays differ in size")
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("hvd_sparse.core.native: the kernel is not available (check available() first)")
+    n = out.size
+    _calls[0] += 1
+    bad = lib.hvds_add_f32(None if r is None else r.ctypes.data, g.ctypes.data, out.ctypes.data, n,
+                           threads or threads_for(n))
+    if bad < 0:  # pragma: no cover - arguments are checked above
+        raise RuntimeError("hvd_sparse.core.native: kernel rejected its arguments")
+    return int(bad)

@@ -1,4 +1,8 @@
-/* hvd_sparse fused select-and-compact kernel (see __init__.py for the design and the Python API).
+/* hvd_sparse fused CPU kernels (see __init__.py for the design and the Python API).
+ *
+ * hvds_add_f32: out = r + g (or out = g when r == NULL) over float32 buffers, in one pass, counting the
+ * non-finite results on the way: error feedback's acc = residual + grad and the non-finite check of the
+ * step fused (IEEE-754 float additions, so the sums equal numpy's and torch's bit for bit).
  *
  * hvds_select_f32: one read pass over a float32 buffer x[0..n) that writes, in ascending order, the
  * indices i (plus `base`) with  lo <= (bits(x[i]) & 0x7fffffff) <= hi,  i.e. lo <= bits(|x[i]|) <= hi.
@@ -27,7 +31,7 @@
 #define HVDS_SIMD "scalar"
 #endif
 
-#define HVDS_ABI 1
+#define HVDS_ABI 2
 #define HVDS_MAX_THREADS 256
 
 int hvds_abi_version(void) { return HVDS_ABI; }
@@ -167,4 +171,72 @@ int64_t hvds_select_f32(const float *x, int64_t n, uint32_t lo, uint32_t hi, int
         total += jobs[t].count;
     }
     return total;
+}
+
+/* -- hvds_add_f32 --------------------------------------------------------------------------------------- */
+typedef struct {
+    const float *r, *g;
+    float *out;
+    int64_t s, e;
+    int64_t bad;           /* out: non-finite results in [s, e) */
+} add_job_t;
+
+static void *run_add(void *arg)
+{
+    add_job_t *j = (add_job_t *)arg;
+    const float *r = j->r, *g = j->g;
+    float *out = j->out;
+    int64_t bad = 0;
+    if (r) {
+        for (int64_t i = j->s; i < j->e; i++) {
+            float v = r[i] + g[i];
+            uint32_t b;
+            __builtin_memcpy(&b, &v, 4);
+            out[i] = v;
+            bad += (b & 0x7f800000u) == 0x7f800000u;     /* exponent all ones: +-inf or NaN */
+        }
+    } else {
+        for (int64_t i = j->s; i < j->e; i++) {
+            float v = g[i];
+            uint32_t b;
+            __builtin_memcpy(&b, &v, 4);
+            out[i] = v;
+            bad += (b & 0x7f800000u) == 0x7f800000u;
+        }
+    }
+    j->bad = bad;
+    return NULL;
+}
+
+/* out[i] = r[i] + g[i] (r == NULL: out[i] = g[i]) for i < n; returns the number of non-finite out[i], or -1 on
+ * bad arguments. out may alias r or g (element-wise). */
+int64_t hvds_add_f32(const float *r, const float *g, float *out, int64_t n, int nthreads)
+{
+    add_job_t jobs[HVDS_MAX_THREADS];
+    pthread_t tids[HVDS_MAX_THREADS];
+    int started[HVDS_MAX_THREADS];
+    if (n < 0 || nthreads < 1 || nthreads > HVDS_MAX_THREADS || !g || !out)
+        return -1;
+    int64_t chunk = (n + nthreads - 1) / nthreads;
+    chunk = (chunk + 63) & ~(int64_t)63;
+    for (int t = 0; t < nthreads; t++) {
+        int64_t s = (int64_t)t * chunk, e = s + chunk;
+        jobs[t].r = r;
+        jobs[t].g = g;
+        jobs[t].out = out;
+        jobs[t].s = s > n ? n : s;
+        jobs[t].e = e > n ? n : e;
+        jobs[t].bad = 0;
+        started[t] = 0;
+    }
+    for (int t = 1; t < nthreads; t++)
+        if (jobs[t].e > jobs[t].s) started[t] = pthread_create(&tids[t], NULL, run_add, &jobs[t]) == 0;
+    run_add(&jobs[0]);
+    int64_t bad = jobs[0].bad;
+    for (int t = 1; t < nthreads; t++) {
+        if (started[t]) pthread_join(tids[t], NULL);
+        else if (jobs[t].e > jobs[t].s) run_add(&jobs[t]);
+        bad += jobs[t].bad;
+    }
+    return bad;
 }

@@ -4,7 +4,9 @@
 
 * ``acc``: this rank's float32 accumulator (length n); ``idx``: the sparsifier's sorted int64 selection;
 * ``u``: float32 length-n *sum* over ranks of the contributions that survive (the engine divides by P),
-  bit-identical on every rank (invariant 1);
+  bit-identical on every rank (invariant 1) -- or, for reducers whose result is sparse by construction
+  (Ok-Topk), a :class:`SparseSum` (its support and values), which spares the engine a dense n-sized buffer:
+  the adapters then zero the gradients and scatter the K values into them;
 * ``included``: the indices of ``acc`` that reached ``u`` (error feedback zeroes exactly these, spec
   oktopk.md §2.3), or :data:`ALL` when every entry did (dense);
 * ``info``: a dict of what the step learned (e.g. ``"counts"``: every rank's selection size, ``"K"``:
@@ -19,8 +21,20 @@ holds identically; with ``comm.size == 1`` they issue none (oracle O22).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 #: ``included`` value meaning "every entry of acc reached the result" (dense reducer).
 ALL = "all"
+
+
+class SparseSum(NamedTuple):
+    """A reducer's sum given by its support: ``u = zeros(n); u[idx] = val``.
+
+    ``idx``: int64 global indexes, ascending and unique; ``val``: their float32 sums."""
+
+    idx: object
+    val: object
+
 
 #: Largest n whose indices go on the wire as int32 (the padding slot ``n`` must fit too).
 INT32_INDEX_LIMIT = 2**31 - 2

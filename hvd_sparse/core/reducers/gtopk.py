@@ -26,7 +26,7 @@ subtree where j was pruned, yet those ranks clear eps[j] because j is in G.
 
 from __future__ import annotations
 
-from ..xp import topk_indices
+from ..xp import intersect_sorted, topk_indices
 from .base import Reducer, pack_pairs, unpack_pairs, wire_index_dtype
 
 
@@ -78,14 +78,6 @@ def merge(xp, ia, va, ib, vb, k):
         idx = xp.take(idx, keep)
         val = xp.take(val, keep)
     return top_k_list(xp, idx, val, k)
-
-
-def intersect_sorted(xp, s, g):
-    """Elements of the sorted unique ``s`` that are in the sorted unique ``g``."""
-    if xp.numel(g) == 0 or xp.numel(s) == 0:
-        return s[:0]
-    pos = xp.clamp_max(xp.searchsorted(g, s), xp.numel(g) - 1)
-    return xp.take(s, xp.nonzero(xp.take(g, pos) == s))
 
 
 class GTopk(Reducer):

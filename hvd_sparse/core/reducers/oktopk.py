@@ -13,8 +13,7 @@
           Gam  = band_adjust(Gam, |G|, k, lo_G, hi_G, /relax, *tighten)
       I   = S ∩ G.idx;  eps = a;  eps[I] = 0        # Alg.2 line 6 (engine zeroes I)
       t += 1
-      out = zeros(n); out[G.idx] = G.val            # the SUM (the engine divides by P)
-      return out, I
+      return SparseSum(G.idx, G.val), I             # the SUM, as out[G.idx] = G.val (the engine divides by P)
 
     repartition(a, L):                              # §3.6.4
       idx = sorted global indexes of S;  m = len(idx);  c = m // P
@@ -55,9 +54,9 @@ import math
 from ..comm import SUM
 from ..errors import check_positive_int
 from ..sparsifiers.threshold_reuse import band_adjust, check_real, check_select_rule, rule_mask
-from ..xp import topk_indices
-from .base import Reducer, pack_pairs, unpack_pairs, wire_index_dtype
-from .topka import sum_in_rank_order
+from ..xp import intersect_sorted, topk_indices
+from .base import Reducer, SparseSum, pack_pairs, unpack_pairs, wire_index_dtype
+from .topka import sum_sparse_in_rank_order
 
 BALANCE_POLICIES = ("auto", "always", "never")
 
@@ -76,14 +75,6 @@ def region_split(xp, idx, offsets):
         return splits, idx
     region = xp.searchsorted(bounds[1:P], idx, right=True)     # j with o_j <= x < o_{j+1}
     return splits, idx - xp.take(bounds, region)
-
-
-def intersect_sorted(xp, a, b):
-    """The elements of the sorted unique int64 ``a`` that occur in the sorted unique ``b`` (exact)."""
-    if xp.numel(a) == 0 or xp.numel(b) == 0:
-        return a[:0]
-    pos = xp.clamp_max(xp.searchsorted(b, a), xp.numel(b) - 1)
-    return xp.take(a, xp.nonzero(xp.eq(xp.take(b, pos), a)))
 
 
 def balance_splits(counts, rank):
@@ -225,11 +216,11 @@ class OkTopk(Reducer):
         packed = pack_pairs(xp, rel, xp.take(acc, idx), wire, acc)
         recv, recv_splits = comm.alltoall(packed, [2 * s for s in splits], "split")
         rel_r, val_r = unpack_pairs(xp, recv)
-        # 4. reduction: rho^r = zeros(|R_r|); sources added in rank order 0..P-1
-        rho = sum_in_rank_order(xp, offsets[r + 1] - offsets[r], rel_r, val_r,
-                                [s // 2 for s in recv_splits], acc)
+        # 4. reduction: rho^r = the sum of the P sparse pieces, sources added in rank order 0..P-1, on the
+        # support of what arrived (no |R_r|-sized buffer: a region can span most of the model)
+        where, rho = sum_sparse_in_rank_order(xp, rel_r, val_r, [s // 2 for s in recv_splits], acc)
         nz = xp.nonzero(xp.gt(xp.abs(rho), 0.0))
-        return xp.add(nz, offsets[r]), xp.take(rho, nz)
+        return xp.add(xp.take(where, nz), offsets[r]), xp.take(rho, nz)
 
     def _gather(self, xp, c_idx, c_val, n, comm, phase, like):
         flat = comm.allgather(pack_pairs(xp, c_idx, c_val, wire_index_dtype(xp, n), like), phase)
@@ -308,10 +299,9 @@ class OkTopk(Reducer):
                 gamma_next = band_adjust(gamma, T, k, self.global_band_lo, self.global_band_hi,
                                          self.global_relax, self.global_tighten)
 
-        # §3.6.8 output and included set I = S ∩ G (exact)
-        u = xp.zeros(n, xp.float32, like=acc)
-        if xp.numel(g_idx):
-            u = xp.put_(u, g_idx, g_val)
+        # §3.6.8 output and included set I = S ∩ G (exact); the sum is G itself (sorted, unique): the engine
+        # scatters it into the outputs, no n-sized buffer here
+        u = SparseSum(g_idx, g_val)
         included = intersect_sorted(xp, idx, g_idx)
         state.update(t=t + 1, gamma=gamma_next, offsets=list(offsets), size=P)
         info = {"K": xp.numel(g_idx), "threshold": used, "next_threshold": gamma_next, "reeval": bool(reev),

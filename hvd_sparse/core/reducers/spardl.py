@@ -191,7 +191,9 @@ class SparDL(Reducer):
             alltoall per step) or ``"two"`` (separate index and value collectives, phases ``<phase>.idx`` /
             ``<phase>.val``).
         check_finite (bool): all-reduce a non-finite flag (phase ``finite``) and raise on every rank
-            (default False: NaN/Inf are selected as the largest magnitudes and propagate).
+            (default False: NaN/Inf are selected as the largest magnitudes and propagate). The engine checks
+            every accumulator before any reducer sees it (``nonfinite=``), so this matters only when the
+            reducer is driven directly.
     """
 
     name = "spardl"

@@ -63,6 +63,23 @@ def sum_in_rank_order(xp, n, all_idx, all_vals, counts, like):
     return u[:n]
 
 
+def sum_sparse_in_rank_order(xp, idx, vals, counts, like):
+    """The same sums as :func:`sum_in_rank_order`, on their support only: ``(sorted unique indexes, sums)``.
+
+    Costs O(m log m) in the m received pairs instead of O(n) in the length of the vector: the indexes are
+    mapped to slots of their sorted distinct values, and the sources are added in rank order 0..P-1 into
+    those slots (``0 + v_0 + v_1 + ...``: the very additions of the dense version, so the sums match it bit
+    for bit)."""
+    support, slot = xp.unique_inverse(idx)
+    sums = xp.zeros(xp.numel(support), xp.float32, like=like)
+    off = 0
+    for c in counts:
+        if c:
+            sums = xp.add_unique_(sums, slot[off:off + c], vals[off:off + c])
+        off += c
+    return support, sums
+
+
 class TopkA(Reducer):
     name = "topka"
 
