@@ -138,3 +138,33 @@ def test_elastic_run_survives_a_killed_worker_and_resets_sparse_state(tmp_path, 
         assert r1 == (norms[4] if policy == "keep" else 0.0)
         assert norms[4] > 0
     assert survivors[0]["params"].tobytes() == survivors[1]["params"].tobytes()
+
+
+_STALE_WORLD = """
+import horovod.torch as hvd, torch, hvd_sparse.torch as hvds
+hvd.init()
+model = torch.nn.Linear(30, 3)          # the gradient of model(ones).sum() does not depend on the parameters
+opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters(),
+                                compression=hvds.Compression.oktopk(0.1), elastic_residuals=POLICY)
+def step():
+    opt.zero_grad(); model(torch.ones(4, 30)).sum().backward(); opt.step()
+    return opt._hvds_engine().memory.residual.clone()
+first = step()
+second = step()
+old = opt._hvds_engine()
+old.comm.size, old.comm.rank = 3, 2        # as if built before the world shrank (elastic reset without a sync)
+third = step()
+new = opt._hvds_engine()
+assert new is not old and (new.comm.rank, new.comm.size) == (0, 1) and new.steps == 1, new.steps
+# drop: the rebuilt engine starts from an empty residual, exactly like the first step; keep: from the old one
+assert torch.equal(third, first) == (POLICY == "drop"), (POLICY, third, first)
+"""
+
+
+@pytest.mark.parametrize("policy", ["keep", "drop"])
+def test_engine_built_for_another_world_is_rebuilt_at_the_next_exchange(policy):
+    """hvd.elastic skips sync() after a graceful host removal: the optimizer itself notices the changed world
+    and rebuilds its engine (counters afresh, residual kept or dropped by the policy)."""
+    src = _STALE_WORLD.replace("POLICY", repr(policy))
+    out = subprocess.run([sys.executable, "-c", src], env=job_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

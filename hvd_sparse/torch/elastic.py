@@ -23,6 +23,9 @@ that holds an hvd_sparse optimizer keeps its sparse state right:
   ``"keep"`` (default)  each surviving process keeps its own residual (gradient mass it has not sent yet);
                         joining processes start from zero; the residual of a process that left is lost with it.
   ``"drop"``            every residual is zeroed: all ranks restart from the same (empty) memory.
+
+After a graceful host removal Horovod resets without calling ``sync()``; the optimizer then notices at its next
+exchange that its engine was built for another rank or size and rebuilds it the same way.
 """
 
 from __future__ import annotations

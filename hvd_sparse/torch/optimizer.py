@@ -166,6 +166,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             flats = [g.view(-1) for g in grads]
             prescale, postscale, average = scale_factors(self.op, self.gradient_predivide_factor)
             engine = self._hvds_engine()
+            if (engine.comm.rank, engine.comm.size) != (self.process_set.rank(), self.process_set.size()):
+                # the world changed without a sync: hvd.elastic skips sync() after a graceful host removal
+                self._hvds_elastic_reset()
+                engine = self._hvds_engine()
             if engine.steps == 0 and self.process_set.size() > 1:    # once: the same parameters everywhere
                 check_same_layout(allgather_object([(n, tuple(p.shape)) for n, p in dense_params],
                                                    "hvd_sparse.model.layout", self.process_set), _API)
