@@ -247,6 +247,7 @@ def test_add_kernel_equals_numpy_bit_for_bit_and_counts_the_non_finite_sums(kern
         r[rng.integers(0, n, max(1, n // 20))] = SPECIALS[rng.integers(0, SPECIALS.size, max(1, n // 20))]
         g[rng.integers(0, n, max(1, n // 20))] = SPECIALS[rng.integers(0, SPECIALS.size, max(1, n // 20))]
         g[0], r[0] = np.finfo(np.float32).max, np.finfo(np.float32).max          # finite + finite overflows
+        g[np.isnan(r) & np.isnan(g)] = 1.0      # NaN + NaN: IEEE 754 leaves open which payload comes out
     with np.errstate(over="ignore", invalid="ignore"):
         want = r + g
     out = np.empty(n, np.float32)
@@ -255,8 +256,13 @@ def test_add_kernel_equals_numpy_bit_for_bit_and_counts_the_non_finite_sums(kern
     assert bad == int(np.count_nonzero(~np.isfinite(want)))
     assert native.add(None, g, out, threads=threads) == int(np.count_nonzero(~np.isfinite(g)))
     assert out.view(np.uint32).tobytes() == g.view(np.uint32).tobytes()          # a copy: -0.0 stays -0.0
+    g2, out2 = g.copy(), np.empty(n + 3, np.float32)[3:]                           # unaligned out: scalar head
+    assert native.add(r, g2, out2, threads=threads, zero_g=True) == bad
+    assert out2.view(np.uint32).tobytes() == want.view(np.uint32).tobytes() and not g2.view(np.uint32).any()
     native.add(r, g, r, threads=threads)                                          # out may alias an input
     assert r.view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
+    with pytest.raises(ValueError, match="zero_g"):
+        native.add(None, g, g, zero_g=True)
     with pytest.raises(ValueError, match="differ in size"):
         native.add(None, g, np.empty(n + 1, np.float32))
 

@@ -136,8 +136,10 @@ class Engine:
         # until the step succeeds). A NaN/Inf in grad makes acc non-finite, and a finite residual (the invariant:
         # nothing non-finite is ever stored) keeps acc finite otherwise, but for an overflow of residual + grad,
         # which is caught too (it could not be selected or sent either).
+        # a sparse result written into the very gradient buffers: zero them in the same pass that reads them
+        zeroed = bool(reducer.sparse_result and out is not None and all(o is p for o, p in zip(out, pieces)))
         if reducer.sparse:
-            acc, finite = self.memory.compensate(xp, pieces)
+            acc, finite = self.memory.compensate(xp, pieces, zero_pieces=zeroed)
         else:
             acc, finite = xp.astype(pieces[0] if len(pieces) == 1 else xp.concat(pieces), xp.float32), None
         bad = self._nonfinite_ranks(xp, xp.all_finite(acc) if finite is None else finite, acc)
@@ -182,12 +184,13 @@ class Engine:
         self.last = StepStats(n=n, k=k, selected=selected, density=selected / n if n else 0.0,
                               info=info, skipped=False, nonfinite_ranks=[], control_bytes=control,
                               **self.comm.meter.totals())
-        return self._emit(xp, u, scale, pieces, out)
+        return self._emit(xp, u, scale, pieces, out, zeroed)
 
     @staticmethod
-    def _emit(xp, u, scale, pieces, out):
+    def _emit(xp, u, scale, pieces, out, zeroed=False):
         """``u · scale`` (dense, or a :class:`SparseSum`) as the flat result in the gradient's dtype, or written
-        into ``out``. A sparse sum is scaled on its K values only and scattered into zeroed outputs."""
+        into ``out``. A sparse sum is scaled on its K values only and scattered into zeroed outputs (``zeroed``:
+        they are already)."""
         dtype = xp.dtype_of(pieces[0])
         n = sum(xp.numel(p) for p in pieces)
         if isinstance(u, SparseSum):
@@ -199,7 +202,8 @@ class Engine:
             off = 0
             for j, o in enumerate(out):
                 lo, hi = int(bounds[j]), int(bounds[j + 1])
-                xp.fill_(o, 0.0)
+                if not zeroed:
+                    xp.fill_(o, 0.0)
                 if hi > lo:
                     xp.put_(o, u.idx[lo:hi] - off, xp.astype(val[lo:hi], xp.dtype_of(o)))
                 off += xp.numel(o)

@@ -32,9 +32,10 @@ class ErrorFeedback:
         self.residual = None
         self._spare = None
 
-    def compensate(self, xp, pieces):
+    def compensate(self, xp, pieces, zero_pieces=False):
         """``acc = residual + concat(pieces)`` (float32; the pieces are 1-D, of any float dtype, read once and
-        never modified). ``acc`` is a buffer of this object: read it, do not keep it past the step.
+        not modified, unless ``zero_pieces``: then they are zeroed in the same pass -- for a caller whose output
+        goes into them and is sparse). ``acc`` is a buffer of this object: read it, do not keep it past the step.
 
         Returns ``(acc, finite)``: ``finite`` is whether every entry of ``acc`` is finite when the pass could
         tell on the way (the fused CPU kernel of :mod:`hvd_sparse.core.native`, float32 pieces), else None."""
@@ -56,9 +57,11 @@ class ErrorFeedback:
             m = xp.numel(p)
             pv = None if out is None or (r is not None and rv is None) else native.f32_view(xp, p)
             if pv is not None:                       # one pass: the sum and its non-finite count
-                bad += native.add(None if rv is None else rv[off:off + m], pv, out[off:off + m])
+                bad += native.add(None if rv is None else rv[off:off + m], pv, out[off:off + m], zero_g=zero_pieces)
             else:
                 xp.add_into(None if r is None else r[off:off + m], p, acc[off:off + m])
+                if zero_pieces:
+                    xp.fill_(p, 0.0)
                 known = False
             off += m
         return acc, (False if bad else (True if known else None))

@@ -193,7 +193,7 @@ def load(path):
                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p]
     f = lib.hvds_add_f32
     f.restype = ctypes.c_int64
-    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -412,20 +412,24 @@ def select(view, th, rule, *, base=0, values=False, expect=0, threads=None):
     return idx, val
 
 
-def add(r, g, out, threads=None):
+def add(r, g, out, threads=None, zero_g=False):
     """``out[:] = r + g`` (``r`` None: ``out[:] = g``) over 1-D contiguous float32 numpy arrays of one size, in
-    one pass; returns how many results are not finite (NaN or +-inf). ``out`` may be ``r`` or ``g``."""
+    one pass; returns how many results are not finite (NaN or +-inf). ``out`` may be ``r``. With ``zero_g``, ``g``
+    is zeroed in the same pass (it is the caller's output buffer, to be filled later; then ``out`` is not ``g``).
+    A separate ``out`` is written with non-temporal stores (AVX2 builds): no read of it before the write."""
     for a in (g, out) if r is None else (r, g, out):
         _check_view(a)
         if a.size != out.size:
             raise ValueError("hvd_sparse.core.native.add: the arrays differ in size")
+    if zero_g and (g.ctypes.data == out.ctypes.data or np.shares_memory(g, out)):
+        raise ValueError("hvd_sparse.core.native.add: zero_g needs an out that is not g")
     lib = _library()
     if lib is None:
         raise RuntimeError("hvd_sparse.core.native: the kernel is not available (check available() first)")
     n = out.size
     _calls[0] += 1
     bad = lib.hvds_add_f32(None if r is None else r.ctypes.data, g.ctypes.data, out.ctypes.data, n,
-                           threads or threads_for(n))
+                           threads or threads_for(n), int(bool(zero_g)))
     if bad < 0:  # pragma: no cover - arguments are checked above
         raise RuntimeError("hvd_sparse.core.native: kernel rejected its arguments")
     return int(bad)

@@ -175,47 +175,70 @@ int64_t hvds_select_f32(const float *x, int64_t n, uint32_t lo, uint32_t hi, int
 
 /* -- hvds_add_f32 --------------------------------------------------------------------------------------- */
 typedef struct {
-    const float *r, *g;
-    float *out;
+    const float *r;
+    float *g, *out;
     int64_t s, e;
+    int zero_g;            /* write 0.0f into g[i] once it is read (g is the caller's output, to be filled later) */
+    int stream;            /* out aliases neither r nor g: non-temporal stores (no read-for-ownership of out) */
     int64_t bad;           /* out: non-finite results in [s, e) */
 } add_job_t;
+
+static inline int64_t add_range(const float *r, float *g, float *out, int64_t s, int64_t e, int zero_g)
+{
+    int64_t bad = 0;
+    for (int64_t i = s; i < e; i++) {
+        float v = r ? r[i] + g[i] : g[i];
+        uint32_t b;
+        __builtin_memcpy(&b, &v, 4);
+        out[i] = v;
+        if (zero_g) g[i] = 0.0f;
+        bad += (b & 0x7f800000u) == 0x7f800000u;     /* exponent all ones: +-inf or NaN */
+    }
+    return bad;
+}
 
 static void *run_add(void *arg)
 {
     add_job_t *j = (add_job_t *)arg;
-    const float *r = j->r, *g = j->g;
-    float *out = j->out;
-    int64_t bad = 0;
-    if (r) {
-        for (int64_t i = j->s; i < j->e; i++) {
-            float v = r[i] + g[i];
-            uint32_t b;
-            __builtin_memcpy(&b, &v, 4);
-            out[i] = v;
-            bad += (b & 0x7f800000u) == 0x7f800000u;     /* exponent all ones: +-inf or NaN */
+    const float *r = j->r;
+    float *g = j->g, *out = j->out;
+    int64_t i = j->s, e = j->e, bad = 0;
+#if defined(__AVX2__)
+    if (j->stream) {
+        int64_t head = i;                              /* scalar until out + i is 32-byte aligned */
+        while (head < e && ((uintptr_t)(out + head) & 31u)) head++;
+        bad += add_range(r, g, out, i, head, j->zero_g);
+        i = head;
+        const __m256i expm = _mm256_set1_epi32(0x7f800000);
+        __m256i nbad = _mm256_setzero_si256();
+        const __m256 zero = _mm256_setzero_ps();
+        for (; i + 8 <= e; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 v = r ? _mm256_add_ps(_mm256_loadu_ps(r + i), gv) : gv;
+            _mm256_stream_ps(out + i, v);
+            if (j->zero_g) _mm256_storeu_ps(g + i, zero);
+            __m256i ex = _mm256_and_si256(_mm256_castps_si256(v), expm);
+            nbad = _mm256_sub_epi32(nbad, _mm256_cmpeq_epi32(ex, expm));   /* -(-1) per non-finite lane */
         }
-    } else {
-        for (int64_t i = j->s; i < j->e; i++) {
-            float v = g[i];
-            uint32_t b;
-            __builtin_memcpy(&b, &v, 4);
-            out[i] = v;
-            bad += (b & 0x7f800000u) == 0x7f800000u;
-        }
+        _mm_sfence();
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, nbad);
+        for (int q = 0; q < 8; q++) bad += lanes[q];   /* < 2^31 per lane: chunks are far smaller */
     }
+#endif
+    bad += add_range(r, g, out, i, e, j->zero_g);
     j->bad = bad;
     return NULL;
 }
 
-/* out[i] = r[i] + g[i] (r == NULL: out[i] = g[i]) for i < n; returns the number of non-finite out[i], or -1 on
- * bad arguments. out may alias r or g (element-wise). */
-int64_t hvds_add_f32(const float *r, const float *g, float *out, int64_t n, int nthreads)
+/* out[i] = r[i] + g[i] (r == NULL: out[i] = g[i]) for i < n, and g[i] = 0 afterwards when zero_g; returns the
+ * number of non-finite out[i], or -1 on bad arguments. out may be r (element-wise); with zero_g it must not be g. */
+int64_t hvds_add_f32(const float *r, float *g, float *out, int64_t n, int nthreads, int zero_g)
 {
     add_job_t jobs[HVDS_MAX_THREADS];
     pthread_t tids[HVDS_MAX_THREADS];
     int started[HVDS_MAX_THREADS];
-    if (n < 0 || nthreads < 1 || nthreads > HVDS_MAX_THREADS || !g || !out)
+    if (n < 0 || nthreads < 1 || nthreads > HVDS_MAX_THREADS || !g || !out || (zero_g && out == g))
         return -1;
     int64_t chunk = (n + nthreads - 1) / nthreads;
     chunk = (chunk + 63) & ~(int64_t)63;
@@ -226,6 +249,8 @@ int64_t hvds_add_f32(const float *r, const float *g, float *out, int64_t n, int 
         jobs[t].out = out;
         jobs[t].s = s > n ? n : s;
         jobs[t].e = e > n ? n : e;
+        jobs[t].zero_g = zero_g;
+        jobs[t].stream = out != r && out != g;
         jobs[t].bad = 0;
         started[t] = 0;
     }

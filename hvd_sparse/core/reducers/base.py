@@ -76,6 +76,9 @@ class Reducer:
     name = "base"
     #: False for reducers that ignore the selection and keep no residual (dense).
     sparse = True
+    #: True for reducers that always return a :class:`SparseSum` (Ok-Topk): the engine may then zero the
+    #: output buffers while it reads the gradient, and only scatter the result into them.
+    sparse_result = False
     #: False for reducers that choose their own entries from ``acc`` and use only the budget k (SparDL):
     #: the engine then skips the sparsifier's selection and passes ``idx=None``.
     uses_selection = True

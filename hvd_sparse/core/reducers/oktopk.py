@@ -158,6 +158,7 @@ class OkTopk(Reducer):
     """
 
     name = "oktopk"
+    sparse_result = True
 
     def __init__(self, threshold_period=32, repartition_period=64, balance="auto", *, balance_factor=4.0,
                  global_band_lo=0.75, global_band_hi=1.25, global_relax=1.01, global_tighten=1.008,
