@@ -108,7 +108,9 @@ class Engine:
                 gradient in layout order (e.g. views of every ``p.grad``; read once, never modified -- no
                 concatenated copy is made on numpy and torch).
             out: None (default), or a list of 1-D arrays, one per piece and of its size (they may be the very
-                pieces of ``grad``): the result is written into them, cast to each one's dtype.
+                pieces of ``grad``): the result is written into them, cast to each one's dtype. When they are the
+                pieces and the reducer's result is sparse (``Reducer.sparse_result``), the pieces are zeroed as
+                they are read, so they hold zeros if the step then raises.
         Returns:
             the reduced flat gradient in ``grad``'s dtype (``out`` None), or ``out``; bit-identical on every
             rank (all NaN when a non-finite gradient on any rank skipped the step: see the module docstring).
@@ -135,8 +137,8 @@ class Engine:
         # Sparse reducers read the gradient once, into acc = residual + grad (the residual itself is untouched
         # until the step succeeds). A NaN/Inf in grad makes acc non-finite, and a finite residual (the invariant:
         # nothing non-finite is ever stored) keeps acc finite otherwise, but for an overflow of residual + grad,
-        # which is caught too (it could not be selected or sent either).
-        # a sparse result written into the very gradient buffers: zero them in the same pass that reads them
+        # which is caught too (it could not be selected or sent either). A sparse result that goes into the very
+        # gradient buffers lets that pass zero them, too.
         zeroed = bool(reducer.sparse_result and out is not None and all(o is p for o, p in zip(out, pieces)))
         if reducer.sparse:
             acc, finite = self.memory.compensate(xp, pieces, zero_pieces=zeroed)
