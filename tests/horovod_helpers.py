@@ -40,3 +40,17 @@ def horovodrun(np_, script, *args, timeout=300, env=None):
 
 def load_ranks(outdir, scenario, np_):
     return [dict(np.load(Path(outdir) / f"{scenario}.rank{r}.npz")) for r in range(np_)]
+
+
+def elastic_survivors(tmp_path, script, *args, env=None, timeout=600):
+    """Run ``script args`` under elastic horovodrun: 3 workers on two "hosts" of this machine (localhost:2 and
+    127.0.0.1:1, at least 2 kept), the worker scripts kill the one on 127.0.0.1. Fails the test unless the job
+    succeeds; returns what the survivors wrote (``<tmp_path>/elastic.*.npz``, sorted)."""
+    discover = tmp_path / "discover.sh"
+    discover.write_text("#!/bin/sh\necho localhost:2\necho 127.0.0.1:1\n")
+    discover.chmod(0o755)
+    cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
+           str(discover), sys.executable, str(HERE / "hvd_workers" / script), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(**(env or {})))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return [dict(np.load(f)) for f in sorted(tmp_path.glob("elastic.*.npz"))]

@@ -8,8 +8,6 @@ residual kept or dropped, options are validated. Through real elastic `horovodru
 committed one or zero, and they end with identical weights."""
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -23,7 +21,7 @@ import hvd_sparse.tensorflow.keras as hvdk  # noqa: E402
 from hvd_sparse.tensorflow import elastic as tf_elastic  # noqa: E402
 from hvd_sparse.tensorflow.keras import elastic  # noqa: E402
 
-from horovod_helpers import BIN, HERE, job_env, requires_horovod  # noqa: E402
+from horovod_helpers import elastic_survivors, requires_horovod  # noqa: E402
 
 keras = tf.keras
 
@@ -178,18 +176,10 @@ ELASTIC_JOBS = [("keras3", "keep"), ("tf_keras", "drop")]
 @pytest.mark.horovod
 @pytest.mark.parametrize("flavour,policy", ELASTIC_JOBS, ids=[f"{f}-{p}" for f, p in ELASTIC_JOBS])
 def test_elastic_keras_run_survives_a_killed_worker_and_resets_sparse_state(tmp_path, flavour, policy):
-    discover = tmp_path / "discover.sh"
-    discover.write_text("#!/bin/sh\necho localhost:2\necho 127.0.0.1:1\n")     # two "hosts", both this machine
-    discover.chmod(0o755)
-    cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
-           str(discover), sys.executable, str(HERE / "hvd_workers" / "keras_elastic_worker.py"), str(tmp_path),
-           policy]
     # Gloo's default 30 s timeout is how long a survivor not directly connected to the dead worker waits: 10 s here
-    env = job_env(HOROVOD_GLOO_TIMEOUT_SECONDS="10", TF_CPP_MIN_LOG_LEVEL="3",
-                  TF_USE_LEGACY_KERAS="1" if flavour == "tf_keras" else "0")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    survivors = [dict(np.load(f)) for f in sorted(tmp_path.glob("elastic.*.npz"))]
+    survivors = elastic_survivors(tmp_path, "keras_elastic_worker.py", tmp_path, policy,
+                                  env={"HOROVOD_GLOO_TIMEOUT_SECONDS": "10", "TF_CPP_MIN_LOG_LEVEL": "3",
+                                       "TF_USE_LEGACY_KERAS": "1" if flavour == "tf_keras" else "0"})
     assert len(survivors) == 2                                  # the worker on 127.0.0.1 died at step 4
     for s in survivors:
         steps, sizes, engine_steps, norms = s["records"].T

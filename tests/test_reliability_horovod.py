@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from horovod_helpers import BIN, HERE, horovodrun, job_env, load_ranks, requires_horovod
+from horovod_helpers import BIN, HERE, elastic_survivors, horovodrun, job_env, load_ranks, requires_horovod
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
@@ -117,14 +117,7 @@ def test_a_worker_killed_or_raising_mid_step_ends_the_job_within_60s_naming_the_
 # -- elastic: a killed worker, restore, reset to fewer ranks -----------------------------------------------
 @pytest.mark.parametrize("policy", ["keep", "drop"])
 def test_elastic_run_survives_a_killed_worker_and_resets_sparse_state(tmp_path, policy):
-    discover = tmp_path / "discover.sh"
-    discover.write_text("#!/bin/sh\necho localhost:2\necho 127.0.0.1:1\n")     # two "hosts", both this machine
-    discover.chmod(0o755)
-    cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
-           str(discover), sys.executable, str(HERE / "hvd_workers" / "elastic_worker.py"), str(tmp_path), policy]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=job_env())
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    survivors = [dict(np.load(f)) for f in sorted(tmp_path.glob("elastic.*.npz"))]
+    survivors = elastic_survivors(tmp_path, "elastic_worker.py", tmp_path, policy)
     assert len(survivors) == 2                                  # the worker on 127.0.0.1 died at step 5
     for s in survivors:
         steps, sizes, engine_steps, norms = s["records"].T
