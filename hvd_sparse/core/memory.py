@@ -57,7 +57,8 @@ class ErrorFeedback:
             m = xp.numel(p)
             pv = None if out is None or (r is not None and rv is None) else native.f32_view(xp, p)
             if pv is not None:                       # one pass: the sum and its non-finite count
-                bad += native.add(None if rv is None else rv[off:off + m], pv, out[off:off + m], zero_g=zero_pieces)
+                bad += native.add(None if rv is None else rv[off:off + m], pv, out[off:off + m],
+                                  zero_g=zero_pieces)
             else:
                 xp.add_into(None if r is None else r[off:off + m], p, acc[off:off + m])
                 if zero_pieces:
@@ -65,6 +66,7 @@ class ErrorFeedback:
                 known = False
             off += m
         return acc, (False if bad else (True if known else None))
+
     def update(self, xp, acc, included):
         """``residual = acc`` with the ``included`` entries zeroed (``acc`` from :meth:`compensate`)."""
         if included is ALL:

@@ -55,12 +55,18 @@ def sum_in_rank_order(xp, n, all_idx, all_vals, counts, like):
     """u[j] = sum over sources s = 0..P-1 of their value at j (one add per source; indices are unique
     within a source except the padding slot n, which only ever receives zeros and is dropped)."""
     u = xp.zeros(n + 1, xp.float32, like=like)      # slot n takes the padding
+    return _add_in_rank_order(xp, u, all_idx, all_vals, counts)[:n]
+
+
+def _add_in_rank_order(xp, dst, idx, vals, counts):
+    """``dst[idx_s] += vals_s`` for the sources s = 0..P-1 in turn (``counts[s]`` pairs each, indexes unique
+    within a source): the sums are the same on every rank whatever the order of the pairs within a source."""
     off = 0
     for c in counts:
         if c:
-            u = xp.add_unique_(u, all_idx[off:off + c], all_vals[off:off + c])
+            dst = xp.add_unique_(dst, idx[off:off + c], vals[off:off + c])
         off += c
-    return u[:n]
+    return dst
 
 
 def sum_sparse_in_rank_order(xp, idx, vals, counts, like):
@@ -71,13 +77,7 @@ def sum_sparse_in_rank_order(xp, idx, vals, counts, like):
     those slots (``0 + v_0 + v_1 + ...``: the very additions of the dense version, so the sums match it bit
     for bit)."""
     support, slot = xp.unique_inverse(idx)
-    sums = xp.zeros(xp.numel(support), xp.float32, like=like)
-    off = 0
-    for c in counts:
-        if c:
-            sums = xp.add_unique_(sums, slot[off:off + c], vals[off:off + c])
-        off += c
-    return support, sums
+    return support, _add_in_rank_order(xp, xp.zeros(xp.numel(support), xp.float32, like=like), slot, vals, counts)
 
 
 class TopkA(Reducer):
