@@ -267,6 +267,87 @@ def test_add_kernel_equals_numpy_bit_for_bit_and_counts_the_non_finite_sums(kern
         native.add(None, g, np.empty(n + 1, np.float32))
 
 
+@pytest.mark.parametrize("rule", native.RULES)
+@pytest.mark.parametrize("n", [0, 1, 65, 4099, 50_000])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_add_select_is_add_then_select_in_one_pass(kernel, rule, n, threads):
+    """The fused pass returns exactly add()'s sum and non-finite count and select()'s indices and values on the
+    sum, for every rule, special values and thresholds at ties; a small ``expect`` overflows the segments (the
+    fallback selects from the finished sum, the gradient already zeroed), a large one does not."""
+    rng = np.random.default_rng(n + threads)
+    r = rng.standard_normal(n).astype(np.float32)
+    g = rng.standard_normal(n).astype(np.float32)
+    if n:
+        g[rng.integers(0, n, max(1, n // 20))] = SPECIALS[rng.integers(0, SPECIALS.size, max(1, n // 20))]
+        g[np.isnan(r) & np.isnan(g)] = 1.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = r + g
+    for th in (0.5, float(np.abs(want[0])) if n else 1.0, 0.0, -1.0, float("nan"), 3.0):
+        for expect in (0, n):                                    # 0: the 4096-entry segments overflow at n = 50k
+            g2, out = g.copy(), np.empty(n, np.float32)
+            bad, idx, val = native.add_select(r, g2, out, th, rule, base=5, expect=expect, threads=threads,
+                                              zero_g=True)
+            assert out.view(np.uint32).tobytes() == want.view(np.uint32).tobytes() and not g2.view(np.uint32).any()
+            assert bad == int(np.count_nonzero(~np.isfinite(want)))
+            ref = reference(want, th, rule)
+            np.testing.assert_array_equal(idx, ref + 5)
+            assert val.dtype == np.float32
+            assert val.view(np.uint32).tobytes() == want[ref].view(np.uint32).tobytes()
+    out = np.empty(n, np.float32)
+    bad, idx, _ = native.add_select(None, g, out, 0.5, rule, threads=threads)       # no residual: out = g
+    assert out.view(np.uint32).tobytes() == g.view(np.uint32).tobytes()
+    np.testing.assert_array_equal(idx, reference(g, 0.5, rule))
+
+
+def test_error_feedback_collects_the_selection_in_its_add_pass(monkeypatch):
+    """compensate(select=...) returns what native.select finds in acc afterwards, across pieces (global
+    indices), and None when a piece cannot take the kernel (an fp16 piece) or the kernel is off."""
+    import torch
+
+    from hvd_sparse.core.memory import ErrorFeedback
+
+    rng = np.random.default_rng(5)
+    res = rng.standard_normal(3000).astype(np.float32)
+    pieces = [torch.from_numpy(rng.standard_normal(m).astype(np.float32)) for m in (1000, 1500, 500)]
+    mem = ErrorFeedback()
+    mem.residual = torch.from_numpy(res.copy())
+    acc, finite, found = mem.compensate(backend_of(pieces[0]), pieces, select=(1.5, "ge_nonzero", 300))
+    assert finite is True
+    idx, val = native.select(acc.numpy(), 1.5, "ge_nonzero", values=True)
+    np.testing.assert_array_equal(found[0], idx)
+    assert found[1].tobytes() == val.tobytes() and idx.size > 100
+    assert mem.compensate(backend_of(pieces[0]), pieces)[2] is None                     # not asked for
+    half = pieces[:2] + [pieces[2].half()]
+    assert mem.compensate(backend_of(pieces[0]), half, select=(1.5, "ge_nonzero", 300))[2] is None
+    monkeypatch.setenv("HVD_SPARSE_NATIVE", "0")
+    assert mem.compensate(backend_of(pieces[0]), pieces, select=(1.5, "ge_nonzero", 300))[2] is None
+
+
+def test_engine_hands_threshold_reuse_its_candidates_from_the_add_pass(monkeypatch):
+    """Ok-Topk's reuse steps take their candidates from the add pass (no selection pass over acc), with the
+    same bits as the generic path: the whole run, outputs and residuals, equals HVD_SPARSE_NATIVE=0's."""
+    import hvd_sparse
+    from hvd_sparse.testing import simulate
+
+    n, P, T = 6000, 3, 8
+    calls = {"select": 0, "add_select": 0}          # passes over n-sized buffers (the guard selects on C too)
+    for name in calls:
+        fn = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, _fn=fn, _name=name, **k: (calls.__setitem__(
+            _name, calls[_name] + (a[-3 if _name == "add_select" else 0].size == n)), _fn(*a, **k))[1])
+    rng = np.random.default_rng(11)
+    grads = rng.standard_normal((T, P, n)).astype(np.float32)
+
+    def run():
+        res = simulate(hvd_sparse.Compression.oktopk(density=0.02), grads, backend="torch")
+        return res.updates, res.residuals
+
+    (o1, r1), (o2, r2) = _both_paths(monkeypatch, run)
+    assert o1.tobytes() == o2.tobytes() and r1.tobytes() == r2.tobytes()
+    # steps 1..T-1 reuse the threshold (step 0 re-evaluates) on every rank: their candidates came from add_select
+    assert calls["add_select"] == P * (T - 1) and calls["select"] == 0
+
+
 def test_error_feedback_pieces_native_equals_generic(monkeypatch):
     """acc = residual + pieces (float32 pieces with the kernel, an fp16 piece generic) and its finiteness verdict
     are the same with and without the kernel, and the residual is not touched before update()."""
@@ -280,7 +361,7 @@ def test_error_feedback_pieces_native_equals_generic(monkeypatch):
     def run(pieces):
         mem = ErrorFeedback()
         mem.residual = torch.from_numpy(res.copy())
-        acc, finite = mem.compensate(backend_of(pieces[0]), pieces)
+        acc, finite, _ = mem.compensate(backend_of(pieces[0]), pieces)
         assert np.array_equal(mem.residual.numpy(), res)
         return acc.clone(), finite
 

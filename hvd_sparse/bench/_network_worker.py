@@ -13,6 +13,9 @@ For each algorithm in turn, on the same gradients (:class:`SharedGradients`, bit
         hvd.allreduce(one value)                             # barrier: the ranks start the step together
         t0; optimizer.step(); seconds[t] = now - t0          # exchange + write-back + SGD update
         hvd.allreduce(one value)                             # nobody draws the next gradient meanwhile
+
+The barriers wait without spinning (``hvd_sparse.torch.comm.wait``): a rank that is done would otherwise spin in
+Horovod's ``synchronize`` and take the cores of ranks still inside their timed step (on 2 cores for 4 ranks).
         recv_bytes[t], selected[t] = optimizer.sparse_stats()   (sparse presets)
 
 Rank 0 gathers every rank's records and writes them to ``--out`` (JSON); the parent computes the statistics.
@@ -102,6 +105,7 @@ def measure(args, name, layout, data):
     import torch
 
     import hvd_sparse.torch as hvds
+    from hvd_sparse.torch.comm import wait
 
     rank = hvd.rank()
     compression = _compression(name, args.density)
@@ -125,7 +129,7 @@ def measure(args, name, layout, data):
         if args.profile and t == args.warmup:
             import cProfile
             profiler = cProfile.Profile()
-        hvd.allreduce(barrier, name="hvd_sparse.bench.network.barrier")
+        wait(hvd.allreduce_async(barrier, name="hvd_sparse.bench.network.barrier"))
         if profiler is not None:
             profiler.enable()
         t0 = time.perf_counter()
@@ -133,8 +137,9 @@ def measure(args, name, layout, data):
         seconds[t] = time.perf_counter() - t0
         if profiler is not None:
             profiler.disable()
-        # a rank that is done must not draw its next gradient while others are still inside the timed step
-        hvd.allreduce(barrier, name="hvd_sparse.bench.network.barrier_after")
+        # a rank that is done must not draw its next gradient while others are still inside the timed step, nor
+        # spin in Horovod's synchronize() (a yield loop) and take their cores: it waits politely
+        wait(hvd.allreduce_async(barrier, name="hvd_sparse.bench.network.barrier_after"))
         if sparse:
             st = optimizer.sparse_stats()
             recv[t], selected[t] = float(st["recv_bytes"]), int(st["selected"])

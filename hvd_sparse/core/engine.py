@@ -59,6 +59,10 @@ class StepContext:
             agree on a count); every rank calls them in the same order, so that is safe.
         exact_k: the sparsifier's ``exact_k`` flag: every rank selects at most k entries, so reducers
             may use fixed-size messages without exchanging counts.
+        prefiltered: None, or ``(threshold, rule, indices, values)``: what ``rule`` selects from the step's
+            accumulator at ``threshold`` (numpy int64 ascending, float32), found by error feedback's add pass
+            because the sparsifier asked for it (:meth:`Sparsifier.prefilter`); saves the sparsifier a read
+            pass over the accumulator.
     """
 
     rank: int
@@ -67,6 +71,7 @@ class StepContext:
     layout: tuple
     comm: object
     exact_k: bool = False
+    prefiltered: tuple = None
 
 
 class StepStats(dict):
@@ -140,8 +145,20 @@ class Engine:
         # which is caught too (it could not be selected or sent either). A sparse result that goes into the very
         # gradient buffers lets that pass zero them, too.
         zeroed = bool(reducer.sparse_result and out is not None and all(o is p for o, p in zip(out, pieces)))
+        sparsifier = comp.sparsifier
+        ctx = StepContext(self.comm.rank, self.comm.size, self.steps,
+                          tuple(self.layout) if self.layout is not None else (n,), self.comm,
+                          bool(sparsifier is not None and sparsifier.exact_k))
+        pre = None
         if reducer.sparse:
-            acc, finite = self.memory.compensate(xp, pieces, zero_pieces=zeroed)
+            k = sparsifier.k_for(n)
+            # a sparsifier that knows its threshold before the step (Ok-Topk's reuse steps) gets its candidates
+            # from the add pass: one read of the accumulator less
+            pre = sparsifier.prefilter(self.sparsifier_state, ctx) if reducer.uses_selection else None
+            acc, finite, found = self.memory.compensate(xp, pieces, zero_pieces=zeroed,
+                                                        select=None if pre is None else (*pre, k))
+            if found is not None:
+                ctx = dataclasses.replace(ctx, prefiltered=(*pre, *found))
         else:
             acc, finite = xp.astype(pieces[0] if len(pieces) == 1 else xp.concat(pieces), xp.float32), None
         bad = self._nonfinite_ranks(xp, xp.all_finite(acc) if finite is None else finite, acc)
@@ -161,12 +178,7 @@ class Engine:
             self.last = StepStats(n=n, k=0, selected=0, density=0.0, info={}, skipped=True,
                                   nonfinite_ranks=bad, control_bytes=control, **self.comm.meter.totals())
             return self._emit(xp, xp.full(n, float("nan"), xp.float32, like=acc), 1.0, pieces, out)
-        ctx = StepContext(self.comm.rank, self.comm.size, self.steps,
-                          tuple(self.layout) if self.layout is not None else (n,), self.comm,
-                          bool(comp.sparsifier is not None and comp.sparsifier.exact_k))
         if reducer.sparse:
-            sparsifier = comp.sparsifier
-            k = sparsifier.k_for(n)
             if reducer.uses_selection:
                 idx = sparsifier.select(xp, acc, k, self.sparsifier_state, ctx)
                 selected = xp.numel(idx)

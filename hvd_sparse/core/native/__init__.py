@@ -82,7 +82,7 @@ INF_BITS = 0x7F800000
 #: elements per kernel thread at least (smaller chunks do not pay for a thread start)
 MIN_PER_THREAD = 1 << 20
 #: kernel ABI expected from select.c
-ABI = 2
+ABI = 3
 #: compiler flag sets tried in order
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))
 _COMMON_FLAGS = ("-shared", "-fPIC", "-pthread")
@@ -194,6 +194,11 @@ def load(path):
     f = lib.hvds_add_f32
     f.restype = ctypes.c_int64
     f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    f = lib.hvds_add_select_f32
+    f.restype = ctypes.c_int64
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                  ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                  ctypes.c_void_p]
     return lib
 
 
@@ -412,11 +417,7 @@ def select(view, th, rule, *, base=0, values=False, expect=0, threads=None):
     return idx, val
 
 
-def add(r, g, out, threads=None, zero_g=False):
-    """``out[:] = r + g`` (``r`` None: ``out[:] = g``) over 1-D contiguous float32 numpy arrays of one size, in
-    one pass; returns how many results are not finite (NaN or +-inf). ``out`` may be ``r``. With ``zero_g``, ``g``
-    is zeroed in the same pass (it is the caller's output buffer, to be filled later; then ``out`` is not ``g``).
-    A separate ``out`` is written with non-temporal stores (AVX2 builds): no read of it before the write."""
+def _check_add(r, g, out, zero_g):
     for a in (g, out) if r is None else (r, g, out):
         _check_view(a)
         if a.size != out.size:
@@ -426,6 +427,15 @@ def add(r, g, out, threads=None, zero_g=False):
     lib = _library()
     if lib is None:
         raise RuntimeError("hvd_sparse.core.native: the kernel is not available (check available() first)")
+    return lib
+
+
+def add(r, g, out, threads=None, zero_g=False):
+    """``out[:] = r + g`` (``r`` None: ``out[:] = g``) over 1-D contiguous float32 numpy arrays of one size, in
+    one pass; returns how many results are not finite (NaN or +-inf). ``out`` may be ``r``. With ``zero_g``, ``g``
+    is zeroed in the same pass (it is the caller's output buffer, to be filled later; then ``out`` is not ``g``).
+    A separate ``out`` is written with non-temporal stores (AVX2 builds): no read of it before the write."""
+    lib = _check_add(r, g, out, zero_g)
     n = out.size
     _calls[0] += 1
     bad = lib.hvds_add_f32(None if r is None else r.ctypes.data, g.ctypes.data, out.ctypes.data, n,
@@ -433,3 +443,46 @@ def add(r, g, out, threads=None, zero_g=False):
     if bad < 0:  # pragma: no cover - arguments are checked above
         raise RuntimeError("hvd_sparse.core.native: kernel rejected its arguments")
     return int(bad)
+
+
+def add_select(r, g, out, th, rule, *, base=0, expect=0, threads=None, zero_g=False):
+    """:func:`add` and ``select(out, th, rule, base=base, values=True)`` in the same single pass: the sum's
+    entries the rule selects are collected while the sum is written (no second read of ``out``).
+
+    Returns ``(bad, indices, values)``: the non-finite count of :func:`add`, and exactly what :func:`select`
+    would return on ``out`` afterwards (ascending int64 indices plus ``base``, float32 values; fresh arrays).
+    ``expect`` sizes the output segments (about 2·expect entries in all, kept for the next call, never grown
+    here: the room stays proportional to what callers expect); when a segment overflows (more matches than
+    room, e.g. a gradient spike), the kernel still finishes the sum and this function selects from ``out`` with
+    :func:`select` (one extra read, only then)."""
+    lib = _check_add(r, g, out, zero_g)
+    lo, hi = bounds(th, rule)
+    n = out.size
+    T = threads or threads_for(n)
+    chunk = -(-n // T) if n else 0
+    chunk = (chunk + 63) // 64 * 64
+    ws = _workspace()
+    cap = min(chunk, max(4096, 2 * int(expect) // T + 1024)) if n else 0
+    ws.ensure(cap, T, True)
+    cap = min(ws.cap, chunk)
+    counts = ws.counts
+    _calls[0] += 1
+    bad = lib.hvds_add_select_f32(None if r is None else r.ctypes.data, g.ctypes.data, out.ctypes.data, n, T,
+                                  int(bool(zero_g)), lo, hi, int(base), ws.idx.ctypes.data, ws.val.ctypes.data,
+                                  cap, counts.ctypes.data)
+    if bad < 0:  # pragma: no cover - arguments are checked above
+        raise RuntimeError("hvd_sparse.core.native: kernel rejected its arguments")
+    if n == 0 or lo > hi:
+        return int(bad), np.zeros(0, np.int64), np.zeros(0, np.float32)
+    worst = int(counts[:T].max())
+    if worst > cap:                                     # a segment overflowed: the sum is done, select from it
+        idx, val = select(out, th, rule, base=base, values=True, expect=worst * T, threads=T)
+        return int(bad), idx, val
+    if T == 1:
+        c = int(counts[0])
+        idx, val = ws.idx[:c].copy(), ws.val[:c].view(np.float32).copy()
+    else:
+        parts = [(t * cap, t * cap + int(counts[t])) for t in range(T)]
+        idx = np.concatenate([ws.idx[a:b] for a, b in parts])
+        val = np.concatenate([ws.val[a:b] for a, b in parts]).view(np.float32)
+    return int(bad), idx, val

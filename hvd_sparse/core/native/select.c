@@ -4,6 +4,9 @@
  * non-finite results on the way: error feedback's acc = residual + grad and the non-finite check of the
  * step fused (IEEE-754 float additions, so the sums equal numpy's and torch's bit for bit).
  *
+ * hvds_add_select_f32: the same pass, which also selects from out what hvds_select_f32 would select (an
+ * on-the-fly selection of the sum: on Ok-Topk's reuse steps the threshold is known before the step).
+ *
  * hvds_select_f32: one read pass over a float32 buffer x[0..n) that writes, in ascending order, the
  * indices i (plus `base`) with  lo <= (bits(x[i]) & 0x7fffffff) <= hi,  i.e. lo <= bits(|x[i]|) <= hi.
  * For non-negative floats the IEEE-754 bit patterns order like the values, so every threshold rule of the
@@ -31,7 +34,7 @@
 #define HVDS_SIMD "scalar"
 #endif
 
-#define HVDS_ABI 2
+#define HVDS_ABI 3
 #define HVDS_MAX_THREADS 256
 
 int hvds_abi_version(void) { return HVDS_ABI; }
@@ -173,7 +176,7 @@ int64_t hvds_select_f32(const float *x, int64_t n, uint32_t lo, uint32_t hi, int
     return total;
 }
 
-/* -- hvds_add_f32 --------------------------------------------------------------------------------------- */
+/* -- hvds_add_f32 / hvds_add_select_f32 ------------------------------------------------------------------- */
 typedef struct {
     const float *r;
     float *g, *out;
@@ -181,44 +184,106 @@ typedef struct {
     int zero_g;            /* write 0.0f into g[i] once it is read (g is the caller's output, to be filled later) */
     int stream;            /* out aliases neither r nor g: non-temporal stores (no read-for-ownership of out) */
     int64_t bad;           /* out: non-finite results in [s, e) */
+    /* the fused selection (io != NULL): out[i] with lo <= bits(|out[i]|) <= hi, as hvds_select_f32 */
+    uint32_t lo, hi;
+    int64_t base;
+    int64_t *io;           /* this thread's index segment, or NULL (no selection) */
+    uint32_t *vo;          /* this thread's value segment (bits of out[i]) */
+    int64_t cap;
+    int64_t count;         /* out: number of matches in [s, e) */
 } add_job_t;
 
-static inline int64_t add_range(const float *r, float *g, float *out, int64_t s, int64_t e, int zero_g)
+/* the emission of one selected entry: index and value bits into this thread's segment while there is room
+ * (the count goes on, so the caller sees an overflow); c, cap, io, vo, base are locals of the caller */
+#define HVDS_ADD_EMIT(pos, bits)                                      \
+    do {                                                              \
+        if (c < cap) {                                                \
+            io[c] = base + (pos);                                     \
+            vo[c] = (bits);                                           \
+        }                                                             \
+        c++;                                                          \
+    } while (0)
+
+#if defined(__AVX2__)
+/* lane numbers of the set bits of every 8-bit mask, in ascending order (then zeros): the permutation that packs
+ * the selected lanes of a block to the front (filled once, before any thread starts) */
+static int32_t hvds_pack_lut[256][8];
+static pthread_once_t hvds_pack_once = PTHREAD_ONCE_INIT;
+
+static void hvds_pack_init(void)
 {
-    int64_t bad = 0;
-    for (int64_t i = s; i < e; i++) {
-        float v = r ? r[i] + g[i] : g[i];
-        uint32_t b;
-        __builtin_memcpy(&b, &v, 4);
-        out[i] = v;
-        if (zero_g) g[i] = 0.0f;
-        bad += (b & 0x7f800000u) == 0x7f800000u;     /* exponent all ones: +-inf or NaN */
+    for (int m = 0; m < 256; m++) {
+        int c = 0;
+        for (int q = 0; q < 8; q++)
+            if (m & (1 << q)) hvds_pack_lut[m][c++] = q;
+        while (c < 8) hvds_pack_lut[m][c++] = 0;
     }
-    return bad;
 }
+#endif
 
 static void *run_add(void *arg)
 {
     add_job_t *j = (add_job_t *)arg;
-    const float *r = j->r;
-    float *g = j->g, *out = j->out;
-    int64_t i = j->s, e = j->e, bad = 0;
+    const float *restrict r = j->r;
+    float *restrict g = j->g;
+    float *out = j->out;                               /* may be r */
+    int64_t *restrict io = j->io;
+    uint32_t *restrict vo = j->vo;
+    const int64_t cap = j->cap, base = j->base, e = j->e;
+    const int zero_g = j->zero_g, sel = io != NULL;
+    const uint32_t lo = j->lo, span = j->hi - j->lo;
+    int64_t i = j->s, bad = 0, c = 0;
 #if defined(__AVX2__)
     if (j->stream) {
-        int64_t head = i;                              /* scalar until out + i is 32-byte aligned */
-        while (head < e && ((uintptr_t)(out + head) & 31u)) head++;
-        bad += add_range(r, g, out, i, head, j->zero_g);
-        i = head;
+        for (; i < e && ((uintptr_t)(out + i) & 31u); i++) {   /* scalar until out + i is 32-byte aligned */
+            float v = r ? r[i] + g[i] : g[i];
+            uint32_t b;
+            __builtin_memcpy(&b, &v, 4);
+            out[i] = v;
+            if (zero_g) g[i] = 0.0f;
+            bad += (b & 0x7f800000u) == 0x7f800000u;
+            if (sel && ((b & 0x7fffffffu) - lo) <= span) HVDS_ADD_EMIT(i, b);
+        }
         const __m256i expm = _mm256_set1_epi32(0x7f800000);
+        const __m256i absm = _mm256_set1_epi32(0x7fffffff);
+        /* bits(|v|) < 2^31, lo - 1 >= -1, hi + 1 <= 0x7f800001: signed compares are exact (as in scan) */
+        const __m256i vlo = _mm256_set1_epi32((int32_t)j->lo - 1);
+        const __m256i vhi = _mm256_set1_epi32((int32_t)j->hi + 1);
         __m256i nbad = _mm256_setzero_si256();
         const __m256 zero = _mm256_setzero_ps();
         for (; i + 8 <= e; i += 8) {
             __m256 gv = _mm256_loadu_ps(g + i);
             __m256 v = r ? _mm256_add_ps(_mm256_loadu_ps(r + i), gv) : gv;
             _mm256_stream_ps(out + i, v);
-            if (j->zero_g) _mm256_storeu_ps(g + i, zero);
-            __m256i ex = _mm256_and_si256(_mm256_castps_si256(v), expm);
+            if (zero_g) _mm256_storeu_ps(g + i, zero);
+            __m256i vb = _mm256_castps_si256(v);
+            __m256i ex = _mm256_and_si256(vb, expm);
             nbad = _mm256_sub_epi32(nbad, _mm256_cmpeq_epi32(ex, expm));   /* -(-1) per non-finite lane */
+            if (sel) {
+                __m256i a = _mm256_and_si256(vb, absm);
+                int m = _mm256_movemask_ps(_mm256_castsi256_ps(
+                    _mm256_and_si256(_mm256_cmpgt_epi32(a, vlo), _mm256_cmpgt_epi32(vhi, a))));
+                if (m) {
+                    if (c + 8 <= cap) {                /* pack the block's selected lanes: no loop per entry */
+                        __m256i perm = _mm256_loadu_si256((const __m256i *)hvds_pack_lut[m]);
+                        _mm256_storeu_si256((__m256i *)(vo + c), _mm256_permutevar8x32_epi32(vb, perm));
+                        __m256i at = _mm256_set1_epi64x(base + i);
+                        _mm256_storeu_si256((__m256i *)(io + c),
+                                            _mm256_add_epi64(at, _mm256_cvtepi32_epi64(_mm256_castsi256_si128(perm))));
+                        _mm256_storeu_si256((__m256i *)(io + c + 4),
+                                            _mm256_add_epi64(at, _mm256_cvtepi32_epi64(_mm256_extracti128_si256(perm, 1))));
+                        c += __builtin_popcount((unsigned)m);
+                    } else {
+                        uint32_t lanes[8];
+                        _mm256_storeu_si256((__m256i *)lanes, vb);
+                        while (m) {
+                            int q = __builtin_ctz(m);
+                            m &= m - 1;
+                            HVDS_ADD_EMIT(i + q, lanes[q]);
+                        }
+                    }
+                }
+            }
         }
         _mm_sfence();
         int32_t lanes[8];
@@ -226,32 +291,61 @@ static void *run_add(void *arg)
         for (int q = 0; q < 8; q++) bad += lanes[q];   /* < 2^31 per lane: chunks are far smaller */
     }
 #endif
-    bad += add_range(r, g, out, i, e, j->zero_g);
+    for (; i < e; i++) {
+        float v = r ? r[i] + g[i] : g[i];
+        uint32_t b;
+        __builtin_memcpy(&b, &v, 4);
+        out[i] = v;
+        if (zero_g) g[i] = 0.0f;
+        bad += (b & 0x7f800000u) == 0x7f800000u;     /* exponent all ones: +-inf or NaN */
+        if (sel && ((b & 0x7fffffffu) - lo) <= span) HVDS_ADD_EMIT(i, b);
+    }
     j->bad = bad;
+    j->count = c;
     return NULL;
 }
 
 /* out[i] = r[i] + g[i] (r == NULL: out[i] = g[i]) for i < n, and g[i] = 0 afterwards when zero_g; returns the
- * number of non-finite out[i], or -1 on bad arguments. out may be r (element-wise); with zero_g it must not be g. */
-int64_t hvds_add_f32(const float *r, float *g, float *out, int64_t n, int nthreads, int zero_g)
+ * number of non-finite out[i], or -1 on bad arguments. out may be r (element-wise); with zero_g it must not be g.
+ * With idx_out != NULL, the same pass also selects from out as hvds_select_f32 does from x (same lo, hi, base,
+ * segments idx_out/val_out of cap entries per thread, counts[t] = all matches of thread t, even past cap); the
+ * caller handles an overflowed segment from out itself: the additions are done and g may be zeroed, so the
+ * call must not be repeated. */
+int64_t hvds_add_select_f32(const float *r, float *g, float *out, int64_t n, int nthreads, int zero_g,
+                            uint32_t lo, uint32_t hi, int64_t base, int64_t *idx_out, uint32_t *val_out,
+                            int64_t cap, int64_t *counts)
 {
     add_job_t jobs[HVDS_MAX_THREADS];
     pthread_t tids[HVDS_MAX_THREADS];
     int started[HVDS_MAX_THREADS];
     if (n < 0 || nthreads < 1 || nthreads > HVDS_MAX_THREADS || !g || !out || (zero_g && out == g))
         return -1;
+    if (idx_out && (!val_out || !counts || cap < 0 || hi > 0x7f800000u))
+        return -1;
+#if defined(__AVX2__)
+    pthread_once(&hvds_pack_once, hvds_pack_init);
+#endif
     int64_t chunk = (n + nthreads - 1) / nthreads;
     chunk = (chunk + 63) & ~(int64_t)63;
     for (int t = 0; t < nthreads; t++) {
         int64_t s = (int64_t)t * chunk, e = s + chunk;
-        jobs[t].r = r;
-        jobs[t].g = g;
-        jobs[t].out = out;
-        jobs[t].s = s > n ? n : s;
-        jobs[t].e = e > n ? n : e;
-        jobs[t].zero_g = zero_g;
-        jobs[t].stream = out != r && out != g;
-        jobs[t].bad = 0;
+        add_job_t *j = &jobs[t];
+        j->r = r;
+        j->g = g;
+        j->out = out;
+        j->s = s > n ? n : s;
+        j->e = e > n ? n : e;
+        j->zero_g = zero_g;
+        j->stream = out != r && out != g;
+        j->bad = 0;
+        /* lo > hi (an empty rule) selects nothing: no segment at all */
+        j->io = (idx_out && lo <= hi) ? idx_out + (int64_t)t * cap : NULL;
+        j->vo = j->io ? val_out + (int64_t)t * cap : NULL;
+        j->lo = j->io ? lo : 1;
+        j->hi = j->io ? hi : 0;
+        j->base = base;
+        j->cap = cap;
+        j->count = 0;
         started[t] = 0;
     }
     for (int t = 1; t < nthreads; t++)
@@ -263,5 +357,12 @@ int64_t hvds_add_f32(const float *r, float *g, float *out, int64_t n, int nthrea
         else if (jobs[t].e > jobs[t].s) run_add(&jobs[t]);
         bad += jobs[t].bad;
     }
+    if (idx_out && counts)
+        for (int t = 0; t < nthreads; t++) counts[t] = jobs[t].count;
     return bad;
+}
+
+int64_t hvds_add_f32(const float *r, float *g, float *out, int64_t n, int nthreads, int zero_g)
+{
+    return hvds_add_select_f32(r, g, out, n, nthreads, zero_g, 1, 0, 0, NULL, NULL, 0, NULL);
 }

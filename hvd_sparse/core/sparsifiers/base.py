@@ -46,6 +46,13 @@ class Sparsifier:
     def select(self, xp, acc, k, state, ctx):  # pragma: no cover - interface
         raise NotImplementedError
 
+    def prefilter(self, state, ctx):
+        """``(threshold, rule)`` when this step's selection will start from the entries of the accumulator that
+        ``rule`` (one of ``hvd_sparse.core.native.RULES``) selects at ``threshold``, known before the step; else
+        None (default). The engine then collects them while it builds the accumulator and passes them in
+        ``ctx.prefiltered`` (when the fused CPU kernel ran). Must not change ``state``."""
+        return None
+
     def update(self, xp, state, info, ctx):
         """Called after the reducer with its ``info``; default: nothing."""
 

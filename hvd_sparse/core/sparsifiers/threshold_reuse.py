@@ -169,11 +169,12 @@ class ThresholdReuse(Sparsifier):
         th = float(xp.kth_largest(mag, min(k, n)))
         return xp.nonzero(xp.gt(mag, f32(th))), th
 
-    def _reuse_fused(self, xp, acc, view, k, L):
+    def _reuse_fused(self, xp, acc, view, k, L, ctx):
         """The reuse step with the fused kernel (``hvd_sparse.core.native``): the same (S, L) as the
         generic path, bit for bit, with one read pass over the buffer instead of 2 + one per guard raise.
 
-        1. C, v = the indices and values ``rule`` selects at L       (one pass; no |acc| copy, no mask)
+        1. C, v = the indices and values ``rule`` selects at L       (one pass; no |acc| copy, no mask; or
+           none: ``ctx.prefiltered``, collected by the engine while it added the gradient into acc)
         2. guard: count and raise L on (C, v) only -- raising L only shrinks the selection, so the set
            at a raised L is the subset of C that the rule keeps; C is in ascending order, so is S
         3. hard cap (optional): as the generic path (exact top-k, which reads acc again)
@@ -181,7 +182,11 @@ class ThresholdReuse(Sparsifier):
         rule = self.select_rule
         raises, capped = 0, False
         guard = self.guard_ratio is not None and self.guard_iters > 0
-        cand, vals = native.select(view, L, rule, values=guard, expect=k)
+        pre = ctx.prefiltered
+        if pre is not None and pre[0] == L and pre[1] == rule:     # collected by the add pass (the engine)
+            cand, vals = pre[2], pre[3]
+        else:
+            cand, vals = native.select(view, L, rule, values=guard, expect=k)
         if guard:
             limit = self.guard_ratio * k
             c = cand.size
@@ -203,17 +208,26 @@ class ThresholdReuse(Sparsifier):
             capped = True
         return idx, L, raises, capped
 
+    def _reevaluates(self, state, ctx):
+        L = state.get("threshold")
+        return (ctx.step % self.threshold_period == 0 or L is None or not L > 0.0
+                or state.get("size", ctx.size) != ctx.size)
+
+    def prefilter(self, state, ctx):
+        """On reuse steps the selection starts from what the stored threshold L selects (fused CPU kernel):
+        ``(L, select_rule)``; None on re-evaluation steps."""
+        return None if self._reevaluates(state, ctx) else (state["threshold"], self.select_rule)
+
     def select(self, xp, acc, k, state, ctx):
         n = xp.numel(acc)
         L = state.get("threshold")
-        reev = (ctx.step % self.threshold_period == 0 or L is None or not L > 0.0
-                or state.get("size", ctx.size) != ctx.size)
+        reev = self._reevaluates(state, ctx)
         raises, capped = 0, False
         view = None if (n == 0 or reev) else native.f32_view(xp, acc)
         if n == 0:
             idx, L = xp.zeros(0, xp.index_dtype, like=acc), 0.0
         elif view is not None:                              # reuse step, fused CPU kernel
-            idx, L, raises, capped = self._reuse_fused(xp, acc, view, k, L)
+            idx, L, raises, capped = self._reuse_fused(xp, acc, view, k, L, ctx)
         else:
             mag = xp.abs(acc)
             if reev:                                        # exact k-th |a| (re-evaluation step)
