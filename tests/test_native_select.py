@@ -299,6 +299,46 @@ def test_add_select_is_add_then_select_in_one_pass(kernel, rule, n, threads):
     np.testing.assert_array_equal(idx, reference(g, 0.5, rule))
 
 
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+def test_merge_add_sums_sources_in_rank_order_bit_for_bit(kernel, P):
+    """merge_add of P ascending runs = a dense "dst = 0; dst[idx_s] += val_s for s = 0..P-1" on the support, bit
+    for bit (sums that depend on the order, -0.0, inf, runs that are empty); an unsorted run gives None."""
+    rng = np.random.default_rng(P)
+    n = 5000
+    runs = [np.sort(rng.choice(n, rng.integers(0, 900), replace=False)).astype(np.int64) for _ in range(P)]
+    if P > 1:
+        runs[1] = runs[1][:0]                                                      # an empty source
+    vals = [(rng.standard_normal(r.size) * 10.0 ** rng.integers(-8, 8, r.size)).astype(np.float32) for r in runs]
+    if runs[0].size > 3:
+        vals[0][:3] = [-0.0, np.inf, 1e-45]
+    idx, val = np.concatenate(runs), np.concatenate(vals)
+    dense = np.zeros(n, np.float32)
+    with np.errstate(invalid="ignore"):
+        for r, v in zip(runs, vals):
+            dense[r] += v
+    support = np.unique(idx)
+    got_idx, got_val = native.merge_add(idx, val, [r.size for r in runs])
+    np.testing.assert_array_equal(got_idx, support)
+    assert got_val.view(np.uint32).tobytes() == dense[support].view(np.uint32).tobytes()
+    if idx.size > 2 and runs[0].size > 2:
+        bad = idx.copy()
+        bad[0], bad[1] = bad[1], bad[0]
+        assert native.merge_add(bad, val, [r.size for r in runs]) is None
+    with pytest.raises(ValueError, match="counts"):
+        native.merge_add(idx, val, [idx.size + 1])
+
+
+def test_intersect_is_the_sorted_intersection(kernel):
+    rng = np.random.default_rng(2)
+    for na, nb in ((0, 5), (5, 0), (300, 2000), (2000, 300), (1000, 1000)):
+        a = np.sort(rng.choice(4000, na, replace=False)).astype(np.int64)
+        b = np.sort(rng.choice(4000, nb, replace=False)).astype(np.int64)
+        np.testing.assert_array_equal(native.intersect(a, b), np.intersect1d(a, b))
+    assert native.intersect(np.array([3, 1], np.int64), np.array([1], np.int64)) is None
+    with pytest.raises(TypeError, match="int64"):
+        native.intersect(np.array([1], np.int32), np.array([1], np.int64))
+
+
 def test_error_feedback_collects_the_selection_in_its_add_pass(monkeypatch):
     """compensate(select=...) returns what native.select finds in acc afterwards, across pieces (global
     indices), and None when a piece cannot take the kernel (an fp16 piece) or the kernel is off."""

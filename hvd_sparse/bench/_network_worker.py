@@ -24,6 +24,7 @@ Rank 0 gathers every rank's records and writes them to ``--out`` (JSON); the par
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -33,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from .data import SyntheticGradients
-from .network import PROGRESS, model_layout, synthetic_layout
+from .network import DENSE_POLL, PROGRESS, model_layout, synthetic_layout
 
 
 class SharedGradients(SyntheticGradients):
@@ -96,7 +97,26 @@ def _compression(name, density):
     from .presets import make
 
     # the baseline is Horovod's own optimizer and fused ring allreduce, not the engine's Dense reducer
-    return hvds.Compression.none if name == "dense" else make(name, density)
+    return hvds.Compression.none if name in ("dense", DENSE_POLL) else make(name, density)
+
+
+@contextlib.contextmanager
+def polling_synchronize(enabled):
+    """While active (``enabled``), Horovod's torch optimizer waits for its allreduces with
+    :func:`hvd_sparse.torch.comm.wait` (poll and sleep) instead of ``synchronize``'s yield loop."""
+    if not enabled:
+        yield
+        return
+    import horovod.torch.optimizer as hvd_optimizer
+
+    from hvd_sparse.torch.comm import wait
+
+    original = hvd_optimizer.synchronize
+    hvd_optimizer.synchronize = wait
+    try:
+        yield
+    finally:
+        hvd_optimizer.synchronize = original
 
 
 def measure(args, name, layout, data):
@@ -195,7 +215,11 @@ def main(argv=None):
     data = SharedGradients(args.data)
     if data.n != n:
         raise ValueError(f"network worker: the gradient data has {data.n} values, the model {n}")
-    runs = [measure(args, name, layout, data) for name in args.algorithms.split(",") if name]
+    runs = []
+    for name in args.algorithms.split(","):
+        if name:
+            with polling_synchronize(name == DENSE_POLL):
+                runs.append(measure(args, name, layout, data))
     peak = hvd.allgather(torch.tensor([private_peak_bytes()], dtype=torch.int64),
                          name="hvd_sparse.bench.network.memory").tolist()
     if hvd.rank() == 0:

@@ -8,12 +8,13 @@ import json
 from . import presets
 
 
-def algorithms(text):
+def algorithms(text, extra=()):
+    """Comma-separated preset names (plus the names in ``extra``) -> list; unknown names are an argparse error."""
+    known = presets.names() + list(extra)
     names = [a.strip() for a in text.split(",") if a.strip()]
-    unknown = [a for a in names if a not in presets.names()]
+    unknown = [a for a in names if a not in known]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown algorithm(s) {', '.join(unknown)}; "
-                                         f"choose from {', '.join(presets.names())}")
+        raise argparse.ArgumentTypeError(f"unknown algorithm(s) {', '.join(unknown)}; choose from {', '.join(known)}")
     return names
 
 

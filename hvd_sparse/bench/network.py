@@ -29,7 +29,10 @@ One step, backward-free: the model's ``.grad`` are set from :class:`~hvd_sparse.
 (an ``hvd.allreduce`` of one value), then ``optimizer.step()`` of
 ``hvd_sparse.torch.DistributedOptimizer(SGD, compression=...)`` is timed (exchange, write-back and the SGD
 update). "dense" is Horovod's own optimizer with ``Compression.none`` (fused ring allreduce: the baseline
-users have); every other name is a preset of :mod:`hvd_sparse.bench.presets`. The model is either
+users have); ``dense_poll`` is the same optimizer with Horovod's ``synchronize`` (which spins: a ``yield`` loop)
+replaced by the polling wait hvd_sparse's communicator uses (:func:`hvd_sparse.torch.comm.wait`), so that the
+gain of waiting without spinning can be told apart from the gain of sparsification; every other name is a preset
+of :mod:`hvd_sparse.bench.presets`. The model is either
 ``--numel`` float32 values in the 16 layers of the synthetic gradient's layout, or ``--model NAME``: the
 parameter names and shapes of a real network (:data:`MODELS`). The gradient data itself is built once by
 this process (the noise pool and the shared component of every step, in ``/dev/shm``) and mapped read-only
@@ -67,6 +70,9 @@ import warnings
 from pathlib import Path
 
 WORKER = "hvd_sparse.bench._network_worker"
+#: Horovod's optimizer (as "dense"), with its ``synchronize`` waiting as hvd_sparse's communicator does (polls and
+#: sleeps instead of spinning): what dense gains from the same wait, measured next to it
+DENSE_POLL = "dense_poll"
 #: the command of one rank, before its arguments (None: ``[sys.executable, "-m", WORKER]``; tests replace it)
 WORKER_CMD = None
 #: prefix of rank 0's progress lines (the parent forwards them to stderr)
@@ -697,7 +703,7 @@ def summarize(raw, workers, numel, rate, warmup):
     rows = []
     for run in raw:
         secs = [max(col) for col in zip(*run["seconds"])][warmup:]          # max over ranks, each step
-        if run["algorithm"] == "dense":
+        if run["algorithm"] in ("dense", DENSE_POLL):
             recv, source = 2 * numel * (workers - 1) / workers * 4, "ring allreduce formula 2n(P-1)/P x 4 B"
             density = 1.0
         else:
@@ -818,6 +824,9 @@ def markdown(report):
         lines.append("")
         lines.append("dense = Horovod's own optimizer (Compression.none, ring allreduce); its bytes are the ring "
                      "formula 2n(P-1)/P x 4 B, the sparse presets' are measured.")
+    if any(r["algorithm"] == DENSE_POLL for r in report["results"]):
+        lines.append(f"{DENSE_POLL} = dense with Horovod's spinning synchronize() replaced by hvd_sparse's polling "
+                     "wait (hvd_sparse.torch.comm.wait), as the sparse presets wait.")
     return "\n".join(lines)
 
 
@@ -872,8 +881,9 @@ def add_arguments(p):
                         "Ok-Topk's exact threshold re-evaluations, as in training)")
     p.add_argument("--warmup", type=cli.positive_int, default=1,
                    help="steps run before the measured ones, not reported (default: 1, at least 1)")
-    p.add_argument("--algorithms", type=cli.algorithms, default=None,
-                   help="comma-separated subset; dense = Horovod's own allreduce (default: all presets)")
+    p.add_argument("--algorithms", type=lambda text: cli.algorithms(text, extra=(DENSE_POLL,)), default=None,
+                   help="comma-separated subset; dense = Horovod's own allreduce; dense_poll = the same with "
+                        "Horovod's spinning wait replaced by hvd_sparse's polling one (default: all presets)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic gradients (default: 0)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default: 0.01)")
     p.add_argument("--timeout", type=float, default=3600.0,

@@ -623,10 +623,17 @@ def topk_indices(xp, acc, k):
 def intersect_sorted(xp, a, b):
     """The elements of the sorted unique int ``a`` that occur in the sorted unique ``b`` (exact, ascending).
 
-    numpy and CPU torch merge the two runs with one stable sort (O(|a| + |b|)); other backends binary-search
-    ``a`` in ``b``."""
+    numpy and CPU torch int64 arrays take the native merge kernel when it is built, else merge the two runs with
+    one stable sort (O(|a| + |b|)); other backends binary-search ``a`` in ``b``."""
     if xp.numel(a) == 0 or xp.numel(b) == 0:
         return a[:0]
+    from . import native
+
+    av, bv = native.i64_view(xp, a), native.i64_view(xp, b)
+    if av is not None and bv is not None:
+        both = native.intersect(av, bv)
+        if both is not None:
+            return native.wrap(xp, both)
     if xp.name == "numpy" or (xp.name == "torch" and a.device.type == "cpu" and b.device.type == "cpu"):
         an, bn = (a, b) if xp.name == "numpy" else (a.numpy(), b.numpy())
         c = np.concatenate([an, bn.astype(an.dtype, copy=False)])

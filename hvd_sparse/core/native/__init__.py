@@ -194,6 +194,12 @@ def load(path):
     f = lib.hvds_add_f32
     f.restype = ctypes.c_int64
     f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    f = lib.hvds_merge_add_f32
+    f.restype = ctypes.c_int64
+    f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    f = lib.hvds_intersect_i64
+    f.restype = ctypes.c_int64
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     f = lib.hvds_add_select_f32
     f.restype = ctypes.c_int64
     f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
@@ -286,13 +292,22 @@ def f32_view(xp, x):
     Takes numpy float32 arrays and CPU torch float32 tensors that are 1-D and contiguous; None for
     everything else (CUDA, TensorFlow, other dtypes, strided views) and when the kernel is unavailable.
     """
+    return _view(xp, x, np.float32, "float32")
+
+
+def i64_view(xp, x):
+    """As :func:`f32_view`, for int64 arrays (indexes)."""
+    return _view(xp, x, np.int64, "int64")
+
+
+def _view(xp, x, np_dtype, torch_dtype):
     if isinstance(x, np.ndarray):
-        ok = x.dtype == np.float32 and x.ndim == 1 and x.flags.c_contiguous and x.dtype.isnative
+        ok = x.dtype == np_dtype and x.ndim == 1 and x.flags.c_contiguous and x.dtype.isnative
         return x if ok and _library() is not None else None
     if getattr(xp, "name", None) != "torch":
         return None
     torch = xp.torch
-    if (x.dtype != torch.float32 or x.dim() != 1 or x.device.type != "cpu" or not x.is_contiguous()
+    if (x.dtype != getattr(torch, torch_dtype) or x.dim() != 1 or x.device.type != "cpu" or not x.is_contiguous()
             or x.is_conj() or x.is_neg()):
         return None
     if _library() is None:
@@ -486,3 +501,48 @@ def add_select(r, g, out, th, rule, *, base=0, expect=0, threads=None, zero_g=Fa
         idx = np.concatenate([ws.idx[a:b] for a, b in parts])
         val = np.concatenate([ws.val[a:b] for a, b in parts]).view(np.float32)
     return int(bad), idx, val
+
+
+def merge_add(idx, val, counts):
+    """Merge P runs of (index, value) pairs into their distinct indexes and sums, in one pass (k-sized).
+
+    ``idx`` (int64) and ``val`` (float32) are 1-D contiguous numpy arrays holding the runs one after the other,
+    ``counts[s]`` pairs for run s; every run is strictly ascending in index. Each sum is ``0.0 + v_s1 + v_s2 +
+    ...`` over the runs s1 < s2 < ... that hold the index, in that order: the additions of ``dst = 0; dst[idx_s] +=
+    val_s for s = 0..P-1``, bit for bit. Returns ``(indexes, sums)`` (ascending, fresh arrays), or None when a run
+    is not strictly ascending (the caller takes its general path)."""
+    _check_i64(idx)
+    _check_view(val)
+    counts = np.asarray(counts, np.int64)
+    if (idx.size != val.size or counts.ndim != 1 or int(counts.sum()) != idx.size
+            or not 1 <= counts.size <= _MAX_THREADS):
+        raise ValueError("hvd_sparse.core.native.merge_add: counts must split idx and val (same size) into 1..256 runs")
+    lib = _library()
+    out_idx = np.empty(idx.size, np.int64)
+    out_val = np.empty(idx.size, np.float32)
+    _calls[0] += 1
+    m = lib.hvds_merge_add_f32(idx.ctypes.data, val.ctypes.data, counts.ctypes.data, counts.size,
+                               out_idx.ctypes.data, out_val.ctypes.data)
+    if m < 0:
+        return None
+    return out_idx[:m], out_val[:m]
+
+
+def intersect(a, b):
+    """The elements of the strictly ascending int64 ``a`` that occur in the strictly ascending ``b``, ascending (one
+    merge pass); None when an input is not strictly ascending."""
+    _check_i64(a)
+    _check_i64(b)
+    lib = _library()
+    out = np.empty(min(a.size, b.size), np.int64)
+    _calls[0] += 1
+    m = lib.hvds_intersect_i64(a.ctypes.data, a.size, b.ctypes.data, b.size, out.ctypes.data)
+    return None if m < 0 else out[:m]
+
+
+def _check_i64(x):
+    if not (isinstance(x, np.ndarray) and x.dtype == np.int64 and x.ndim == 1 and x.flags.c_contiguous):
+        raise TypeError("hvd_sparse.core.native: expected a 1-D contiguous numpy int64 array (see i64_view), "
+                        f"got {type(x).__name__} {getattr(x, 'dtype', '')}")
+    if _library() is None:
+        raise RuntimeError("hvd_sparse.core.native: the kernel is not available (check available() first)")

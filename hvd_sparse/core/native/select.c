@@ -366,3 +366,59 @@ int64_t hvds_add_f32(const float *r, float *g, float *out, int64_t n, int nthrea
 {
     return hvds_add_select_f32(r, g, out, n, nthreads, zero_g, 1, 0, 0, NULL, NULL, 0, NULL);
 }
+
+/* -- hvds_merge_add_f32 / hvds_intersect_i64: the k-sized merges of the sparse reducers ---------------------- */
+
+/* P runs of (index, value) pairs, run s = pairs [off_s, off_s + counts[s]) of idx/val, each strictly ascending in
+ * index, are merged into their sorted distinct indexes out_idx and the sums out_val: every sum is
+ * 0.0f + v_s1 + v_s2 + ... over the runs s1 < s2 < ... that hold the index, in that order (the additions of a
+ * dense "dst = 0; dst[idx_s] += val_s for s = 0..P-1", so the sums are the same bits). out_* have room for the
+ * total. Returns the number of distinct indexes, or -1 when a run is not strictly ascending (the caller then
+ * takes its general path) or on bad arguments. P <= HVDS_MAX_THREADS; the scan over the P heads is linear in P
+ * (P is small: the number of ranks). */
+int64_t hvds_merge_add_f32(const int64_t *idx, const float *val, const int64_t *counts, int P,
+                           int64_t *out_idx, float *out_val)
+{
+    int64_t pos[HVDS_MAX_THREADS], end[HVDS_MAX_THREADS];
+    if (P < 1 || P > HVDS_MAX_THREADS) return -1;
+    int64_t off = 0;
+    for (int s = 0; s < P; s++) {
+        if (counts[s] < 0) return -1;
+        pos[s] = off;
+        off += counts[s];
+        end[s] = off;
+        for (int64_t i = pos[s] + 1; i < end[s]; i++)
+            if (idx[i] <= idx[i - 1]) return -1;
+    }
+    int64_t m = 0;
+    for (;;) {
+        int64_t x = INT64_MAX;
+        int any = 0;
+        for (int s = 0; s < P; s++)
+            if (pos[s] < end[s] && (!any || idx[pos[s]] < x)) { x = idx[pos[s]]; any = 1; }
+        if (!any) break;
+        float sum = 0.0f;
+        for (int s = 0; s < P; s++)
+            if (pos[s] < end[s] && idx[pos[s]] == x) sum += val[pos[s]++];
+        out_idx[m] = x;
+        out_val[m] = sum;
+        m++;
+    }
+    return m;
+}
+
+/* The elements of the strictly ascending a[0..na) that occur in the strictly ascending b[0..nb), ascending, into
+ * out (room for min(na, nb)); returns their number, or -1 when an input is not strictly ascending. */
+int64_t hvds_intersect_i64(const int64_t *a, int64_t na, const int64_t *b, int64_t nb, int64_t *out)
+{
+    if (na < 0 || nb < 0) return -1;
+    for (int64_t i = 1; i < na; i++) if (a[i] <= a[i - 1]) return -1;
+    for (int64_t i = 1; i < nb; i++) if (b[i] <= b[i - 1]) return -1;
+    int64_t i = 0, j = 0, m = 0;
+    while (i < na && j < nb) {
+        if (a[i] < b[j]) i++;
+        else if (b[j] < a[i]) j++;
+        else { out[m++] = a[i]; i++; j++; }
+    }
+    return m;
+}

@@ -16,6 +16,7 @@ rank receives exactly 2k(P-1) words (oracle O2). Output support <= min(n, Pk) (f
 
 from __future__ import annotations
 
+from .. import native
 from .base import Reducer, wire_index_dtype
 
 
@@ -75,7 +76,13 @@ def sum_sparse_in_rank_order(xp, idx, vals, counts, like):
     Costs O(m log m) in the m received pairs instead of O(n) in the length of the vector: the indexes are
     mapped to slots of their sorted distinct values, and the sources are added in rank order 0..P-1 into
     those slots (``0 + v_0 + v_1 + ...``: the very additions of the dense version, so the sums match it bit
-    for bit)."""
+    for bit). On the CPU with the native kernel, when every source's pairs are in ascending index order (as the
+    reducers send them), one merge pass does it (:func:`hvd_sparse.core.native.merge_add`, the same additions)."""
+    iv, vv = native.i64_view(xp, idx), native.f32_view(xp, vals)
+    if iv is not None and vv is not None:
+        merged = native.merge_add(iv, vv, counts)
+        if merged is not None:
+            return native.wrap(xp, merged[0]), native.wrap(xp, merged[1])
     support, slot = xp.unique_inverse(idx)
     return support, _add_in_rank_order(xp, xp.zeros(xp.numel(support), xp.float32, like=like), slot, vals, counts)
 
