@@ -339,6 +339,44 @@ def test_intersect_is_the_sorted_intersection(kernel):
         native.intersect(np.array([1], np.int32), np.array([1], np.int64))
 
 
+def _topk_cases():
+    n = 1 << 18                                       # >= TOPK_NATIVE_MIN; the sample takes every 1st value
+    rng = np.random.default_rng(4)
+    normal = rng.standard_normal(n).astype(np.float32)
+    ints = rng.integers(-20, 21, n).astype(np.float32)                  # ties at the k-th magnitude
+    sparse = np.zeros(n, np.float32)
+    sparse[rng.choice(n, 1000, replace=False)] = 1.0                    # fewer nonzeros than k
+    big = np.ones(4 * n, np.float32)                                    # stride 4: the sample sees only 3.0
+    big[::4] = 3.0                                                      # -> too few candidates, lowered once
+    nan = normal.copy()
+    nan[77] = np.nan
+    return {"normal": (normal, 2500), "ties": (ints, 30_000), "few_nonzeros": (sparse, 5000),
+            "resample": (big, int(0.3 * big.size)), "nan": (nan, 2500), "k1": (normal, 1)}
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("case", list(_topk_cases()))
+def test_exact_topk_native_path_equals_the_generic_one(monkeypatch, backend, case):
+    """topk_indices on large CPU buffers takes two kernel passes instead of a full selection: the same indexes
+    (ties by the lower index) and threshold; NaN and fewer-than-k nonzeros go to the generic path."""
+    import torch
+
+    from hvd_sparse.core import xp as xpm
+
+    x, k = _topk_cases()[case]
+    acc = torch.from_numpy(x) if backend == "torch" else x
+    took = []
+    original = xpm._topk_native
+    monkeypatch.setattr(xpm, "_topk_native", lambda *a: took.append(original(*a)) or took[-1])
+    got = xpm.topk_indices(backend_of(acc), acc, k)
+    monkeypatch.setenv("HVD_SPARSE_NATIVE", "0")
+    want = xpm.topk_indices(backend_of(acc), acc, k)
+    assert type(got[0]) is type(want[0]) and backend_of(got[0]).dtype_of(got[0]) == backend_of(want[0]).dtype_of(want[0])
+    np.testing.assert_array_equal(backend_of(got[0]).to_numpy(got[0]), backend_of(want[0]).to_numpy(want[0]))
+    np.testing.assert_equal(got[1], want[1])                           # (NaN == NaN here: both generic)
+    assert (took[0] is None) == (case in ("few_nonzeros", "nan"))       # the fast path ran where it can
+
+
 def test_error_feedback_collects_the_selection_in_its_add_pass(monkeypatch):
     """compensate(select=...) returns what native.select finds in acc afterwards, across pieces (global
     indices), and None when a piece cannot take the kernel (an fp16 piece) or the kernel is off."""

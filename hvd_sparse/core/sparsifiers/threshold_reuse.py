@@ -162,10 +162,12 @@ class ThresholdReuse(Sparsifier):
         return {"threshold": None}
 
     def _exact(self, xp, acc, mag, k):
-        """Exact re-evaluation: (S, L). ge_nonzero: exactly the deterministic top-k; gt: |a| > k-th |a|."""
+        """Exact re-evaluation: (S, L). ge_nonzero: exactly the deterministic top-k; gt: |a| > k-th |a|.
+        ``mag``: ``|acc|``, or None (computed here when the rule needs it)."""
         if self.select_rule == "ge_nonzero":
             return topk_indices(xp, acc, k)
         n = xp.numel(acc)
+        mag = xp.abs(acc) if mag is None else mag
         th = float(xp.kth_largest(mag, min(k, n)))
         return xp.nonzero(xp.gt(mag, f32(th))), th
 
@@ -204,7 +206,7 @@ class ThresholdReuse(Sparsifier):
                 cand = cand[keep]
         idx = native.wrap(xp, cand)
         if self.max_select_ratio is not None and cand.size > self.max_select_ratio * k:
-            idx, L = self._exact(xp, acc, xp.abs(acc), k)  # hard cap (§5): exact for this step
+            idx, L = self._exact(xp, acc, None, k)          # hard cap (§5): exact for this step
             capped = True
         return idx, L, raises, capped
 
@@ -228,25 +230,24 @@ class ThresholdReuse(Sparsifier):
             idx, L = xp.zeros(0, xp.index_dtype, like=acc), 0.0
         elif view is not None:                              # reuse step, fused CPU kernel
             idx, L, raises, capped = self._reuse_fused(xp, acc, view, k, L, ctx)
+        elif reev:                                          # exact k-th |a| (re-evaluation step)
+            idx, L = self._exact(xp, acc, None, k)
         else:
             mag = xp.abs(acc)
-            if reev:                                        # exact k-th |a| (re-evaluation step)
-                idx, L = self._exact(xp, acc, mag, k)
-            else:
-                if self.guard_ratio is not None:            # pre-selection guard (ref:LSTM/VGG)
-                    limit = self.guard_ratio * k
-                    for _ in range(self.guard_iters):
-                        if xp.sum_int(rule_mask(xp, mag, L, self.select_rule)) > limit:
-                            L *= self.guard_factor
-                            raises += 1
-                            if self.guard_target is not None:
-                                limit = self.guard_target * k
-                        else:
-                            break
-                idx = xp.nonzero(rule_mask(xp, mag, L, self.select_rule))
-                if self.max_select_ratio is not None and xp.numel(idx) > self.max_select_ratio * k:
-                    idx, L = self._exact(xp, acc, mag, k)   # hard cap (§5): exact for this step
-                    capped = True
+            if self.guard_ratio is not None:                # pre-selection guard (ref:LSTM/VGG)
+                limit = self.guard_ratio * k
+                for _ in range(self.guard_iters):
+                    if xp.sum_int(rule_mask(xp, mag, L, self.select_rule)) > limit:
+                        L *= self.guard_factor
+                        raises += 1
+                        if self.guard_target is not None:
+                            limit = self.guard_target * k
+                    else:
+                        break
+            idx = xp.nonzero(rule_mask(xp, mag, L, self.select_rule))
+            if self.max_select_ratio is not None and xp.numel(idx) > self.max_select_ratio * k:
+                idx, L = self._exact(xp, acc, mag, k)       # hard cap (§5): exact for this step
+                capped = True
         m = xp.numel(idx)
         state["threshold_used"] = L
         state["threshold"] = band_adjust(L, m, k, self.band_lo, self.band_hi, self.band_relax,
