@@ -324,6 +324,8 @@ def test_merge_add_sums_sources_in_rank_order_bit_for_bit(kernel, P):
         bad = idx.copy()
         bad[0], bad[1] = bad[1], bad[0]
         assert native.merge_add(bad, val, [r.size for r in runs]) is None
+    top = np.array([5, np.iinfo(np.int64).max], np.int64)               # the kernel's end-of-run marker
+    assert native.merge_add(top, np.ones(2, np.float32), [2]) is None
     with pytest.raises(ValueError, match="counts"):
         native.merge_add(idx, val, [idx.size + 1])
 

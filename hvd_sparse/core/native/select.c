@@ -221,11 +221,23 @@ static void hvds_pack_init(void)
 }
 #endif
 
+/* one element of the pass, scalar (alignment head, tail, builds without AVX2); locals of run_add */
+#define HVDS_ADD_ONE(i)                                                          \
+    do {                                                                         \
+        float v = r ? r[i] + g[i] : g[i];                                        \
+        uint32_t b;                                                              \
+        __builtin_memcpy(&b, &v, 4);                                             \
+        out[i] = v;                                                              \
+        if (zero_g) g[i] = 0.0f;                                                 \
+        bad += (b & 0x7f800000u) == 0x7f800000u;  /* exponent all ones: +-inf or NaN */ \
+        if (sel && ((b & 0x7fffffffu) - lo) <= span) HVDS_ADD_EMIT(i, b);       \
+    } while (0)
+
 static void *run_add(void *arg)
 {
     add_job_t *j = (add_job_t *)arg;
-    const float *restrict r = j->r;
-    float *restrict g = j->g;
+    const float *r = j->r;
+    float *g = j->g;
     float *out = j->out;                               /* may be r */
     int64_t *restrict io = j->io;
     uint32_t *restrict vo = j->vo;
@@ -235,15 +247,8 @@ static void *run_add(void *arg)
     int64_t i = j->s, bad = 0, c = 0;
 #if defined(__AVX2__)
     if (j->stream) {
-        for (; i < e && ((uintptr_t)(out + i) & 31u); i++) {   /* scalar until out + i is 32-byte aligned */
-            float v = r ? r[i] + g[i] : g[i];
-            uint32_t b;
-            __builtin_memcpy(&b, &v, 4);
-            out[i] = v;
-            if (zero_g) g[i] = 0.0f;
-            bad += (b & 0x7f800000u) == 0x7f800000u;
-            if (sel && ((b & 0x7fffffffu) - lo) <= span) HVDS_ADD_EMIT(i, b);
-        }
+        for (; i < e && ((uintptr_t)(out + i) & 31u); i++)      /* scalar until out + i is 32-byte aligned */
+            HVDS_ADD_ONE(i);
         const __m256i expm = _mm256_set1_epi32(0x7f800000);
         const __m256i absm = _mm256_set1_epi32(0x7fffffff);
         /* bits(|v|) < 2^31, lo - 1 >= -1, hi + 1 <= 0x7f800001: signed compares are exact (as in scan) */
@@ -291,15 +296,8 @@ static void *run_add(void *arg)
         for (int q = 0; q < 8; q++) bad += lanes[q];   /* < 2^31 per lane: chunks are far smaller */
     }
 #endif
-    for (; i < e; i++) {
-        float v = r ? r[i] + g[i] : g[i];
-        uint32_t b;
-        __builtin_memcpy(&b, &v, 4);
-        out[i] = v;
-        if (zero_g) g[i] = 0.0f;
-        bad += (b & 0x7f800000u) == 0x7f800000u;     /* exponent all ones: +-inf or NaN */
-        if (sel && ((b & 0x7fffffffu) - lo) <= span) HVDS_ADD_EMIT(i, b);
-    }
+    for (; i < e; i++)
+        HVDS_ADD_ONE(i);
     j->bad = bad;
     j->count = c;
     return NULL;
@@ -373,13 +371,13 @@ int64_t hvds_add_f32(const float *r, float *g, float *out, int64_t n, int nthrea
  * index, are merged into their sorted distinct indexes out_idx and the sums out_val: every sum is
  * 0.0f + v_s1 + v_s2 + ... over the runs s1 < s2 < ... that hold the index, in that order (the additions of a
  * dense "dst = 0; dst[idx_s] += val_s for s = 0..P-1", so the sums are the same bits). out_* have room for the
- * total. Returns the number of distinct indexes, or -1 when a run is not strictly ascending (the caller then
- * takes its general path) or on bad arguments. P <= HVDS_MAX_THREADS; the scan over the P heads is linear in P
- * (P is small: the number of ranks). */
+ * total. Returns the number of distinct indexes, or -1 when a run is not strictly ascending or holds INT64_MAX (the
+ * end-of-run marker; the caller then takes its general path) or on bad arguments. P <= HVDS_MAX_THREADS; the scan
+ * over the P heads is linear in P (P is small: the number of ranks). */
 int64_t hvds_merge_add_f32(const int64_t *idx, const float *val, const int64_t *counts, int P,
                            int64_t *out_idx, float *out_val)
 {
-    int64_t pos[HVDS_MAX_THREADS], end[HVDS_MAX_THREADS];
+    int64_t pos[HVDS_MAX_THREADS], end[HVDS_MAX_THREADS], head[HVDS_MAX_THREADS];
     if (P < 1 || P > HVDS_MAX_THREADS) return -1;
     int64_t off = 0;
     for (int s = 0; s < P; s++) {
@@ -387,19 +385,23 @@ int64_t hvds_merge_add_f32(const int64_t *idx, const float *val, const int64_t *
         pos[s] = off;
         off += counts[s];
         end[s] = off;
-        for (int64_t i = pos[s] + 1; i < end[s]; i++)
-            if (idx[i] <= idx[i - 1]) return -1;
+        for (int64_t i = pos[s]; i < end[s]; i++)   /* INT64_MAX marks an exhausted run below */
+            if (idx[i] == INT64_MAX || (i > pos[s] && idx[i] <= idx[i - 1])) return -1;
+        head[s] = pos[s] < end[s] ? idx[pos[s]] : INT64_MAX;
     }
     int64_t m = 0;
     for (;;) {
-        int64_t x = INT64_MAX;
-        int any = 0;
-        for (int s = 0; s < P; s++)
-            if (pos[s] < end[s] && (!any || idx[pos[s]] < x)) { x = idx[pos[s]]; any = 1; }
-        if (!any) break;
+        int64_t x = head[0];
+        for (int s = 1; s < P; s++)
+            if (head[s] < x) x = head[s];
+        if (x == INT64_MAX) break;
         float sum = 0.0f;
-        for (int s = 0; s < P; s++)
-            if (pos[s] < end[s] && idx[pos[s]] == x) sum += val[pos[s]++];
+        for (int s = 0; s < P; s++) {
+            if (head[s] == x) {
+                sum += val[pos[s]++];
+                head[s] = pos[s] < end[s] ? idx[pos[s]] : INT64_MAX;
+            }
+        }
         out_idx[m] = x;
         out_val[m] = sum;
         m++;
