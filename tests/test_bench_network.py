@@ -133,6 +133,24 @@ def test_shared_gradients_equal_synthetic_gradients_bit_for_bit(tmp_path):
         shared.grad(T, 0)
 
 
+def test_dense_poll_makes_horovods_optimizer_wait_by_polling_and_restores_it():
+    pytest.importorskip("horovod.torch")
+    import horovod.torch.optimizer as hvd_optimizer
+
+    from hvd_sparse.bench._network_worker import polling_synchronize
+    from hvd_sparse.torch.comm import wait
+
+    original = hvd_optimizer.synchronize
+    with polling_synchronize(True):
+        assert hvd_optimizer.synchronize is wait
+    assert hvd_optimizer.synchronize is original
+    with polling_synchronize(False):
+        assert hvd_optimizer.synchronize is original
+    with pytest.raises(RuntimeError), polling_synchronize(True):
+        raise RuntimeError("a failed run restores it too")
+    assert hvd_optimizer.synchronize is original
+
+
 # -- real runs -------------------------------------------------------------------------------------------------
 
 @pytest.mark.horovod
@@ -141,7 +159,8 @@ def test_shared_gradients_equal_synthetic_gradients_bit_for_bit(tmp_path):
 def test_tiny_run_reports_every_algorithm_and_leaves_no_network_behind(tmp_path):
     out, png = tmp_path / "net.json", tmp_path / "net.png"
     cmd = [sys.executable, "-m", "hvd_sparse.bench", "network", "--workers", "2", "--numel", "20000", "--steps",
-           "3", "--bandwidth", "1gbit", "--algorithms", "dense,topka,oktopk", "--json", str(out), "--plot", str(png)]
+           "3", "--bandwidth", "1gbit", "--algorithms", "dense,dense_poll,topka,oktopk", "--json", str(out), "--plot",
+           str(png)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
     stdout, stderr = proc.communicate(timeout=300)
@@ -155,17 +174,19 @@ def test_tiny_run_reports_every_algorithm_and_leaves_no_network_behind(tmp_path)
     # one TCP stream through both shaped ends: at most the line rate, and not far below it
     assert 0.5 * 125e6 < report["link_check_bytes_per_s"] < 1.02 * 125e6
     rows = {r["algorithm"]: r for r in report["results"]}
-    assert list(rows) == ["dense", "topka", "oktopk"]
+    assert list(rows) == ["dense", "dense_poll", "topka", "oktopk"]
     for r in rows.values():
         assert len(r["step_seconds"]) == 3 and all(s > 0 for s in r["step_seconds"])
         assert r["step_seconds_median"] == sorted(r["step_seconds"])[1]
         assert r["step_seconds_mean"] == pytest.approx(sum(r["step_seconds"]) / 3)
         assert r["speedup_vs_dense"] == pytest.approx(rows["dense"]["step_seconds_median"] / r["step_seconds_median"])
     assert rows["dense"]["recv_bytes_mean"] == 2 * 20000 * (2 - 1) / 2 * 4         # ring formula
+    assert rows["dense_poll"]["recv_bytes_mean"] == rows["dense"]["recv_bytes_mean"]
     assert rows["topka"]["recv_bytes_mean"] == 200 * 2 * 4 * (2 - 1)                 # k (index, value) pairs
     assert 0 < rows["oktopk"]["recv_bytes_mean"] < rows["dense"]["recv_bytes_mean"] / 10
     assert rows["dense"]["density_mean"] == 1.0 and rows["topka"]["density_mean"] == 0.01
     assert "| dense |" in stdout and "| oktopk |" in stdout and "speedup vs dense" in stdout
+    assert "| dense_poll |" in stdout and "dense_poll = dense with Horovod's spinning synchronize()" in stdout
     assert "link check:" in stderr and "[oktopk] step 4/4" in stderr
     data = png.read_bytes()
     assert len(data) > 1000 and data.startswith(PNG_MAGIC)
