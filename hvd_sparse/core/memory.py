@@ -42,7 +42,7 @@ class ErrorFeedback:
     def __init__(self):
         self.residual = None
         self._spare = None
-        self._found = 0         # entries the last add pass selected (sizes the next one's output)
+        self._found = ()        # entries the last add pass selected, per piece (sizes the next one's output)
 
     def compensate(self, xp, pieces, zero_pieces=False, select=None):
         """``acc = residual + concat(pieces)`` (float32; the pieces are 1-D, of any float dtype, read once and
@@ -52,8 +52,9 @@ class ErrorFeedback:
         ``select``: None, or ``(threshold, rule, expect)`` (rule one of ``native.RULES``, expect the count the
         caller expects): then the same pass also collects the entries of ``acc`` that the rule selects
         (:func:`hvd_sparse.core.native.add_select`), when the fused CPU kernel runs for every piece. The output
-        room follows the larger of ``expect`` and what the last such pass found (a threshold that trails a growing
-        accumulator finds a few times k: ThresholdReuse's guard then raises it on the candidates).
+        room of each piece follows the larger of its share of ``expect`` and what the last such pass found in it (a
+        threshold that trails a growing accumulator finds a few times k, unevenly across the layers: ThresholdReuse's
+        guard then raises it on the candidates).
 
         Returns ``(acc, finite, selected)``: ``finite`` is whether every entry of ``acc`` is finite when the pass
         could tell on the way (the fused CPU kernel, float32 pieces), else None; ``selected`` is ``(indices,
@@ -74,15 +75,16 @@ class ErrorFeedback:
         rv = None if r is None or out is None else native.f32_view(xp, r)
         bad, known, off = 0, True, 0
         found = [] if select is not None else None
-        for p in pieces:
+        last = self._found if len(self._found) == len(pieces) else (0,) * len(pieces)
+        for j, p in enumerate(pieces):
             m = xp.numel(p)
             pv = None if out is None or (r is not None and rv is None) else native.f32_view(xp, p)
             rp = None if rv is None else rv[off:off + m]
             if pv is not None and found is not None:    # one pass: the sum, its non-finite count and selection
                 th, rule, expect = select
-                expect = max(int(expect), self._found + self._found // 4)
                 b, idx, vals = native.add_select(rp, pv, out[off:off + m], th, rule, base=off,
-                                                 expect=expect * m // max(n, 1), zero_g=zero_pieces)
+                                                 expect=max(int(expect) * m // max(n, 1), last[j] + last[j] // 4),
+                                                 zero_g=zero_pieces)
                 bad += b
                 found.append((idx, vals))
             elif pv is not None:                        # one pass: the sum and its non-finite count
@@ -97,7 +99,7 @@ class ErrorFeedback:
         if found is not None:
             selected = found[0] if len(found) == 1 else (np.concatenate([i for i, _ in found]),
                                                           np.concatenate([v for _, v in found]))
-            self._found = int(selected[0].size)
+            self._found = tuple(int(i.size) for i, _ in found)
         return acc, (False if bad else (True if known else None)), selected
 
     def update(self, xp, acc, included):
