@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 
+from .. import native
 from ..comm import SUM
 from ..errors import check_positive_int
 from ..sparsifiers.threshold_reuse import band_adjust, check_real, check_select_rule, rule_mask
@@ -260,16 +261,19 @@ class OkTopk(Reducer):
             used = gamma_next = gamma
         else:                                                       # §3.6.7 threshold Γ + balance
             used = gamma
-            mag = xp.abs(c_val)
+            view = native.f32_view(xp, c_val)     # the kernel counts and selects on |c_val| as rule_mask does
+            mag = xp.abs(c_val) if view is None else None
             if self.global_control == "ladder":
                 ladder = [gamma * self.ladder_factor ** j for j in LADDER_STEPS]
-                mine = [xp.sum_int(rule_mask(xp, mag, th, self.select_rule)) for th in ladder]
+                mine = [xp.sum_int(rule_mask(xp, mag, th, self.select_rule)) if view is None else
+                        native.count(view, th, self.select_rule) for th in ladder]
                 table = _allgather_counts(xp, mine, comm, "count", acc) if P > 1 else [mine]
                 totals = [sum(row[j] for row in table) for j in range(len(ladder))]
                 j = next((j for j, tot in enumerate(totals) if tot <= k), len(ladder) - 1)
                 used = ladder[j]
                 ladder_counts = [row[j] for row in table]
-            keep = xp.nonzero(rule_mask(xp, mag, used, self.select_rule))
+            keep = (xp.nonzero(rule_mask(xp, mag, used, self.select_rule)) if view is None else
+                    native.wrap(xp, native.select(view, used, self.select_rule)[0]))
             m_idx, m_val = xp.take(c_idx, keep), xp.take(c_val, keep)
             if P > 1:
                 if self.global_control == "ladder":
