@@ -342,10 +342,25 @@ class _Workspace:
         if values and (self.val is None or self.val.size < cap * threads):
             self.val = np.empty(cap * threads, np.uint32)
 
+    def collect(self, cap, threads, values):
+        """The kernel's output, its ``threads`` segments of ``cap`` entries concatenated in order (``counts[t]``
+        entries each): ``(int64 indices, float32 values or None)``, fresh arrays."""
+        if threads == 1:
+            c = int(self.counts[0])
+            return self.idx[:c].copy(), (self.val[:c].view(np.float32).copy() if values else None)
+        parts = [(t * cap, t * cap + int(self.counts[t])) for t in range(threads)]
+        idx = np.concatenate([self.idx[a:b] for a, b in parts])
+        return idx, (np.concatenate([self.val[a:b] for a, b in parts]).view(np.float32) if values else None)
+
     def trim(self, need):
         """Release segments far larger than the last need (a spike must not pin memory for good)."""
         if self.cap > (1 << 16) and self.cap > 8 * need:
             self.cap, self.idx, self.val = 0, None, None
+
+
+def _chunk(n, threads):
+    """Elements per kernel thread: n split in ``threads``, rounded up to a multiple of 64 (as the kernel does)."""
+    return (-(-n // threads) + 63) // 64 * 64
 
 
 def _workspace():
@@ -404,8 +419,7 @@ def select(view, th, rule, *, base=0, values=False, expect=0, threads=None):
     if n == 0 or lo > hi:
         return np.zeros(0, np.int64), (np.zeros(0, np.float32) if values else None)
     T = threads or threads_for(n)
-    chunk = -(-n // T)
-    chunk = (chunk + 63) // 64 * 64
+    chunk = _chunk(n, T)
     ws = _workspace()
     cap = min(chunk, max(4096, 2 * int(expect) // T + 1024))
     ws.ensure(cap, T, values)
@@ -421,13 +435,7 @@ def select(view, th, rule, *, base=0, values=False, expect=0, threads=None):
         if worst <= cap:
             break
         ws.ensure(min(chunk, worst + worst // 4 + 1024), T, values)    # overflow: room for the largest
-    if T == 1:
-        idx = ws.idx[:total].copy()
-        val = ws.val[:total].view(np.float32).copy() if values else None
-    else:
-        parts = [(t * cap, t * cap + int(counts[t])) for t in range(T)]
-        idx = np.concatenate([ws.idx[a:b] for a, b in parts])
-        val = np.concatenate([ws.val[a:b] for a, b in parts]).view(np.float32) if values else None
+    idx, val = ws.collect(cap, T, values)
     ws.trim(worst)
     return idx, val
 
@@ -474,8 +482,7 @@ def add_select(r, g, out, th, rule, *, base=0, expect=0, threads=None, zero_g=Fa
     lo, hi = bounds(th, rule)
     n = out.size
     T = threads or threads_for(n)
-    chunk = -(-n // T) if n else 0
-    chunk = (chunk + 63) // 64 * 64
+    chunk = _chunk(n, T)
     ws = _workspace()
     cap = min(chunk, max(4096, 2 * int(expect) // T + 1024)) if n else 0
     ws.ensure(cap, T, True)
@@ -493,14 +500,7 @@ def add_select(r, g, out, th, rule, *, base=0, expect=0, threads=None, zero_g=Fa
     if worst > cap:                                     # a segment overflowed: the sum is done, select from it
         idx, val = select(out, th, rule, base=base, values=True, expect=worst * T, threads=T)
         return int(bad), idx, val
-    if T == 1:
-        c = int(counts[0])
-        idx, val = ws.idx[:c].copy(), ws.val[:c].view(np.float32).copy()
-    else:
-        parts = [(t * cap, t * cap + int(counts[t])) for t in range(T)]
-        idx = np.concatenate([ws.idx[a:b] for a, b in parts])
-        val = np.concatenate([ws.val[a:b] for a, b in parts]).view(np.float32)
-    return int(bad), idx, val
+    return (int(bad), *ws.collect(cap, T, True))
 
 
 def merge_add(idx, val, counts):

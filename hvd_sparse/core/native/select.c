@@ -40,9 +40,32 @@
 int hvds_abi_version(void) { return HVDS_ABI; }
 const char *hvds_simd(void) { return HVDS_SIMD; }
 
+/* The first member of every job: the element range [s, e) of its thread (run_jobs reads it). */
 typedef struct {
+    int64_t s, e;
+} range_t;
+
+/* fn(job) for the n jobs of `size` bytes each at `jobs`, job 0 on the calling thread and the others on threads of
+ * their own; a job with an empty range starts no thread, and a job whose thread could not start runs here. */
+static void run_jobs(void *(*fn)(void *), void *jobs, size_t size, int n)
+{
+    pthread_t tids[HVDS_MAX_THREADS];
+    int started[HVDS_MAX_THREADS];
+    for (int t = 1; t < n; t++) {
+        const range_t *rg = (const range_t *)((char *)jobs + (size_t)t * size);
+        started[t] = rg->e > rg->s && pthread_create(&tids[t], NULL, fn, (char *)jobs + (size_t)t * size) == 0;
+    }
+    fn(jobs);
+    for (int t = 1; t < n; t++) {
+        const range_t *rg = (const range_t *)((char *)jobs + (size_t)t * size);
+        if (started[t]) pthread_join(tids[t], NULL);
+        else if (rg->e > rg->s) fn((char *)jobs + (size_t)t * size);
+    }
+}
+
+typedef struct {
+    range_t rg;            /* element range [s, e) of this thread (first: see run_jobs) */
     const uint32_t *u;
-    int64_t s, e;          /* element range [s, e) of this thread */
     uint32_t lo, hi;
     int64_t base;          /* added to every written index */
     int64_t *io;           /* this thread's index segment, or NULL (count only) */
@@ -125,7 +148,7 @@ static int64_t scan(const uint32_t *u, int64_t s, int64_t e, uint32_t lo, uint32
 static void *run_job(void *arg)
 {
     job_t *j = (job_t *)arg;
-    j->count = scan(j->u, j->s, j->e, j->lo, j->hi, j->base, j->io, j->vo, j->cap);
+    j->count = scan(j->u, j->rg.s, j->rg.e, j->lo, j->hi, j->base, j->io, j->vo, j->cap);
     return NULL;
 }
 
@@ -134,8 +157,6 @@ int64_t hvds_select_f32(const float *x, int64_t n, uint32_t lo, uint32_t hi, int
                         int64_t *idx_out, uint32_t *val_out, int64_t cap, int nthreads, int64_t *counts)
 {
     job_t jobs[HVDS_MAX_THREADS];
-    pthread_t tids[HVDS_MAX_THREADS];
-    int started[HVDS_MAX_THREADS];
     if (n < 0 || cap < 0 || nthreads < 1 || nthreads > HVDS_MAX_THREADS || !counts || hi > 0x7f800000u)
         return -1;
     if (n == 0 || lo > hi) {
@@ -150,8 +171,8 @@ int64_t hvds_select_f32(const float *x, int64_t n, uint32_t lo, uint32_t hi, int
         if (s > n) s = n;
         if (e > n) e = n;
         j->u = (const uint32_t *)x;
-        j->s = s;
-        j->e = e;
+        j->rg.s = s;
+        j->rg.e = e;
         j->lo = lo;
         j->hi = hi;
         j->base = base;
@@ -159,15 +180,8 @@ int64_t hvds_select_f32(const float *x, int64_t n, uint32_t lo, uint32_t hi, int
         j->vo = (idx_out && val_out) ? val_out + (int64_t)t * cap : NULL;
         j->cap = cap;
         j->count = 0;
-        started[t] = 0;
     }
-    for (int t = 1; t < nthreads; t++)
-        if (jobs[t].e > jobs[t].s) started[t] = pthread_create(&tids[t], NULL, run_job, &jobs[t]) == 0;
-    run_job(&jobs[0]);
-    for (int t = 1; t < nthreads; t++) {   /* a thread that could not start runs here */
-        if (started[t]) pthread_join(tids[t], NULL);
-        else if (jobs[t].e > jobs[t].s) run_job(&jobs[t]);
-    }
+    run_jobs(run_job, jobs, sizeof(job_t), nthreads);
     int64_t total = 0;
     for (int t = 0; t < nthreads; t++) {
         counts[t] = jobs[t].count;
@@ -178,9 +192,9 @@ int64_t hvds_select_f32(const float *x, int64_t n, uint32_t lo, uint32_t hi, int
 
 /* -- hvds_add_f32 / hvds_add_select_f32 ------------------------------------------------------------------- */
 typedef struct {
+    range_t rg;            /* element range [s, e) of this thread (first: see run_jobs) */
     const float *r;
     float *g, *out;
-    int64_t s, e;
     int zero_g;            /* write 0.0f into g[i] once it is read (g is the caller's output, to be filled later) */
     int stream;            /* out aliases neither r nor g: non-temporal stores (no read-for-ownership of out) */
     int64_t bad;           /* out: non-finite results in [s, e) */
@@ -241,10 +255,10 @@ static void *run_add(void *arg)
     float *out = j->out;                               /* may be r */
     int64_t *restrict io = j->io;
     uint32_t *restrict vo = j->vo;
-    const int64_t cap = j->cap, base = j->base, e = j->e;
+    const int64_t cap = j->cap, base = j->base, e = j->rg.e;
     const int zero_g = j->zero_g, sel = io != NULL;
     const uint32_t lo = j->lo, span = j->hi - j->lo;
-    int64_t i = j->s, bad = 0, c = 0;
+    int64_t i = j->rg.s, bad = 0, c = 0;
 #if defined(__AVX2__)
     if (j->stream) {
         for (; i < e && ((uintptr_t)(out + i) & 31u); i++)      /* scalar until out + i is 32-byte aligned */
@@ -314,8 +328,6 @@ int64_t hvds_add_select_f32(const float *r, float *g, float *out, int64_t n, int
                             int64_t cap, int64_t *counts)
 {
     add_job_t jobs[HVDS_MAX_THREADS];
-    pthread_t tids[HVDS_MAX_THREADS];
-    int started[HVDS_MAX_THREADS];
     if (n < 0 || nthreads < 1 || nthreads > HVDS_MAX_THREADS || !g || !out || (zero_g && out == g))
         return -1;
     if (idx_out && (!val_out || !counts || cap < 0 || hi > 0x7f800000u))
@@ -331,8 +343,8 @@ int64_t hvds_add_select_f32(const float *r, float *g, float *out, int64_t n, int
         j->r = r;
         j->g = g;
         j->out = out;
-        j->s = s > n ? n : s;
-        j->e = e > n ? n : e;
+        j->rg.s = s > n ? n : s;
+        j->rg.e = e > n ? n : e;
         j->zero_g = zero_g;
         j->stream = out != r && out != g;
         j->bad = 0;
@@ -344,17 +356,10 @@ int64_t hvds_add_select_f32(const float *r, float *g, float *out, int64_t n, int
         j->base = base;
         j->cap = cap;
         j->count = 0;
-        started[t] = 0;
     }
-    for (int t = 1; t < nthreads; t++)
-        if (jobs[t].e > jobs[t].s) started[t] = pthread_create(&tids[t], NULL, run_add, &jobs[t]) == 0;
-    run_add(&jobs[0]);
-    int64_t bad = jobs[0].bad;
-    for (int t = 1; t < nthreads; t++) {
-        if (started[t]) pthread_join(tids[t], NULL);
-        else if (jobs[t].e > jobs[t].s) run_add(&jobs[t]);
-        bad += jobs[t].bad;
-    }
+    run_jobs(run_add, jobs, sizeof(add_job_t), nthreads);
+    int64_t bad = 0;
+    for (int t = 0; t < nthreads; t++) bad += jobs[t].bad;
     if (idx_out && counts)
         for (int t = 0; t < nthreads; t++) counts[t] = jobs[t].count;
     return bad;
