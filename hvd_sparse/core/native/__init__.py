@@ -58,6 +58,10 @@ API (numpy in, numpy out; :func:`f32_view` / :func:`wrap` convert from / to the 
     idx, vals = select(view, t, "gt", base=0, values=True)   # int64 ascending (+ base), float32 or None
     c = count(view, t, "gt")                 # the same pass without output
     idx = wrap(xp, idx)                      # back to a torch tensor when xp is torch
+    bad = add(r, g, out, zero_g=True)        # out = r + g (g zeroed), non-finite count, one pass
+    bad, idx, vals = add_select(r, g, out, t, "ge_nonzero", base=0, expect=k)   # ... and select from out
+    idx, sums = merge_add(idx64, vals, counts)   # P ascending runs -> distinct indexes, rank-order sums (or None)
+    both = intersect(a64, b64)               # sorted intersection of two ascending int64 arrays (or None)
 """
 
 from __future__ import annotations
