@@ -80,7 +80,7 @@ def test_other_configurations_on_tensorflow_equal_numpy(name, make, P):
 
 
 def test_integer_gradients_mass_conservation_on_tensorflow():
-    """Oracle O10 on the TensorFlow path itself: P·Σ updates + Σ residuals == Σ grads (exact on integers)."""
+    """Mass conservation on the TensorFlow path itself: P·Σ updates + Σ residuals == Σ grads (exact on integers)."""
     g = int_grads(6, 3, N, seed=5, scale=64)
     res = simulate(Compression.oktopk(0.05), g, backend="tensorflow", average=False)
     assert np.array_equal(res.updates.sum(axis=0)[0] + res.residuals[-1].sum(axis=0), g.sum(axis=(0, 1)))
