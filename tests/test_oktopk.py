@@ -811,6 +811,22 @@ def test_max_select_ratio_caps_local_and_global_counts(P):
     assert_mass_conserved(g, res)
 
 
+def test_oktopk_preset_passes_max_select_ratio_to_both_halves_for_every_variant():
+    from hvd_sparse import Compression
+
+    g = drifting_grads(40, 3, 400, seed=33)
+    k = 20
+    for variant in ("library", "paper"):
+        cfg = OKTOPK_PRESETS[variant]
+        preset = Compression.oktopk(0.05, variant=variant, max_select_ratio=1.2)
+        assert preset.sparsifier == ThresholdReuse(0.05, **{**cfg["sparsifier"], "max_select_ratio": 1.2})
+        assert preset.reducer == OkTopk(**{**cfg["reducer"], "max_select_ratio": 1.2})
+        assert "max_select_ratio=1.2" in repr(preset)
+    capped = simulate(Compression.oktopk(0.05, variant="paper", max_select_ratio=1.2), g)
+    free = simulate(Compression.oktopk(0.05, variant="paper"), g)
+    assert capped.selected.max() <= 1.2 * k < free.selected.max()      # the cap is what bounds the count
+
+
 def test_gt_rule_selects_k_minus_1_on_reeval_steps_without_ties():
     g = tie_free_grads(1, 2, 200, seed=3)
     res = run(make(0.05, tp=1, sp={"select_rule": "gt"}, rd={"select_rule": "gt"}), g)

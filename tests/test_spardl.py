@@ -548,7 +548,7 @@ def test_torch_and_numpy_backends_agree_bitwise(P, d, sag, selection):
             assert a[w][t]["info"]["h"] == b[w][t]["info"]["h"]
 
 
-def test_nan_gradient_is_skipped_by_the_engine_and_check_finite_catches_an_overflowing_accumulator():
+def test_nan_gradient_and_overflowing_accumulator_are_skipped_by_the_engine_before_spardl():
     g = int_grads(1, 4, 40, seed=1)
     g[0, 2, 7] = np.nan
     res = simulate(comp(0.1, 1), g)                 # the engine's nonfinite="skip": all ranks skip
@@ -559,21 +559,6 @@ def test_nan_gradient_is_skipped_by_the_engine_and_check_finite_catches_an_overf
     with pytest.warns(RuntimeWarning, match="skipped on every rank"):
         res = simulate(comp(0.1, 1), big)
     assert np.isnan(res.updates[1]).all() and np.array_equal(res.residuals[1], res.residuals[0])
-    # so the engine never hands SparDL a non-finite accumulator; used on its own, check_finite raises on every rank
-    from hvd_sparse.core.engine import StepContext
-    from hvd_sparse.core.xp import backend_of
-
-    def body(comm):
-        acc = np.ones(40, np.float32)
-        acc[3] = np.inf if comm.rank == 1 else 1.0
-        ctx = StepContext(comm.rank, comm.size, 0, (40,), comm)
-        try:
-            SparDL(check_finite=True).reduce(backend_of(acc), acc, None, 4, comm, {}, ctx)
-        except FloatingPointError as e:
-            return str(e)
-    assert all("check_finite" in str(m) for m in SimulatedWorld(2).run(body))
-    ok = simulate(comp(0.1, 2, check_finite=True), int_grads(2, 4, 40, seed=1))
-    assert ok.volume[0][0]["collectives"] > 0
 
 
 def test_arguments_are_validated():
@@ -586,10 +571,22 @@ def test_arguments_are_validated():
     for kw in ({"sag": "ring"}, {"selection": "greedy"}, {"h_mode": "auto"}, {"pack": "fp16"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             SparDL(**kw)
-    with pytest.raises(TypeError, match="check_finite"):
-        SparDL(check_finite="yes")
     assert SparDL(2) == SparDL(groups=2) and hash(SparDL(2)) == hash(SparDL(2)) and SparDL(2) != SparDL()
     assert SparDL.name == "spardl"
+
+
+def test_spardl_preset_reaches_every_knob():
+    from hvd_sparse import Compression
+
+    kw = dict(sag="recursive", selection="eager", h_mode="fixed", pack="two")
+    preset = Compression.spardl(0.1, groups=2, **kw)
+    assert preset.reducer == SparDL(2, **kw)
+    assert repr(preset) == ("Compression.spardl(density=0.1, groups=2, sag='recursive', selection='eager', "
+                            "h_mode='fixed', pack='two')")
+    assert repr(Compression.spardl(0.1)) == "Compression.spardl(density=0.1, groups=1)"
+    g = int_grads(3, 4, 64, seed=5)
+    a, b = simulate(preset, g), simulate(comp(0.1, 2, **kw), g)
+    assert a.updates.tobytes() == b.updates.tobytes() and a.residuals.tobytes() == b.residuals.tobytes()
 
 
 def test_groups_equal_P_warns():

@@ -69,7 +69,6 @@ def test_every_preset_on_tensorflow_equals_numpy_bit_for_bit(preset, P):
     ("spardl 2 teams, bruck", lambda: Compression.spardl(0.05, groups=2), 4),
     ("spardl recursive eager", lambda: SparseCompression(
         TopK(0.05), SparDL(2, sag="recursive", selection="eager", pack="two")), 4),
-    ("spardl check_finite", lambda: SparseCompression(TopK(0.05), SparDL(check_finite=True)), 2),
     ("gaussiank vgg", lambda: SparseCompression(GaussianK(0.05, adjust="vgg"), hvd_sparse.core.reducers.TopkA()),
      3),
     ("density 1 equals dense", lambda: Compression.topka(1.0), 2),
