@@ -926,7 +926,8 @@ def test_proportional_threshold_rule_steps_log_tau_by_the_relative_count_error()
 
 @pytest.mark.parametrize("data", ["synthetic", "recorded"])
 def test_exdyna_preset_density_within_10_percent_over_200_steps(data):
-    """Issue 3's acceptance figure, on both benchmark data sets (P = 8, density 0.01, 200 steps)."""
+    """The ExDyna preset's mean density is within 10% of the target on both benchmark data sets (P = 8, density
+    0.01, 200 steps)."""
     import hvd_sparse
     from hvd_sparse.bench.data import RecordedGradients, SyntheticGradients
     from hvd_sparse.core.sim import SimulatedWorld

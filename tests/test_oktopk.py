@@ -931,7 +931,7 @@ def test_property_library_equals_reference_and_conserves_mass(P, n, density, tp,
 
 @pytest.mark.parametrize("data", ["synthetic", "recorded"])
 def test_threshold_reuse_density_within_10_percent_over_200_steps(data):
-    """Issue 3's acceptance figure for the library preset (P = 8, density 0.01, 200 steps)."""
+    """The library preset's mean density is within 10% of the target (P = 8, density 0.01, 200 steps)."""
     import hvd_sparse
     from hvd_sparse.bench.data import RecordedGradients, SyntheticGradients
 
