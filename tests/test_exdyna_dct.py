@@ -378,7 +378,7 @@ def test_exdyna_all_zero_gradients_fallback_and_tau_decay(P):
 
 
 @pytest.mark.parametrize("rule", ["reference", "symmetric"])
-def test_threshold_update_is_exact(rule):
+def test_exdyna_threshold_factor_per_band_is_exact(rule):
     # the threshold factor for each band: through update() on a real state, n = 100000, density 0.01 -> k = 1000
     sp = ExDyna(0.01, threshold_rule=rule, init_threshold=0.5)
     acc = np.zeros(100000, np.float32)
@@ -397,7 +397,7 @@ def test_threshold_update_is_exact(rule):
     assert threshold_factor(1.2) == 1.005 and threshold_factor(0.5, "symmetric") == 0.995
 
 
-def test_tau_min_floor():
+def test_exdyna_tau_never_falls_below_tau_min():
     sp = ExDyna(0.01, init_threshold=0.5, tau_min=0.499)
     acc = np.zeros(1000, np.float32)
     state = {}
@@ -406,7 +406,7 @@ def test_tau_min_floor():
     assert state["tau"] == 0.499
 
 
-def test_topology_unit():
+def test_exdyna_topology_sweep_moves_blocks_toward_the_lighter_partition():
     # topology sweep: P=2, num_blk=8 (min_blk = 1), previous ks at t-1 with rotation offset 0
     geo = exdyna_geometry(8 * 32, 2, num_blk=8)
     assert geo["blk_part"] == [4, 4] and geo["min_blk"] == 1.0
@@ -432,7 +432,7 @@ def test_topology_unit():
 
 
 @pytest.mark.parametrize("n, d", [(100000, 0.01), (1000, 0.0001), (7, 1.0), (31, 0.5)])
-def test_tau0(n, d):
+def test_exdyna_default_tau0_is_one_over_two_sqrt_k(n, d):
     # tau0 = 1 / (2 sqrt(k))
     acc = np.zeros(n, np.float32)
     state = {}
@@ -440,7 +440,7 @@ def test_tau0(n, d):
     assert state["tau"] == 1 / (2 * math.sqrt(max(1, int(d * n))))
 
 
-def test_worked_example():
+def test_exdyna_worked_example_two_ranks_eight_entries():
     V0 = [.5, .1, -.3, 0, .9, .2, 0, 0]
     V1 = [.2, .4, .1, 0, -.1, .6, .3, 0]
     g = np.zeros((2, 2, 8), np.float32)
