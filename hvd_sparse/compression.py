@@ -20,6 +20,9 @@ from .core.reducers import Dense, ExDynaReducer, GTopk, OkTopk, Reducer, SparDL,
 from .core.reducers.oktopk import OKTOPK_PRESETS
 from .core.sparsifiers import DCT, ExDyna, GaussianK, Sparsifier, ThresholdReuse, TopK
 
+#: The SparDL preset's defaults (left out of the preset's name).
+SPARDL_DEFAULTS = {"sag": "bruck", "selection": "lazy", "h_mode": "adaptive", "pack": "bitcast"}
+
 #: Reducers by name (``Compression.sparse(..., allreduce=<name>)``).
 REDUCERS = {
     "oktopk": OkTopk,
@@ -109,9 +112,10 @@ class Compression:
     """Sparse presets, one factory per scheme. Every call returns a new object with fresh state."""
 
     @staticmethod
-    def oktopk(density, threshold_period=32, repartition_period=64, balance="auto", *, variant="library"):
+    def oktopk(density, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
+               max_select_ratio=None):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
-        spec oktopk.md §3.6): the O(k) sparse allreduce. Each rank selects with a local threshold that is
+        docs/algorithms.md#oktopk): the O(k) sparse allreduce. Each rank selects with a local threshold that is
         exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
         split into P regions re-balanced every ``repartition_period`` steps; each region's owner reduces what
         falls in it (one alltoall), keeps the values above a global threshold (exact every
@@ -129,22 +133,31 @@ class Compression:
                 the global count K <= k (see ThresholdReuse.guard_target and OkTopk.global_control); "paper"
                 (no controllers), "ref_lstm", "ref_vgg", "ref_bert" (the authors' code, per model). For the
                 "paper"/"ref_*" variants the variant fixes the three knobs above.
+            max_select_ratio (float >= 1 or None): a hard cap on reuse steps, for every variant (default None:
+                off, as in the paper and the authors' code). When a rank's reused threshold selects more than
+                ratio·k entries, that rank takes its exact top-k for this step; when the global count K exceeds
+                ratio·k (every rank knows it from the gathered counts), every rank keeps the exact top-k of the
+                gathered values and re-evaluates the global threshold from them. It bounds the volume of a
+                gradient spike; the "library" variant's controllers already keep both counts near k.
         """
         if variant not in OKTOPK_PRESETS:
             raise ValueError(f"hvd_sparse.Compression.oktopk: variant must be one of {sorted(OKTOPK_PRESETS)}, "
                              f"got {variant!r}")
         kw = OKTOPK_PRESETS[variant]
         sp, rd = dict(kw["sparsifier"]), dict(kw["reducer"])
+        sp["max_select_ratio"] = rd["max_select_ratio"] = max_select_ratio
         if variant == "library":
             sp["threshold_period"] = rd["threshold_period"] = threshold_period
             rd.update(repartition_period=repartition_period, balance=balance)
         name = f"oktopk(density={density!r})" if variant == "library" else \
             f"oktopk(density={density!r}, variant={variant!r})"
+        if max_select_ratio is not None:
+            name = f"{name[:-1]}, max_select_ratio={max_select_ratio!r})"
         return SparseCompression(ThresholdReuse(density, **sp), OkTopk(**rd), preset=name)
 
     @staticmethod
     def topka(density):
-        """TopkA (Li & Hoefler, PPoPP'22, §5 baseline; spec oktopk.md §3.2): exact local top-k on every
+        """TopkA (Li & Hoefler, PPoPP'22, §5 baseline; docs/algorithms.md#topka): exact local top-k on every
         rank, allgather of the k (index, value) pairs, sum in rank order. Error feedback keeps what was not
         sent. Cost: 2k(P-1) words received per rank per step, growing linearly with P.
 
@@ -155,9 +168,9 @@ class Compression:
 
     @staticmethod
     def topk_dsa(density):
-        """TopkDSA (SparCML's dynamic sparse allreduce as benchmarked by Li & Hoefler, PPoPP'22; spec
-        oktopk.md §3.3): exact local top-k, sparse reduce-scatter over P equal regions (one alltoall), then
-        an allgather of the reduced regions -- sparse, or dense when the reduced nonzeros N reach n/3.
+        """TopkDSA (SparCML's dynamic sparse allreduce as benchmarked by Li & Hoefler, PPoPP'22;
+        docs/algorithms.md#topk_dsa): exact local top-k, sparse reduce-scatter over P equal regions (one
+        alltoall), then an allgather of the reduced regions -- sparse, or dense when the reduced nonzeros N reach n/3.
         Same result as TopkA. Cost: between 4k(P-1)/P and (2k+n)(P-1)/P words per rank.
 
         Args:
@@ -167,7 +180,7 @@ class Compression:
 
     @staticmethod
     def gtopk(density):
-        """gTopk (Shi et al., ICDCS'19, as benchmarked by Li & Hoefler; spec oktopk.md §3.4): exact local
+        """gTopk (Shi et al., ICDCS'19, as benchmarked by Li & Hoefler; docs/algorithms.md#gtopk): exact local
         top-k, then a reduction tree of log2 P rounds, each merging two lists and keeping the top k, and a
         broadcast of the final k entries. Any P (fold-in pre-round when P is not a power of two). Error
         feedback keeps S \\ G; not mass-conserving (values pruned in a subtree are lost). Cost 4k log2 P words.
@@ -179,7 +192,7 @@ class Compression:
 
     @staticmethod
     def gaussiank(density, adjust="lstm"):
-        """Gaussiank (Shi et al., 2019, as benchmarked by Li & Hoefler; spec oktopk.md §3.5): threshold
+        """Gaussiank (Shi et al., 2019, as benchmarked by Li & Hoefler; docs/algorithms.md#gaussiank): threshold
         mu + z·sigma from a Gaussian fit of the accumulator (z = Phi^-1(1 - density/2)), scaled down until at
         least 3k/4 entries pass, then the TopkA exchange (counts + allgatherv). Cost about 2k(P-1) words.
 
@@ -192,7 +205,7 @@ class Compression:
 
     @staticmethod
     def exdyna(density, threshold_rule="proportional", init_threshold="topk_once"):
-        """ExDyna (Yoon & Oh, CCGrid'24; spec exdyna.md): the flat gradient is cut into blocks grouped in P
+        """ExDyna (Yoon & Oh, CCGrid'24; docs/algorithms.md#exdyna): the flat gradient is cut into blocks grouped in P
         exclusive partitions that rotate over the ranks every step; each rank selects |acc| >= tau inside its
         partition only (no index is ever selected twice), the indices are allgathered and every rank's values
         at the union are allreduced. Between steps partitions trade blocks with their neighbours (balance) and
@@ -214,7 +227,7 @@ class Compression:
 
     @staticmethod
     def dct(density, lifespan=1000):
-        """DCT-DP (Gupta et al., KDD'21, "Dynamic Communication Thresholding"; spec dct.md part A): a hard
+        """DCT-DP (Gupta et al., KDD'21, "Dynamic Communication Thresholding"; docs/algorithms.md#dct): a hard
         threshold per parameter tensor, the K-th largest |acc| of the tensor (K = ceil(density·n_l)),
         recomputed only every ``lifespan`` steps and reused in between; the selections are allgathered.
 
@@ -226,8 +239,8 @@ class Compression:
                                  preset=f"dct(density={density!r}, lifespan={lifespan!r})")
 
     @staticmethod
-    def spardl(density, groups=1):
-        """SparDL (ICDE'24; spec spardl.md): Spar-Reduce-Scatter (block-wise top-k/P at every hop, dropped
+    def spardl(density, groups=1, *, sag="bruck", selection="lazy", h_mode="adaptive", pack="bitcast"):
+        """SparDL (ICDE'24; docs/algorithms.md#spardl): Spar-Reduce-Scatter (block-wise top-k/P at every hop, dropped
         values kept as residuals where they fall -- global residual collection), then, with ``groups=d > 1``,
         Spar-All-Gather across d teams, then an all-gather inside each team. SparDL picks its own entries
         inside the exchange; ``density`` sets the budget k. Cost about 4k(P-1)/P words for groups=1.
@@ -235,13 +248,25 @@ class Compression:
         Args:
             density (float): budget k = max(1, floor(density·n)), in (0, 1].
             groups (int): number of teams d; must divide the number of ranks (default 1).
+            sag (str): how the d teams combine their blocks (d > 1 only): "bruck" (default; Bruck all-gather,
+                then a top-k_b of the sum) or "recursive" (recursive doubling, d a power of two; the dropped
+                part of every sum stays in the residuals).
+            selection (str): "lazy" (default, the authors' code: each block is cut to its top-k_b once, just
+                before it is sent) or "eager" (the paper: every block first, and again after every receive).
+            h_mode (str): entries of its own block a rank contributes to the Bruck SAG: "adaptive" (default,
+                the authors' controller, from k_b/d toward the size whose union fills k_b) or "fixed" (k_b/d).
+            pack (str): "bitcast" (default: indices bit-cast to float32 ahead of the values, one collective
+                per hop) or "two" (separate index and value collectives).
         """
-        return SparseCompression(TopK(density), SparDL(groups=groups),
-                                 preset=f"spardl(density={density!r}, groups={groups!r})")
+        spardl = SparDL(groups=groups, sag=sag, selection=selection, h_mode=h_mode, pack=pack)
+        opts = "".join(f", {k}={v!r}" for k, v in (("sag", sag), ("selection", selection), ("h_mode", h_mode),
+                                                   ("pack", pack)) if v != SPARDL_DEFAULTS[k])
+        return SparseCompression(TopK(density), spardl,
+                                 preset=f"spardl(density={density!r}, groups={groups!r}{opts})")
 
     @staticmethod
     def dense():
-        """Dense allreduce through the engine (spec oktopk.md §3.1): the baseline, no selection, no residual.
+        """Dense allreduce through the engine (docs/algorithms.md#dense): the baseline, no selection, no residual.
         Use it to compare schemes on the same run; for plain training prefer Horovod's own ``Compression.none``.
         """
         return SparseCompression(None, Dense(), preset="dense()")

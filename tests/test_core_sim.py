@@ -1,4 +1,5 @@
-"""Simulator tests of the engine core against the spec's oracles (oktopk.md §6): O1, O2, O10, O12, O22, O23."""
+"""Simulator tests of the engine core: dense is the mean, TopkA is the sum of the local top-k, mass conservation,
+replica consistency, P = 1 and all-zero gradients (docs/algorithms.md#invariants)."""
 
 import numpy as np
 import pytest
@@ -14,7 +15,8 @@ PS = [1, 2, 3, 4, 8]
 
 
 def topka_reference(g, density, average):
-    """Spec §3.2 written out directly: per rank a = eps + g, S = TopK(a), u = sum_r a[S], eps[S] = 0."""
+    """TopkA written out directly (docs/algorithms.md#topka): per rank a = eps + g, S = TopK(a), u = sum_r a[S],
+    eps[S] = 0."""
     steps, P, n = g.shape
     k = max(1, int(density * n))
     eps = np.zeros((P, n), np.float32)
@@ -32,7 +34,7 @@ def topka_reference(g, density, average):
 
 
 @pytest.mark.parametrize("P", PS)
-def test_o1_dense_is_the_mean(P):
+def test_dense_is_the_mean(P):
     g = int_grads(3, P, 257, seed=P)
     res = simulate(hvd_sparse.Compression.dense(), g)
     total = g.sum(axis=1)
@@ -47,7 +49,7 @@ def test_o1_dense_is_the_mean(P):
 
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("density", [0.01, 0.1, 1.0])
-def test_o2_topka_equals_sum_of_local_topk(P, density):
+def test_topka_equals_sum_of_local_topk(P, density):
     g = int_grads(4, P, 400, seed=10 + P)
     res = simulate(hvd_sparse.Compression.topka(density), g, average=False)
     ref_u, ref_eps = topka_reference(g, density, average=False)
@@ -64,7 +66,7 @@ def test_o2_topka_equals_sum_of_local_topk(P, density):
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
-def test_o2_topka_average_is_exact_for_powers_of_two(P):
+def test_topka_average_is_exact_for_powers_of_two(P):
     g = int_grads(2, P, 300, seed=3)
     res = simulate(hvd_sparse.Compression.topka(0.05), g)
     ref_u, _ = topka_reference(g, 0.05, average=True)
@@ -72,7 +74,7 @@ def test_o2_topka_average_is_exact_for_powers_of_two(P):
 
 
 @pytest.mark.parametrize("P", PS)
-def test_o10_mass_conservation(P):
+def test_topka_conserves_mass(P):
     g = int_grads(12, P, 500, seed=20 + P)
     res = simulate(hvd_sparse.Compression.topka(0.02), g, average=False)
     for t in range(12):
@@ -83,7 +85,7 @@ def test_o10_mass_conservation(P):
 
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("preset", ["dense", "topka"])
-def test_o12_replica_consistency(P, preset):
+def test_every_rank_holds_the_same_bits(P, preset):
     rng = np.random.default_rng(P)
     g = rng.standard_normal((5, P, 1000)).astype(np.float32) * rng.lognormal(0, 2, size=1000).astype(np.float32)
     comp = hvd_sparse.Compression.dense() if preset == "dense" else hvd_sparse.Compression.topka(0.01)
@@ -93,7 +95,7 @@ def test_o12_replica_consistency(P, preset):
 
 
 @pytest.mark.parametrize("preset", ["dense", "topka"])
-def test_o22_single_rank_issues_no_collective_and_keeps_semantics(preset):
+def test_single_rank_issues_no_collective_and_keeps_semantics(preset):
     g = int_grads(5, 1, 200, seed=5)
     comp = hvd_sparse.Compression.dense() if preset == "dense" else hvd_sparse.Compression.topka(0.05)
     res = simulate(comp, g)
@@ -108,7 +110,7 @@ def test_o22_single_rank_issues_no_collective_and_keeps_semantics(preset):
 
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("preset", ["dense", "topka"])
-def test_o23_all_zero_gradients(P, preset):
+def test_all_zero_gradients_give_zero_update_and_residual(P, preset):
     g = np.zeros((3, P, 100), np.float32)
     comp = hvd_sparse.Compression.dense() if preset == "dense" else hvd_sparse.Compression.topka(0.1)
     res = simulate(comp, g)
@@ -117,7 +119,7 @@ def test_o23_all_zero_gradients(P, preset):
 
 
 @pytest.mark.parametrize("P", [2, 3, 4, 8])
-def test_o23_one_rank_all_zero_matches_reference(P):
+def test_one_rank_all_zero_matches_reference(P):
     g = int_grads(4, P, 300, seed=7, zero_ranks=(P - 1,))
     res = simulate(hvd_sparse.Compression.topka(0.05), g, average=False)
     ref_u, ref_eps = topka_reference(g, 0.05, average=False)

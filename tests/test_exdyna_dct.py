@@ -1,4 +1,4 @@
-"""Simulator tests of ExDyna (spec exdyna.md §9) and DCT-DP (spec dct.md §A.8).
+"""Simulator tests of ExDyna and DCT-DP (docs/algorithms.md#exdyna, docs/algorithms.md#dct).
 
 ExDyna runs as SparseCompression(ExDyna(d), ExDynaReducer()); DCT as SparseCompression(DCT(d, L), TopkA())
 with ``shapes=`` (per-tensor thresholds). Exact checks use integer-valued float32 data (conftest.int_grads)
@@ -27,7 +27,7 @@ from hvd_sparse.testing import simulate
 from conftest import int_grads, ref_topk, mean_density_ratio
 
 PS = [1, 2, 3, 4, 5, 8]
-# the §7 warning "num_blk < 4·P" is expected with the small num_blk used here
+# the warning "num_blk < 4·P" (ExDyna raises the block count) is expected with the small num_blk used here
 pytestmark = pytest.mark.filterwarnings("ignore:hvd_sparse.ExDyna:RuntimeWarning")
 
 
@@ -101,7 +101,8 @@ def ctx_of(rank=0, size=1, step=0, layout=None, comm=None):
 
 
 # ==================================================================================================
-# ExDyna: independent reference simulator of spec §5 (single process, P virtual workers)
+# ExDyna: independent reference simulator of the algorithm (single process, P virtual workers), written from
+# the steps 5.2-5.9 of the module docstring of hvd_sparse/core/sparsifiers/exdyna.py
 # ==================================================================================================
 def exdyna_reference(g, density, num_blk=1024, align=32, rule="reference", tau0=None, min_blk_div=4):
     steps, P, n = g.shape
@@ -127,7 +128,7 @@ def exdyna_reference(g, density, num_blk=1024, align=32, rule="reference", tau0=
     ctrl, out = [], []
     for t in range(steps + 1):
         if t >= 1:
-            if P > 1:                                          # §5.3 verbatim
+            if P > 1:                                          # 5.3 verbatim
                 load = [0] * P
                 for i in range(P):
                     load[(t - 1 + i) % P] = ks_prev[i]
@@ -153,7 +154,7 @@ def exdyna_reference(g, density, num_blk=1024, align=32, rule="reference", tau0=
                         mv = int(1 * sz * den_acc)
                         load[i] += mv
                         load[i + 1] -= mv
-            exam = k_prev / k                                   # §5.4
+            exam = k_prev / k                                   # 5.4
             if exam > 1.1:
                 sf = 1.005
             elif exam > 0.909:
@@ -189,7 +190,7 @@ def exdyna_reference(g, density, num_blk=1024, align=32, rule="reference", tau0=
 
 
 def check_exdyna_invariants(recs, g, P, n):
-    """Spec §9 invariants 1-8 on every iteration (and the controller state after it)."""
+    """ExDyna's invariants (docs/algorithms.md#exdyna) on every iteration (and the controller state after it)."""
     steps = len(recs)
     res_prev = np.zeros((P, n), np.float32)
     fallbacks = 0
@@ -377,8 +378,8 @@ def test_exdyna_all_zero_gradients_fallback_and_tau_decay(P):
 
 
 @pytest.mark.parametrize("rule", ["reference", "symmetric"])
-def test_threshold_update_is_exact(rule):
-    # oracle 9: through update() on a real state, n = 100000, density 0.01 -> k = 1000
+def test_exdyna_threshold_factor_per_band_is_exact(rule):
+    # the threshold factor for each band: through update() on a real state, n = 100000, density 0.01 -> k = 1000
     sp = ExDyna(0.01, threshold_rule=rule, init_threshold=0.5)
     acc = np.zeros(100000, np.float32)
     band = {"reference": 1.00125, "symmetric": 0.9987}[rule]
@@ -396,7 +397,7 @@ def test_threshold_update_is_exact(rule):
     assert threshold_factor(1.2) == 1.005 and threshold_factor(0.5, "symmetric") == 0.995
 
 
-def test_tau_min_floor():
+def test_exdyna_tau_never_falls_below_tau_min():
     sp = ExDyna(0.01, init_threshold=0.5, tau_min=0.499)
     acc = np.zeros(1000, np.float32)
     state = {}
@@ -405,8 +406,8 @@ def test_tau_min_floor():
     assert state["tau"] == 0.499
 
 
-def test_topology_unit():
-    # oracle 10: P=2, num_blk=8 (min_blk = 1), previous ks at t-1 with rotation offset 0
+def test_exdyna_topology_sweep_moves_blocks_toward_the_lighter_partition():
+    # topology sweep: P=2, num_blk=8 (min_blk = 1), previous ks at t-1 with rotation offset 0
     geo = exdyna_geometry(8 * 32, 2, num_blk=8)
     assert geo["blk_part"] == [4, 4] and geo["min_blk"] == 1.0
     args = dict(n=256, sz_blk=32, min_blk=1.0)
@@ -431,15 +432,15 @@ def test_topology_unit():
 
 
 @pytest.mark.parametrize("n, d", [(100000, 0.01), (1000, 0.0001), (7, 1.0), (31, 0.5)])
-def test_tau0(n, d):
-    # oracle 11
+def test_exdyna_default_tau0_is_one_over_two_sqrt_k(n, d):
+    # tau0 = 1 / (2 sqrt(k))
     acc = np.zeros(n, np.float32)
     state = {}
     ExDyna(d).select(backend_of(acc), acc, max(1, int(d * n)), state, ctx_of())
     assert state["tau"] == 1 / (2 * math.sqrt(max(1, int(d * n))))
 
 
-def test_worked_example():
+def test_exdyna_worked_example_two_ranks_eight_entries():
     V0 = [.5, .1, -.3, 0, .9, .2, 0, 0]
     V1 = [.2, .4, .1, 0, -.1, .6, .3, 0]
     g = np.zeros((2, 2, 8), np.float32)
@@ -463,7 +464,7 @@ def test_worked_example():
     t1 = recs[1]
     assert t1[0]["state"]["_tau_used"] == 0.25 * 1.00125
     assert t1[0]["state"]["partition"] == [1, 4, 8] and t1[1]["state"]["partition"] == [0, 0, 4]
-    assert s0["blk_pos"] == t1[0]["state"]["blk_pos"] == [0, 4]    # §7 4·P blocks of size 1: same ranges
+    assert s0["blk_pos"] == t1[0]["state"]["blk_pos"] == [0, 4]    # 4·P blocks of size 1: same ranges
     assert t1[0]["state"]["_idx"].tolist() == [4]                   # rank 0's 0.9 at index 4 waits for t=1
 
 
@@ -519,7 +520,7 @@ def test_exdyna_topk_once_initial_threshold(P):
 
 @pytest.mark.parametrize("n, P", [(3, 5), (7, 8), (50, 8), (100, 3), (5000, 2)])
 def test_exdyna_tiny_n(n, P):
-    # §7: n < num_blk·align -> align 1; n < num_blk_eff -> num_blk_eff = max(P, n); n < P -> empty partitions
+    # tiny n: n < num_blk·align -> align 1; n < num_blk_eff -> num_blk_eff = max(P, n); n < P -> empty partitions
     geo = exdyna_geometry(n, P)
     assert sum(geo["blk_part"]) == geo["num_blk_eff"]
     assert geo["sz_blk"] * geo["num_blk_eff"] + geo["num_rem"] == n
@@ -546,10 +547,10 @@ def test_exdyna_large_P_raises_the_block_count_with_a_warning():
 
 
 def test_exdyna_statistical_symmetric_rule_meets_the_density():
-    """Spec §9 statistical oracle, shortened: P=8, n=8192 (16 "layers" with log-uniform scales over
-    [e^-3, 1]·0.01), density 0.01 (k = 81), error feedback on, rule "symmetric". The spec's run is 3000
+    """Statistical check of the density, shortened: P=8, n=8192 (16 "layers" with log-uniform scales over
+    [e^-3, 1]·0.01), density 0.01 (k = 81), error feedback on, rule "symmetric". A full run is 3000
     iterations because tau0 = 1/(2√k) is far from the stationary threshold (warm-up ≈ 200·ln(ratio)
-    iterations, §5.4); here tau0 = 0.07 is set near it (measured stationary tau ≈ 0.072) so 400 iterations
+    iterations of the +-0.5% rule); here tau0 = 0.07 is set near it (stationary tau ≈ 0.072) so 400 iterations
     suffice. Mean |S|/k over iterations 100-399 must lie in [0.95, 1.05] (measured 1.01)."""
     P, n, L, steps = 8, 8192, 16, 400
     rng = np.random.default_rng(0)
@@ -614,7 +615,7 @@ def test_configuration_objects_are_hashable_and_stateless():
 
 
 # ==================================================================================================
-# DCT-DP: independent reference of §A.4 + rank-order aggregation (§A.6)
+# DCT-DP: independent reference of the per-tensor threshold rule + rank-order aggregation (TopkA with counts)
 # ==================================================================================================
 def _k_ref(nl, d6, rounding):
     """K with the density given in millionths (exact integer arithmetic)."""
@@ -728,7 +729,7 @@ def test_dct_stale_threshold_lets_nnz_drift():
 
 @pytest.mark.parametrize("P", [1, 2, 3])
 def test_dct_density_one_is_the_dense_sum(P):
-    # oracle 5: K = n, tau = min|Gt|, all pass, out == sum of G, E stays 0
+    # density 1: K = n, tau = min|Gt|, all pass, out == sum of G, E stays 0
     g = int_grads(3, P, 200, seed=P)
     g[g == 0] = 1
     recs = run_world(SparseCompression(RecDCT(1.0, 1), TopkA()), g, shapes=[(50,), (150,)])
@@ -743,7 +744,7 @@ def test_dct_density_one_is_the_dense_sum(P):
 
 @pytest.mark.parametrize("P", [1, 2, 4])
 def test_dct_lifespan_one_is_topk_with_error_feedback(P):
-    # oracle 6: distinct magnitudes -> per-tensor top-K with memory, every step
+    # lifespan 1: distinct magnitudes -> per-tensor top-K with memory, every step
     layout = [64, 200, 36]
     g = np.random.default_rng(7 + P).standard_normal((6, P, 300)).astype(np.float32)
     recs = run_world(SparseCompression(RecDCT(0.05, 1), TopkA()), g, shapes=[(s,) for s in layout])
@@ -764,7 +765,7 @@ def test_dct_lifespan_one_is_topk_with_error_feedback(P):
 
 @pytest.mark.parametrize("P", [1, 2, 3])
 def test_dct_all_zero_layer_and_zero_tau_guard(P):
-    # oracle 7
+    # an all-zero layer: tau = 0 selects nothing with zero_tau_guard
     g = int_grads(3, P, 120, seed=1)
     g[:, :, 20:70] = 0
     shapes = [(20,), (50,), (50,)]
@@ -788,7 +789,7 @@ def test_dct_all_zero_layer_and_zero_tau_guard(P):
 
 @pytest.mark.parametrize("P", [1, 2, 3])
 def test_dct_flush_drain_sends_everything(P):
-    # oracle 8 (mode "flush"): out == sum of G + E_old, E == 0
+    # drain (mode "flush"): out == sum of G + E_old, E == 0
     g = int_grads(4, P, 90, seed=2)
     recs = run_world(SparseCompression(RecDCT(0.1, 3, ef_drain_period=1), TopkA()), g)
     for t in range(4):
@@ -807,7 +808,7 @@ def test_dct_flush_drain_sends_everything(P):
 
 @pytest.mark.parametrize("P", [2, 3, 4, 5])
 def test_dct_sync_threshold(P):
-    # oracle 10: tau equal on all ranks after each recompute (one allreduce, phase "dct_tau", on those steps)
+    # sync_threshold: tau equal on all ranks after each recompute (one allreduce, phase "dct_tau", on those steps)
     layout = [int(np.prod(s)) for s in SHAPES]
     g = np.random.default_rng(P).standard_normal((5, P, sum(layout))).astype(np.float32)
     recs = run_world(SparseCompression(RecDCT(0.1, 2, sync_threshold=True), TopkA()), g, shapes=SHAPES)
@@ -820,7 +821,7 @@ def test_dct_sync_threshold(P):
 
 
 def test_dct_worked_example():
-    # oracle 11: P=1, G=[0.5,-2,0.1,3,-0.2], rho=0.4 (K=2), L=2, E=0
+    # worked example: P=1, G=[0.5,-2,0.1,3,-0.2], rho=0.4 (K=2), L=2, E=0
     f = np.float32
     G = np.array([0.5, -2, 0.1, 3, -0.2], f)
     g = np.stack([G[None]] * 3)
@@ -925,7 +926,8 @@ def test_proportional_threshold_rule_steps_log_tau_by_the_relative_count_error()
 
 @pytest.mark.parametrize("data", ["synthetic", "recorded"])
 def test_exdyna_preset_density_within_10_percent_over_200_steps(data):
-    """Issue 3's acceptance figure, on both benchmark data sets (P = 8, density 0.01, 200 steps)."""
+    """The ExDyna preset's mean density is within 10% of the target on both benchmark data sets (P = 8, density
+    0.01, 200 steps)."""
     import hvd_sparse
     from hvd_sparse.bench.data import RecordedGradients, SyntheticGradients
     from hvd_sparse.core.sim import SimulatedWorld

@@ -1,5 +1,6 @@
-"""Simulator tests of Gaussiank, TopkDSA and gTopk against the spec's oracles (oktopk.md §6):
-O3, O4, O5, O9, O10, O12, O20, O22, O23, O27, torch == numpy, and hypothesis properties."""
+"""Simulator tests of Gaussiank, TopkDSA and gTopk (docs/algorithms.md): each against an independent reference,
+TopkDSA == TopkA, volumes, density 1, mass conservation, replica consistency, P = 1, all-zero gradients,
+determinism, torch == numpy, and hypothesis properties."""
 
 import numpy as np
 import pytest
@@ -29,9 +30,10 @@ def k_of(density, n):
     return max(1, int(density * n))
 
 
-# -- independent references (plain numpy, written from the spec) ---------------------------------------
+# -- independent references (plain numpy, written from docs/algorithms.md) ---------------------------------------
 def gaussian_select_ref(a, density, adjust="lstm"):
-    """§3.5 steps 1-4 in float64 (comparisons exact); returns (mask, th0, th, iterations)."""
+    """Gaussiank's steps 1-4 (hvd_sparse/core/sparsifiers/gaussiank.py) in float64 (comparisons exact); returns
+    (mask, th0, th, iterations)."""
     n = a.size
     k = k_of(density, n)
     a64 = a.astype(np.float64)
@@ -69,7 +71,7 @@ def gaussian_select_ref(a, density, adjust="lstm"):
 
 
 def allgather_reference(g, select):
-    """TopkA-style exchange (Gaussiank §3.5 step 5, TopkA §3.2): u = sum_r a^r[S^r], eps[S] = 0."""
+    """TopkA-style exchange (Gaussiank, TopkA): u = sum_r a^r[S^r], eps[S] = 0."""
     steps, P, n = g.shape
     eps = np.zeros((P, n), np.float32)
     ups, res, sels = [], [], []
@@ -97,7 +99,7 @@ def tree_merge_ref(A, B, k):
 
 
 def gtopk_tree_ref(lists, k):
-    """§3.4 with the fold-in pre-round: the list rank 0 ends up with."""
+    """The gTopk tree with the fold-in pre-round: the list rank 0 ends up with."""
     P = len(lists)
     L = [dict(x) for x in lists]
     m = 1 << (P.bit_length() - 1)
@@ -144,9 +146,9 @@ def assert_mass_conserved(res, g):
         np.testing.assert_array_equal(applied + kept, g[: t + 1].sum(axis=(0, 1), dtype=np.float64))
 
 
-# == Gaussiank (§3.5, O5) ================================================================================
+# == Gaussiank ============================================================================================
 @pytest.mark.parametrize("density, z", [(0.01, 2.5758), (0.02, 2.3263), (0.001, 3.2905)])
-def test_o5_initial_threshold_is_mean_plus_z_sigma(density, z):
+def test_gaussiank_initial_threshold_is_mean_plus_z_sigma(density, z):
     a = (np.random.default_rng(3).standard_normal(5000) * 3 + 0.5).astype(np.float32)
     state = {}
     GaussianK(density).select(NP, a, k_of(density, a.size), state, None)
@@ -158,7 +160,7 @@ def test_o5_initial_threshold_is_mean_plus_z_sigma(density, z):
 
 @pytest.mark.parametrize("adjust", ["lstm", "bert", "vgg"])
 @pytest.mark.parametrize("dist", ["normal", "uniform", "laplace", "spiky"])
-def test_o5_adjustment_loops_match_the_spec(adjust, dist):
+def test_gaussiank_adjustment_loops_match_the_reference_loops(adjust, dist):
     rng = np.random.default_rng(7)
     n, density = 4000, 0.02
     a = {"normal": rng.standard_normal(n), "uniform": rng.uniform(-1, 1, n),
@@ -174,7 +176,7 @@ def test_o5_adjustment_loops_match_the_spec(adjust, dist):
         assert it > 0            # light tails: the Gaussian fit over-estimates the threshold
 
 
-def test_o5_lstm_loop_reaches_three_quarters_k_or_runs_out():
+def test_gaussiank_lstm_loop_reaches_three_quarters_k_or_runs_out():
     rng = np.random.default_rng(11)
     n, density = 1000, 0.05
     k = k_of(density, n)
@@ -187,7 +189,7 @@ def test_o5_lstm_loop_reaches_three_quarters_k_or_runs_out():
 
 
 @pytest.mark.parametrize("P", PS)
-def test_o5_gaussiank_with_topka_sums_the_selections(P):
+def test_gaussiank_with_topka_sums_the_selections(P):
     g = int_grads(5, P, 600, seed=30 + P)
     res = simulate(comp(GaussianK(0.02), TopkA()), g, average=False)
     ref_u, ref_eps, sels = allgather_reference(g, lambda a: gaussian_select_ref(a, 0.02)[0])
@@ -228,14 +230,14 @@ def test_gaussiank_arguments_are_validated_and_configuration_is_hashable():
     assert TopkDSA.name == "topk_dsa" and GTopk.name == "gtopk"
 
 
-# == TopkDSA (§3.3, O3, O20) =============================================================================
+# == TopkDSA =============================================================================================
 def topka_u(g, density):
     return allgather_reference(g, lambda a: ref_topk(a, k_of(density, a.size)))
 
 
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("density", [0.01, 0.05, 0.3, 1.0])
-def test_o3_topk_dsa_equals_topka(P, density):
+def test_topk_dsa_equals_topka(P, density):
     n = 301
     g = int_grads(4, P, n, seed=40 + P)
     a = simulate(comp(TopK(density), TopkA()), g, average=False)
@@ -257,7 +259,7 @@ def test_o3_topk_dsa_equals_topka(P, density):
 
 @pytest.mark.parametrize("P", [2, 3, 5])
 @pytest.mark.parametrize("k_target, path", [(30, "dense"), (29, "sparse")])
-def test_o3_dense_switch_exactly_at_n_over_3(P, k_target, path):
+def test_topk_dsa_dense_switch_exactly_at_n_over_3(P, k_target, path):
     n = 90                                                  # n/3 = 30; identical workers: N = k
     density = k_target / n
     assert k_of(density, n) == k_target
@@ -270,7 +272,7 @@ def test_o3_dense_switch_exactly_at_n_over_3(P, k_target, path):
 
 
 @pytest.mark.parametrize("P", [2, 3, 4, 8])
-def test_o3_topk_dsa_equals_topka_with_gaussiank_and_real_valued_data(P):
+def test_topk_dsa_equals_topka_with_gaussiank_and_real_valued_data(P):
     rng = np.random.default_rng(P)
     g = (rng.standard_normal((3, P, 2000)) * rng.lognormal(0, 2, 2000)).astype(np.float32)
     for sp in (GaussianK(0.01), TopK(0.01), TopK(0.4)):
@@ -282,7 +284,7 @@ def test_o3_topk_dsa_equals_topka_with_gaussiank_and_real_valued_data(P):
 
 @pytest.mark.parametrize("P", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("density", [0.02, 0.5])
-def test_o20_topk_dsa_words(P, density):
+def test_topk_dsa_words_received_per_phase(P, density):
     n = 203                                                 # n mod P != 0: a longer last region
     g = int_grads(3, P, n, seed=50 + P)
     d = simulate(comp(TopK(density), TopkDSA()), g, average=False)
@@ -327,7 +329,7 @@ def test_wire_pairs_roundtrip_exactly_including_large_indexes_and_special_values
     assert i3.tolist() == [2**40 + 1]
 
 
-# == gTopk (§3.4, O4) =====================================================================================
+# == gTopk ===============================================================================================
 def distinct_grads(steps, P, n, seed):
     """Integer data with distinct |values| within each (step, rank) row: no ties in any local top-k."""
     rng = np.random.default_rng(seed)
@@ -339,7 +341,7 @@ def distinct_grads(steps, P, n, seed):
 
 
 @pytest.mark.parametrize("density", [0.01, 0.1, 0.5])
-def test_o4_gtopk_two_ranks_is_topk_of_sum_of_topks(density):
+def test_gtopk_two_ranks_is_topk_of_sum_of_topks(density):
     n = 400
     k = k_of(density, n)
     g = distinct_grads(1, 2, n, seed=9)
@@ -354,7 +356,7 @@ def test_o4_gtopk_two_ranks_is_topk_of_sum_of_topks(density):
 
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("density", [0.01, 0.05, 0.3])
-def test_o4_gtopk_equals_the_reference_tree(P, density):
+def test_gtopk_equals_the_reference_tree(P, density):
     n = 300
     k = k_of(density, n)
     g = int_grads(5, P, n, seed=60 + P, scale=40)           # small range: ties and common indexes
@@ -396,7 +398,7 @@ def test_gtopk_words_per_round_and_broadcast(P):
        st.lists(st.tuples(st.integers(0, 40), st.integers(-5, 5)), max_size=30),
        st.integers(1, 25))
 @settings(max_examples=150, deadline=None)
-def test_o4_merge_is_a_deduplicated_topk_of_the_union(la, lb, k):
+def test_gtopk_merge_is_a_deduplicated_topk_of_the_union(la, lb, k):
     A = {j: np.float32(v) for j, v in la}
     B = {j: np.float32(v) for j, v in lb}
     ia = np.array(sorted(A), np.int64)
@@ -417,7 +419,7 @@ def test_top_k_list_keeps_zero_valued_entries_only_to_fill_k():
     assert top_k_list(NP, idx, val, 2)[0].tolist() == [4, 9]
 
 
-def test_o4_gtopk_info_and_no_duplicates_when_fewer_than_k_nonzeros_survive():
+def test_gtopk_info_and_no_duplicates_when_fewer_than_k_nonzeros_survive():
     # every rank selects the same 2 indexes (fewer than k distinct entries; ref's merge duplicated them)
     P, n, k = 5, 50, 10
     g = np.zeros((P, n), np.float32)
@@ -438,7 +440,7 @@ def test_o4_gtopk_info_and_no_duplicates_when_fewer_than_k_nonzeros_survive():
         assert u[3] == 15 and u[7] == -5 and np.count_nonzero(u) == 2
 
 
-# == shared oracles ======================================================================================
+# == shared invariants ====================================================================================
 SCHEMES = {
     "gaussiank": lambda d: comp(GaussianK(d), TopkA()),
     "topk_dsa": lambda d: comp(TopK(d), TopkDSA()),
@@ -448,7 +450,7 @@ SCHEMES = {
 
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("scheme", ["topk_dsa", "gtopk"])
-def test_o9_density_one_equals_dense_and_leaves_no_residual(P, scheme):
+def test_density_one_equals_dense_and_leaves_no_residual(P, scheme):
     g = int_grads(3, P, 150, seed=70 + P, scale=8)
     if P >= 2:
         g[:, 1, :40] = -g[:, 0, :40]                        # exact cancellations in the sum
@@ -463,13 +465,13 @@ def test_o9_density_one_equals_dense_and_leaves_no_residual(P, scheme):
 
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("scheme", ["gaussiank", "topk_dsa"])
-def test_o10_mass_conservation(P, scheme):
+def test_mass_conservation(P, scheme):
     g = int_grads(10, P, 500, seed=80 + P)
     res = simulate(SCHEMES[scheme](0.02), g, average=False)
     assert_mass_conserved(res, g)
 
 
-def test_o10_gtopk_is_not_mass_conserving():
+def test_gtopk_is_not_mass_conserving():
     # k = 1, P = 4: rank 0's value at j=0 is pruned in subtree {0,1} (rank 1's 6 wins), but j=0 wins at
     # the root through rank 2, so rank 0 clears eps[0] although its 5 never reached the sum.
     g = np.zeros((1, 4, 3), np.float32)
@@ -485,7 +487,7 @@ def test_o10_gtopk_is_not_mass_conserving():
 
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_o12_replica_consistency(P, scheme):
+def test_replica_consistency(P, scheme):
     rng = np.random.default_rng(P)
     g = (rng.standard_normal((4, P, 1000)) * rng.lognormal(0, 2, size=1000)).astype(np.float32)
     res = simulate(SCHEMES[scheme](0.02), g)
@@ -494,7 +496,7 @@ def test_o12_replica_consistency(P, scheme):
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_o22_single_rank_issues_no_collective_and_keeps_semantics(scheme):
+def test_single_rank_issues_no_collective_and_keeps_semantics(scheme):
     g = int_grads(5, 1, 200, seed=5)
     res = simulate(SCHEMES[scheme](0.05), g)
     assert all(v[0]["collectives"] == 0 and v[0]["recv_words"] == 0 for v in res.volume)
@@ -510,7 +512,7 @@ def test_o22_single_rank_issues_no_collective_and_keeps_semantics(scheme):
 
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_o23_all_zero_gradients(P, scheme):
+def test_all_zero_gradients(P, scheme):
     g = np.zeros((3, P, 100), np.float32)
     res = simulate(SCHEMES[scheme](0.1), g)
     assert not res.updates.any() and not res.residuals.any() and not res.selected.any()
@@ -518,7 +520,7 @@ def test_o23_all_zero_gradients(P, scheme):
 
 @pytest.mark.parametrize("P", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_o23_one_rank_all_zero_matches_reference(P, scheme):
+def test_one_rank_all_zero_matches_reference(P, scheme):
     g = int_grads(4, P, 300, seed=7, zero_ranks=(P - 1,))
     res = simulate(SCHEMES[scheme](0.05), g, average=False)
     if scheme == "gtopk":
@@ -533,7 +535,7 @@ def test_o23_one_rank_all_zero_matches_reference(P, scheme):
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_o27_determinism(scheme):
+def test_two_runs_are_bit_identical(scheme):
     g = np.random.default_rng(2).standard_normal((4, 5, 900)).astype(np.float32)
     r1 = simulate(SCHEMES[scheme](0.03), g)
     r2 = simulate(SCHEMES[scheme](0.03), g)

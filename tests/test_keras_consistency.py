@@ -1,4 +1,4 @@
-"""The consistency guard for TensorFlow/Keras (issue 6): ``consistency_check_every=N`` and ``check_consistency()`` of
+"""The consistency guard for TensorFlow/Keras: ``consistency_check_every=N`` and ``check_consistency()`` of
 hvd_sparse's Keras DistributedOptimizer, and ``hvd_sparse.tensorflow.check_consistency`` for the tape path. Argument
 checks in one process; identical replicas pass and one nudged weight raises on both ranks, naming it, through
 `horovodrun -np 2` (model.fit in graph mode and eagerly, the tape-path function eagerly and in a tf.function)."""

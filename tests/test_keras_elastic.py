@@ -1,4 +1,4 @@
-"""Elastic Horovod for TensorFlow/Keras (issue 6): hvd_sparse.tensorflow.keras.elastic.KerasState and
+"""Elastic Horovod for TensorFlow/Keras: hvd_sparse.tensorflow.keras.elastic.KerasState and
 hvd_sparse.tensorflow.elastic.TensorFlowState / run.
 
 In one process (Horovod size 1): commit/restore keep this rank's own sparse state, reset restarts the engine with the

@@ -1,4 +1,4 @@
-"""Reliability oracles in the simulator (issue 6): the non-finite policy (spec oktopk.md O24) for every preset.
+"""Reliability in the simulator: the non-finite policy (docs/reliability.md) for every preset.
 
 The Horovod-level counterparts (real horovodrun: skip/raise across processes, the consistency guard, a killed
 worker) are in tests/test_reliability_horovod.py.
@@ -23,7 +23,7 @@ def _grads(P, steps=5, n=240, seed=3):
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("preset", PRESETS)
-def test_o24_nonfinite_on_one_rank_skips_the_step_on_every_rank_and_leaves_all_state_untouched(preset, P, bad):
+def test_nonfinite_on_one_rank_skips_the_step_on_every_rank_and_leaves_all_state_untouched(preset, P, bad):
     g = _grads(P)
     poisoned = g.copy()
     poisoned[2, P - 1, 17] = bad                       # one value on the last rank at step 2
@@ -40,7 +40,7 @@ def test_o24_nonfinite_on_one_rank_skips_the_step_on_every_rank_and_leaves_all_s
 
 
 @pytest.mark.parametrize("preset", ["topka", "oktopk", "exdyna"])
-def test_o24_nonfinite_raise_policy_raises_naming_the_ranks_and_the_step(preset):
+def test_nonfinite_raise_policy_raises_naming_the_ranks_and_the_step(preset):
     g = _grads(4)
     g[1, 1, 3] = np.nan
     g[1, 3, 9] = np.inf
@@ -49,7 +49,7 @@ def test_o24_nonfinite_raise_policy_raises_naming_the_ranks_and_the_step(preset)
     simulate(presets.make(preset, 0.05), _grads(4), nonfinite="raise")     # finite data: no error
 
 
-def test_o24_single_rank_also_skips():
+def test_nonfinite_on_a_single_rank_also_skips():
     g = _grads(1)
     g[0, 0, 0] = np.nan
     res = simulate(presets.make("oktopk", 0.05), g)
@@ -77,7 +77,7 @@ def test_nonfinite_flag_is_control_traffic_not_algorithm_volume():
 def test_all_zero_gradients_select_nothing_and_keep_zero_state(preset, P):
     res = simulate(presets.make(preset, 0.05), np.zeros((3, P, 120), np.float32))
     assert not res.updates.any() and not res.residuals.any()
-    # ExDyna sends one fallback index per rank when nothing passes (spec exdyna.md), SparDL counts its fixed
+    # ExDyna sends one fallback index per rank when nothing passes (docs/algorithms.md#exdyna), SparDL counts its fixed
     # budget and dense everything; the others select nothing
     if preset not in ("dense", "exdyna", "spardl"):
         assert not res.selected.any()

@@ -1,4 +1,4 @@
-"""Reliability through real `horovodrun --gloo` (issue 6): non-finite skip/raise across processes, the AMP
+"""Reliability through real `horovodrun --gloo`: non-finite skip/raise across processes, the AMP
 recipe, the consistency guard, and a worker that dies mid-step ending the job fast for every reducer."""
 
 import subprocess

@@ -1,6 +1,7 @@
-"""SparDL on the simulator against the spec's oracles (spardl.md §10).
+"""SparDL on the simulator against its invariants (docs/algorithms.md#spardl).
 
-The master oracle is ``spardl_reference``: §5 written out directly with loops over ranks, blocks and steps
+The master oracle is ``spardl_reference``: the steps 5.1-5.6 of the module docstring of
+hvd_sparse/core/reducers/spardl.py written out directly with loops over ranks, blocks and steps
 (2-D blocks, a lexsort top-k, the schedule derived the code's way), which the reducer must equal on integer
 data (every sum exact in float32).
 """
@@ -56,7 +57,7 @@ def ref_sel(x, kk):
 
 
 def ref_schedule(Q):
-    """The code's derivation (spec §5.2): size_list = reverse([1, 2, .., 2^(l-2)] + [Q - 2^(l-1)]),
+    """The authors' code's derivation (step 5.2): size_list = reverse([1, 2, .., 2^(l-2)] + [Q - 2^(l-1)]),
     gap = Q - size_list[0], halved each step."""
     if Q == 1:
         return []
@@ -70,7 +71,7 @@ def ref_schedule(Q):
 
 
 def spardl_reference(g, density, d=1, selection="lazy", sag="bruck", h_mode="adaptive"):
-    """Spec §5 on all P ranks at once. Returns per step: u (sum, not divided), residuals (P, n),
+    """SparDL on all P ranks at once. Returns per step: u (sum, not divided), residuals (P, n),
     F mask (n), h used (P), union sizes (P, d > 1 B-SAG) and final set size per block (Q)."""
     steps, P, n = g.shape
     Q = P // d
@@ -189,7 +190,7 @@ def spardl_reference(g, density, d=1, selection="lazy", sag="bruck", h_mode="ada
 
 
 def h_controller_ref(h, step, inertia, u, kb, d):
-    """spec §5.5 controller, transcribed."""
+    """The adaptive h controller of step 5.5, transcribed."""
     if (u > kb) ^ (step > 0):
         if inertia:
             step, inertia = step * 2, False
@@ -260,7 +261,7 @@ def assert_matches_reference(out, ref, P):
             assert out[w][t]["info"]["K"] == np.count_nonzero(rt["u"])
 
 
-# -- §10 master oracle --------------------------------------------------------------------------------------
+# -- master oracle --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("P, d, sag, selection", configs())
 @pytest.mark.parametrize("density", [0.05, 0.3])
 def test_equals_reference_bitwise_on_integer_data(P, d, sag, selection, density):
@@ -296,9 +297,9 @@ def test_tiny_n_smaller_than_team_and_padding_blocks():
         assert_matches_reference(run(comp(0.5, d), g), spardl_reference(g, 0.5, d), P)
 
 
-# -- §10.1 schedule -----------------------------------------------------------------------------------------
+# -- schedule ----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("Q", range(1, 17))
-def test_o1_schedule(Q):
+def test_srs_schedule_sends_every_block_once(Q):
     sched = srs_schedule(Q)
     assert sched == ref_schedule(Q)
     assert len(sched) == math.ceil(math.log2(Q)) if Q > 1 else sched == []
@@ -318,11 +319,11 @@ def test_o1_schedule(Q):
             3: [(2, 1), (1, 1)], 2: [(1, 1)]}.get(Q, sched) == sched
 
 
-# -- §10.2 lossless limit -----------------------------------------------------------------------------------
+# -- lossless limit ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("P, d, sag", [(P, 1, "bruck") for P in PS] + [(4, 2, "recursive"), (8, 4, "recursive"),
                                                                       (8, 8, "recursive")])
 @pytest.mark.parametrize("selection", ["lazy", "eager"])
-def test_o2_density_one_is_lossless(P, d, sag, selection):
+def test_density_one_is_lossless(P, d, sag, selection):
     g = int_grads(2, P, 131, seed=P)
     with pytest.warns(UserWarning, match="groups == P") if d == P > 1 else _nullcontext():
         out = run(comp(1.0, d, sag=sag, selection=selection), g)
@@ -332,7 +333,7 @@ def test_o2_density_one_is_lossless(P, d, sag, selection):
             assert not out[w][t]["res"].any()
 
 
-def test_o2_bruck_fixed_h_is_not_lossless_at_density_one():
+def test_bruck_fixed_h_is_not_lossless_at_density_one():
     g = int_grads(1, 4, 64, seed=1)
     out = run(comp(1.0, 2, h_mode="fixed"), g)
     assert out[0][0]["res"].any() or out[1][0]["res"].any()
@@ -346,9 +347,9 @@ class _nullcontext:
         return False
 
 
-# -- §10.3 conservation, §10.4 GRC rule ---------------------------------------------------------------------
+# -- conservation, global residual collection ---------------------------------------------------------------------
 @pytest.mark.parametrize("P, d, sag, selection", configs())
-def test_o3_mass_conservation_exact(P, d, sag, selection):
+def test_mass_conservation_exact(P, d, sag, selection):
     g = int_grads(6, P, 143, seed=5 + P)
     res = simulate(comp(0.05, d, sag=sag, selection=selection), g, average=False)
     for t in range(6):
@@ -358,7 +359,7 @@ def test_o3_mass_conservation_exact(P, d, sag, selection):
 
 
 @pytest.mark.parametrize("P, d", [(2, 1), (4, 1), (8, 1), (8, 2), (4, 4)])
-def test_o3_conservation_with_average_applied_times_P(P, d):
+def test_conservation_with_average_applied_times_P(P, d):
     g = int_grads(5, P, 120, seed=2)
     res = simulate(comp(0.1, d), g)                          # applied = u / P (exact for P a power of two)
     for t in range(5):
@@ -367,7 +368,7 @@ def test_o3_conservation_with_average_applied_times_P(P, d):
 
 
 @pytest.mark.parametrize("P, d, sag, selection", configs())
-def test_o4_grc_rule(P, d, sag, selection):
+def test_global_residual_collection_rule(P, d, sag, selection):
     g = int_grads(3, P, 97, seed=7)
     out = run(comp(0.1, d, sag=sag, selection=selection), g)
     ref = spardl_reference(g, 0.1, d, selection, sag)
@@ -384,10 +385,10 @@ def test_o4_grc_rule(P, d, sag, selection):
                 assert not out[w][t]["res"][F & own].any()
 
 
-# -- §10.5 / §10.9 volume and the Horovod emulation ---------------------------------------------------------
+# -- volume and single-peer exchanges ------------------------------------------------------------------------
 @pytest.mark.parametrize("P", PS + [6])
 @pytest.mark.parametrize("pack", ["bitcast", "two"])
-def test_o5_o9_volume_d1_exact(P, pack):
+def test_volume_with_one_team_is_exact(P, pack):
     n, density = 100 * P, 0.05                             # k = 5P, c = 100, k_b = 5 = k/P
     g = int_grads(2, P, n, seed=P)
     out = run(comp(density, 1, pack=pack), g)
@@ -415,7 +416,7 @@ def test_o5_o9_volume_d1_exact(P, pack):
 
 @pytest.mark.parametrize("P, d, sag", [(4, 2, "bruck"), (8, 2, "bruck"), (8, 4, "bruck"), (6, 3, "bruck"),
                                        (6, 2, "bruck"), (8, 2, "recursive"), (8, 4, "recursive")])
-def test_o5_volume_with_teams_exact(P, d, sag):
+def test_volume_with_teams_is_exact(P, d, sag):
     n = 240
     g = int_grads(3, P, n, seed=d)
     out = run(comp(0.1, d, sag=sag), g)
@@ -441,7 +442,7 @@ def test_o5_volume_with_teams_exact(P, d, sag):
 
 @pytest.mark.parametrize("P, d, sag", [(5, 1, "bruck"), (8, 1, "bruck"), (6, 2, "bruck"), (8, 4, "bruck"),
                                        (8, 2, "recursive"), (4, 4, "bruck")])
-def test_o9_single_peer_alltoalls_with_scheduled_peers(P, d, sag):
+def test_single_peer_alltoalls_with_scheduled_peers(P, d, sag):
     g = int_grads(2, P, 120, seed=1)
     with pytest.warns(UserWarning) if d == P else _nullcontext():
         out = run(comp(0.1, d, sag=sag), g)
@@ -475,9 +476,9 @@ def test_o9_single_peer_alltoalls_with_scheduled_peers(P, d, sag):
             assert set(seen) == set(expect)
 
 
-# -- §10.6 replica consistency ------------------------------------------------------------------------------
+# -- replica consistency -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("P, d, sag, selection", configs())
-def test_o6_replica_consistency_on_float_data(P, d, sag, selection):
+def test_replica_consistency_on_float_data(P, d, sag, selection):
     rng = np.random.default_rng(P + d)
     g = (rng.standard_normal((3, P, 500)) * rng.lognormal(0, 2, size=500)).astype(np.float32)
     res = simulate(comp(0.02, d, sag=sag, selection=selection), g)
@@ -485,8 +486,8 @@ def test_o6_replica_consistency_on_float_data(P, d, sag, selection):
         assert res.updates[:, w].tobytes() == res.updates[:, 0].tobytes()
 
 
-# -- §10.7 h-controller, §10.8 worked example ---------------------------------------------------------------
-def test_o7_h_controller():
+# -- h controller, worked example ---------------------------------------------------------------------------
+def test_adaptive_h_controller_sequence():
     h, step, inertia = 500, 5, False                 # k_b = 1000, d = 2: h0 = 500, h_step0 = 5
     got = []
     for u in (900, 950, 980, 1010, 1005, 990):
@@ -499,7 +500,7 @@ def test_o7_h_controller():
     assert h_controller_step(2, -4, False, 0, 10, 2) == (5, 2, False)         # floor k_b // d
 
 
-def test_o8_worked_example():
+def test_worked_example_two_ranks_four_entries():
     g = np.array([[[1, -5, 2, 0.5], [3, 1, -1, 2]]], np.float32)
     res = simulate(comp(0.5), g)
     for w in range(2):
@@ -547,7 +548,7 @@ def test_torch_and_numpy_backends_agree_bitwise(P, d, sag, selection):
             assert a[w][t]["info"]["h"] == b[w][t]["info"]["h"]
 
 
-def test_nan_gradient_is_skipped_by_the_engine_and_check_finite_catches_an_overflowing_accumulator():
+def test_nan_gradient_and_overflowing_accumulator_are_skipped_by_the_engine_before_spardl():
     g = int_grads(1, 4, 40, seed=1)
     g[0, 2, 7] = np.nan
     res = simulate(comp(0.1, 1), g)                 # the engine's nonfinite="skip": all ranks skip
@@ -558,21 +559,6 @@ def test_nan_gradient_is_skipped_by_the_engine_and_check_finite_catches_an_overf
     with pytest.warns(RuntimeWarning, match="skipped on every rank"):
         res = simulate(comp(0.1, 1), big)
     assert np.isnan(res.updates[1]).all() and np.array_equal(res.residuals[1], res.residuals[0])
-    # so the engine never hands SparDL a non-finite accumulator; used on its own, check_finite raises on every rank
-    from hvd_sparse.core.engine import StepContext
-    from hvd_sparse.core.xp import backend_of
-
-    def body(comm):
-        acc = np.ones(40, np.float32)
-        acc[3] = np.inf if comm.rank == 1 else 1.0
-        ctx = StepContext(comm.rank, comm.size, 0, (40,), comm)
-        try:
-            SparDL(check_finite=True).reduce(backend_of(acc), acc, None, 4, comm, {}, ctx)
-        except FloatingPointError as e:
-            return str(e)
-    assert all("check_finite" in str(m) for m in SimulatedWorld(2).run(body))
-    ok = simulate(comp(0.1, 2, check_finite=True), int_grads(2, 4, 40, seed=1))
-    assert ok.volume[0][0]["collectives"] > 0
 
 
 def test_arguments_are_validated():
@@ -585,10 +571,22 @@ def test_arguments_are_validated():
     for kw in ({"sag": "ring"}, {"selection": "greedy"}, {"h_mode": "auto"}, {"pack": "fp16"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             SparDL(**kw)
-    with pytest.raises(TypeError, match="check_finite"):
-        SparDL(check_finite="yes")
     assert SparDL(2) == SparDL(groups=2) and hash(SparDL(2)) == hash(SparDL(2)) and SparDL(2) != SparDL()
     assert SparDL.name == "spardl"
+
+
+def test_spardl_preset_reaches_every_knob():
+    from hvd_sparse import Compression
+
+    kw = dict(sag="recursive", selection="eager", h_mode="fixed", pack="two")
+    preset = Compression.spardl(0.1, groups=2, **kw)
+    assert preset.reducer == SparDL(2, **kw)
+    assert repr(preset) == ("Compression.spardl(density=0.1, groups=2, sag='recursive', selection='eager', "
+                            "h_mode='fixed', pack='two')")
+    assert repr(Compression.spardl(0.1)) == "Compression.spardl(density=0.1, groups=1)"
+    g = int_grads(3, 4, 64, seed=5)
+    a, b = simulate(preset, g), simulate(comp(0.1, 2, **kw), g)
+    assert a.updates.tobytes() == b.updates.tobytes() and a.residuals.tobytes() == b.residuals.tobytes()
 
 
 def test_groups_equal_P_warns():
@@ -619,7 +617,7 @@ def test_property_equals_reference_conserves_and_agrees(data, P, n, density, see
 @pytest.mark.parametrize("selection", ["lazy", "eager"])
 def test_rsag_three_rounds_conserves_mass(selection):
     """d = 8 R-SAG: a sum dropped at round s >= 1 can come back in a later round; each of the 2^(s+1)
-    holders must keep 1/2^(s+1) of it (the spec's "half" is exact only for round 0)."""
+    holders must keep 1/2^(s+1) of it (a plain "half" is exact only for round 0)."""
     P = 8
     g = int_grads(4, P, 64, seed=3, scale=8)
     with pytest.warns(UserWarning, match="groups == P"):

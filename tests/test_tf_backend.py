@@ -69,7 +69,6 @@ def test_every_preset_on_tensorflow_equals_numpy_bit_for_bit(preset, P):
     ("spardl 2 teams, bruck", lambda: Compression.spardl(0.05, groups=2), 4),
     ("spardl recursive eager", lambda: SparseCompression(
         TopK(0.05), SparDL(2, sag="recursive", selection="eager", pack="two")), 4),
-    ("spardl check_finite", lambda: SparseCompression(TopK(0.05), SparDL(check_finite=True)), 2),
     ("gaussiank vgg", lambda: SparseCompression(GaussianK(0.05, adjust="vgg"), hvd_sparse.core.reducers.TopkA()),
      3),
     ("density 1 equals dense", lambda: Compression.topka(1.0), 2),
@@ -80,7 +79,7 @@ def test_other_configurations_on_tensorflow_equal_numpy(name, make, P):
 
 
 def test_integer_gradients_mass_conservation_on_tensorflow():
-    """Oracle O10 on the TensorFlow path itself: P·Σ updates + Σ residuals == Σ grads (exact on integers)."""
+    """Mass conservation on the TensorFlow path itself: P·Σ updates + Σ residuals == Σ grads (exact on integers)."""
     g = int_grads(6, 3, N, seed=5, scale=64)
     res = simulate(Compression.oktopk(0.05), g, backend="tensorflow", average=False)
     assert np.array_equal(res.updates.sum(axis=0)[0] + res.residuals[-1].sum(axis=0), g.sum(axis=(0, 1)))

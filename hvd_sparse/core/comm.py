@@ -1,4 +1,4 @@
-"""The Communicator protocol and the volume meter (spec oktopk.md §2.6-2.7).
+"""The Communicator protocol and the volume meter (docs/algorithms.md#volume).
 
 A reducer talks to the other ranks only through a :class:`Communicator`. Two implementations exist:
 :class:`hvd_sparse.core.sim.SimulatedCommunicator` (P virtual ranks in one process, the test oracle) and

@@ -1,5 +1,5 @@
 """One sparse step of one sparsification unit on one rank: where sparsifier, error feedback, reducer and
-communicator meet (DESIGN.md "Layers"). Framework adapters and the simulator both drive this class.
+communicator meet (docs/design.md#engine). Framework adapters and the simulator both drive this class.
 
     step(grad):
         acc = residual + grad                         # memory.py (float32)

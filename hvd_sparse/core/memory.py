@@ -1,10 +1,10 @@
-"""Error feedback: the residual each rank carries between steps (spec oktopk.md §2.3).
+"""Error feedback: the residual each rank carries between steps (docs/algorithms.md#error-feedback).
 
 Per step, on every rank:  1. acc = residual + grad          (float32, in a spare buffer of the same size)
                           2. the reducer returns the included set I (S, or S ∩ G for Ok-Topk and gTopk)
                           3. residual = acc with residual[I] = 0
 
-Invariant (oracle O10, not gTopk): P·Σ updates + Σ residuals over ranks == Σ grads, exact on integer data.
+Invariant (mass conservation, not gTopk): P·Σ updates + Σ residuals over ranks == Σ grads, exact on integer data.
 The residual stays float32 whatever the gradient dtype, and is per rank: never broadcast, never averaged.
 """
 

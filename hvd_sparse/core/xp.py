@@ -17,7 +17,7 @@ Conventions (all backends):
   array type allows it and *return the result*, which callers must use: TensorFlow tensors are immutable, so
   there the result is a new tensor (``x = xp.put_(x, idx, 0.0)``);
 * ``topk_indices`` is exact and deterministic: largest ``|x|`` first, ties broken by the lower index,
-  zeros never selected (spec oktopk.md §2.1, rule ``ge_nonzero`` made exact-k).
+  zeros never selected (rule ``ge_nonzero`` made exact-k: docs/algorithms.md#exact-top-k).
 """
 
 from __future__ import annotations
@@ -600,7 +600,7 @@ def topk_indices(xp, acc, k):
     """Exact top-k of ``|acc|``: sorted int64 indices of the min(k, nnz) largest magnitudes.
 
     Deterministic: ties at the k-th magnitude are broken by the lower index, zeros are never selected
-    (spec oktopk.md §2.1). Returns ``(indices, threshold)`` where ``threshold`` is the k-th largest |acc|
+    (docs/algorithms.md#exact-top-k). Returns ``(indices, threshold)`` where ``threshold`` is the k-th largest |acc|
     as a Python float (0.0 when fewer than k entries are nonzero).
     """
     n = xp.numel(acc)

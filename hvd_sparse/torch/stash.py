@@ -2,7 +2,7 @@
 
 Horovod calls ``compress(p.grad)`` per parameter (from backward hooks or ``synchronize()``), allreduces what
 it returns, then calls ``decompress(output, ctx)`` per parameter in ``synchronize()``. On each rank every
-compress of a step precedes the first decompress (spec horovod_integration.md §1.2). So:
+compress of a step precedes the first decompress (Horovod 0.28.1's optimizer.py). So:
 
 * ``compress`` stashes the gradient and returns a 1-element placeholder; it never communicates (the
   order of compress calls differs across ranks when some parameters are unused);

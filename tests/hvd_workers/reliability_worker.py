@@ -1,4 +1,4 @@
-"""Runs under `horovodrun -np P --gloo`: reliability scenarios of hvd_sparse.torch (issue 6).
+"""Runs under `horovodrun -np P --gloo`: reliability scenarios of hvd_sparse.torch.
 
     reliability_worker.py <scenario> <outdir> [preset]
 

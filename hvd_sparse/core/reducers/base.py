@@ -7,8 +7,8 @@
   bit-identical on every rank (invariant 1) -- or, for reducers whose result is sparse by construction
   (Ok-Topk), a :class:`SparseSum` (its support and values), which spares the engine a dense n-sized buffer:
   the adapters then zero the gradients and scatter the K values into them;
-* ``included``: the indices of ``acc`` that reached ``u`` (error feedback zeroes exactly these, spec
-  oktopk.md §2.3), or :data:`ALL` when every entry did (dense);
+* ``included``: the indices of ``acc`` that reached ``u`` (error feedback zeroes exactly these,
+  docs/algorithms.md#error-feedback), or :data:`ALL` when every entry did (dense);
 * ``info``: a dict of what the step learned (e.g. ``"counts"``: every rank's selection size, ``"K"``:
   the global count, thresholds), handed to ``sparsifier.update`` and kept in the engine's statistics.
   A reducer whose residual is not "acc with the included entries zeroed" (SparDL's global residual
@@ -16,7 +16,7 @@
 * ``ctx``: the :class:`hvd_sparse.core.engine.StepContext` (rank, size, step, layout).
 
 Reducers issue collectives only through ``comm``, in an order that depends on nothing but data every rank
-holds identically; with ``comm.size == 1`` they issue none (oracle O22).
+holds identically; with ``comm.size == 1`` they issue none (docs/algorithms.md#invariants).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ INT32_INDEX_LIMIT = 2**31 - 2
 
 
 def wire_index_dtype(xp, n):
-    """int32 on the wire while every index fits, int64 beyond (spec oktopk.md §5: never float-encoded)."""
+    """int32 on the wire while every index fits, int64 beyond (never float-encoded: docs/algorithms.md#wire-format)."""
     return xp.int32 if n <= INT32_INDEX_LIMIT else xp.index_dtype
 
 

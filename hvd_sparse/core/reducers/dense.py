@@ -1,4 +1,4 @@
-"""Dense allreduce (spec oktopk.md §3.1): the baseline every sparse scheme is compared with.
+"""Dense allreduce (docs/algorithms.md#dense): the baseline every sparse scheme is compared with.
 
     u = sum_r g^r          (one allreduce of the whole flat buffer; Horovod/Gloo runs a ring)
 

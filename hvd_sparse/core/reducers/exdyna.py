@@ -1,4 +1,4 @@
-"""ExDyna exchange (spec exdyna.md §5.7-5.8): a global sparse allreduce on the jointly chosen support.
+"""ExDyna exchange (docs/algorithms.md#exdyna): a global sparse allreduce on the jointly chosen support.
 
 Per step, on every rank r (``acc`` = V_r = residual + gradient, I_r its selection inside its exclusive
 partition, chosen by :class:`hvd_sparse.core.sparsifiers.exdyna.ExDyna`):
@@ -26,7 +26,7 @@ from .base import Reducer, wire_index_dtype
 
 
 class ExDynaReducer(Reducer):
-    """The exchange of ExDyna (Yoon & Oh, CCGrid 2024; spec exdyna.md §5.7): allgather the per-rank counts
+    """The exchange of ExDyna (Yoon & Oh, CCGrid 2024; docs/algorithms.md#exdyna): allgather the per-rank counts
     and indices, then allreduce (SUM) every rank's accumulated values over the union S; every rank's
     residual is cleared on all of S. No knobs (indices travel unpadded, via allgatherv).
     """

@@ -1,4 +1,4 @@
-"""gTopk: global top-k through a binary reduction tree (spec oktopk.md §3.4; Shi et al.; paper Table 1
+"""gTopk: global top-k through a binary reduction tree (docs/algorithms.md#gtopk; Shi et al.; Li & Hoefler Table 1
 row "gTopk").
 
 Per step, on every rank r (``acc`` = a = residual + gradient, S^r its selection, chosen by the sparsifier):
@@ -20,7 +20,7 @@ and 0 elsewhere (the receiver learns the size from the returned splits). Pairs t
 words (index, float32 value bits; int64 words only for n >= 2^31), so each rank moves at most 2k words
 per round up and receives 2k words from the broadcast: 4k·log2 P in total (Table 1).
 
-Not mass-conserving (oracle O10 does not hold): a value of j in G can miss the contributions of a
+Not mass-conserving: a value of j in G can miss the contributions of a
 subtree where j was pruned, yet those ranks clear eps[j] because j is in G.
 """
 
@@ -44,7 +44,7 @@ def _argsort_stable(xp, x):
 def top_k_list(xp, idx, vals, k):
     """The k entries of largest |vals| of a list sorted by index (ties by lower index), still sorted.
 
-    Entries whose value is 0 rank last but are kept when fewer than k nonzero entries exist (the spec's
+    Entries whose value is 0 rank last but are kept when fewer than k nonzero entries exist (the reference
     "keep all if the union is < k"); with <= k entries the list is returned unchanged.
     """
     m = xp.numel(idx)
@@ -82,7 +82,7 @@ def merge(xp, ia, va, ib, vb, k):
 
 class GTopk(Reducer):
     """gTopk (Shi et al., "A Distributed Synchronous SGD Algorithm with Global Top-k Sparsification for
-    Low Bandwidth Networks", ICDCS'19; baseline of Li & Hoefler, PPoPP'22, §5; spec oktopk.md §3.4):
+    Low Bandwidth Networks", ICDCS'19; baseline of Li & Hoefler, PPoPP'22, §5; docs/algorithms.md#gtopk):
     pairwise merges of the local top-k lists along a binary tree, each keeping only the top-k of the
     partial sum, then a broadcast of the global list from rank 0. Any P (non-powers of two use a fold-in
     pre-round). The included set is S ∩ G, so values pruned on the way stay in the residual.

@@ -1,13 +1,13 @@
-"""Ok-Topk: the O(k) sparse allreduce (spec oktopk.md §3.6; Li & Hoefler, PPoPP'22, Algorithm 1).
+"""Ok-Topk: the O(k) sparse allreduce (docs/algorithms.md#oktopk; Li & Hoefler, PPoPP'22, Algorithm 1).
 
     oktopk_step(g):                                 # engine: a = eps + g; S = ThresholdReuse.select(a)
       reev  = (t % tau_p == 0)                      # t = 0 is always a re-eval AND repartition step
-      if t % tau == 0: off = repartition(a, L)      # §3.6.4, one allreduce
-      rho   = split_and_reduce(a, S, off)           # §3.6.5, region r of the sum
-      if reev:                                      # §3.6.6
+      if t % tau == 0: off = repartition(a, L)      # one allreduce
+      rho   = split_and_reduce(a, S, off)           # region r of the sum
+      if reev:                                      # global re-evaluation
           C   = allgather( (x+off[r], rho[x]) for x with rho[x] != 0 )    # identical on all ranks
           Gam = kth_abs(C.val, min(k, |C|));  G = deterministic top-min(k,|C|) of C
-      else:                                         # §3.6.7
+      else:                                         # threshold reuse
           mine = ((x+off[r], rho[x]) for x with |rho[x]| > Gam)           # or >= / nonzero per select_rule
           G    = balance_and_allgatherv(mine)       # sorted by global index
           Gam  = band_adjust(Gam, |G|, k, lo_G, hi_G, /relax, *tighten)
@@ -15,12 +15,12 @@
       t += 1
       return SparseSum(G.idx, G.val), I             # the SUM, as out[G.idx] = G.val (the engine divides by P)
 
-    repartition(a, L):                              # §3.6.4
+    repartition(a, L):
       idx = sorted global indexes of S;  m = len(idx);  c = m // P
       prop[j] = idx[j*c] (j = 1..P-1) if c >= 1 else floor(j*n/P)
       B = allreduce(prop as int64, op=Sum) // P;  return off = [0, B_1, ..., B_{P-1}, n]
 
-    balance_and_allgatherv(mine):                   # §3.6.7
+    balance_and_allgatherv(mine):
       c = allgather([len(mine)])
       if policy == always or (policy == auto and max(c) > 4 * sum(c) / P):
           T = sum(c); b_q = T//P + (1 if q < T % P else 0); O_r = sum(c[:r]); Bo_q = sum(b[:q])
@@ -36,14 +36,14 @@ Collectives (phase names, each a distinct, stable collective; none at all when P
     balance        alltoall  (global index, value)     other steps, when the balance policy triggers
     gather         allgather (global index, value)     other steps (skipped when K = 0, known to all)
 
-Wire format (spec §2.6): one (index, value) pair = two words of one array, the index followed by the
+Wire format: one (index, value) pair = two words of one array, the index followed by the
 float32 value bit-cast to int32 (int64 words, value bits sign-extended in the low half, only when an index
 does not fit int32). Indexes are never float-encoded. The split phase sends region-relative indexes
 (int32 while every region has < 2^31 entries), the gathers global ones (int32 while n < 2^31).
 
-Decisions (spec §5/§7): the global re-evaluation takes the exact top-min(k, |C|) of the gathered
+Decisions (docs/algorithms.md#oktopk): the global re-evaluation takes the exact top-min(k, |C|) of the gathered
 candidates in the same step (ref; ties by ascending global index); the residual rule is the exact
-intersection S ∩ G (§3.6.8); K = 0 is legal (Γ is then invalid and the next step re-evaluates);
+intersection S ∩ G; K = 0 is legal (Γ is then invalid and the next step re-evaluates);
 P = 1 runs the same algorithm without any collective (G ⊆ S, out = a on G).
 """
 
@@ -79,7 +79,7 @@ def region_split(xp, idx, offsets):
 
 
 def balance_splits(counts, rank):
-    """Send splits of ``rank`` for the balancing alltoall (spec §3.6.7): the interval intersections of
+    """Send splits of ``rank`` for the balancing alltoall: the interval intersections of
     its slice [O_r, O_r + c_r) of the global concatenation with the balanced blocks [Bo_q, Bo_q + b_q)."""
     P = len(counts)
     T = sum(counts)
@@ -123,7 +123,7 @@ LADDER_STEPS = tuple(range(-2, 7))
 
 class OkTopk(Reducer):
     """Ok-Topk O(k) sparse allreduce (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep
-    Learning", PPoPP'22, Algorithm 1; spec oktopk.md §3.6). Pair it with
+    Learning", PPoPP'22, Algorithm 1; docs/algorithms.md#oktopk). Pair it with
     :class:`hvd_sparse.core.sparsifiers.threshold_reuse.ThresholdReuse` (its local selection).
 
     Args:
@@ -138,7 +138,7 @@ class OkTopk(Reducer):
         global_tighten (float): Γ *= global_tighten when K > hi·k. Default 1.008 (1.0 disables).
         select_rule (str): owners' candidates on reuse steps: ``"ge_nonzero"`` (default, |ρ| >= Γ and
             ρ != 0) or ``"gt"`` (ref: |ρ| > Γ). Re-evaluation steps always take the exact top-k.
-        max_select_ratio (float or None): optional hard cap (spec §5): when K > ratio·k on a reuse step
+        max_select_ratio (float or None): optional hard cap: when K > ratio·k on a reuse step
             (known from the allgathered counts), keep the exact top-k of the gathered values and
             re-evaluate Γ from them. Default None (off, as ref).
         global_control (str): how Γ follows K between re-evaluations. ``"band"`` (default, ref): the
@@ -193,7 +193,7 @@ class OkTopk(Reducer):
     def initial_state(self):
         return {"t": 0, "gamma": None, "offsets": None, "size": None}
 
-    # -- §3.6.4 -----------------------------------------------------------------------------------------
+    # -- repartition--------------------------------------------------------------------------------------
     @staticmethod
     def _repartition(xp, idx, n, comm):
         P = comm.size
@@ -208,7 +208,7 @@ class OkTopk(Reducer):
         total = comm.allreduce(prop, SUM, "boundaries")            # int64: no overflow
         return [0] + [int(b) // P for b in xp.to_numpy(total)] + [n]
 
-    # -- §3.6.5 -----------------------------------------------------------------------------------------
+    # -- split and reduce--------------------------------------------------------------------------------------
     @staticmethod
     def _split_and_reduce(xp, acc, idx, offsets, comm):
         """Region r of the sum of the selections: its nonzeros as (global int64 idx, float32 value)."""
@@ -240,17 +240,17 @@ class OkTopk(Reducer):
         reev = t % self.threshold_period == 0 or gamma is None or not math.isfinite(gamma)
         repart = t % self.repartition_period == 0 or offsets is None
 
-        if repart:                                                  # §3.6.4
+        if repart:                                                  # repartition
             offsets = self._repartition(xp, idx, n, comm)
         if P == 1:                                                  # rho = a on S (no collective)
             vals = xp.take(acc, idx)
             nz = xp.nonzero(xp.gt(xp.abs(vals), 0.0))
             c_idx, c_val = xp.take(idx, nz), xp.take(vals, nz)
-        else:                                                       # §3.6.5
+        else:                                                       # split and reduce
             c_idx, c_val = self._split_and_reduce(xp, acc, idx, offsets, comm)
 
         balanced = capped = False
-        if reev:                                                    # §3.6.6 global re-evaluation
+        if reev:                                                    # global re-evaluation
             if P > 1:
                 owner_counts = _allgather_count(xp, xp.numel(c_idx), comm, "reeval_count", acc)
                 if sum(owner_counts):                               # (skipped when K = 0 everywhere)
@@ -259,7 +259,7 @@ class OkTopk(Reducer):
                 owner_counts = [xp.numel(c_idx)]
             g_idx, g_val, gamma = global_topk(xp, c_idx, c_val, k)
             used = gamma_next = gamma
-        else:                                                       # §3.6.7 threshold Γ + balance
+        else:                                                       # threshold Γ reused + balance
             used = gamma
             view = native.f32_view(xp, c_val)     # the kernel counts and selects on |c_val| as rule_mask does
             mag = xp.abs(c_val) if view is None else None
@@ -296,7 +296,7 @@ class OkTopk(Reducer):
                 g_idx, g_val = m_idx, m_val
             T = sum(owner_counts)
             if self.max_select_ratio is not None and T > self.max_select_ratio * k:
-                g_idx, g_val, gamma_next = global_topk(xp, g_idx, g_val, k)    # hard cap (§5)
+                g_idx, g_val, gamma_next = global_topk(xp, g_idx, g_val, k)    # hard cap
                 capped = True
             elif self.global_control == "ladder":
                 gamma_next = used
@@ -304,7 +304,7 @@ class OkTopk(Reducer):
                 gamma_next = band_adjust(gamma, T, k, self.global_band_lo, self.global_band_hi,
                                          self.global_relax, self.global_tighten)
 
-        # §3.6.8 output and included set I = S ∩ G (exact); the sum is G itself (sorted, unique): the engine
+        # output and included set I = S ∩ G (exact); the sum is G itself (sorted, unique): the engine
         # scatters it into the outputs, no n-sized buffer here
         u = SparseSum(g_idx, g_val)
         included = intersect_sorted(xp, idx, g_idx)
@@ -315,7 +315,7 @@ class OkTopk(Reducer):
         return u, included, info
 
 
-# -- presets (spec §3.6.1); the dense warm-up W (128 / 512 / 0) is the engine's, not listed here ----------
+# -- presets (docs/algorithms.md#oktopk); the authors' dense warm-up steps (128 / 512 / 0) are not reproduced ---
 OKTOPK_PRESETS = {
     # the library's default (Compression.oktopk): the paper's algorithm and balancing, exact-k selection,
     # controllers that keep |S| <= k and K <= k on reuse steps (the assumptions of the 6k(P-1)/P bound)
@@ -327,7 +327,7 @@ OKTOPK_PRESETS = {
                     "select_rule": "ge_nonzero", "global_control": "ladder"},
     },
     # the paper's algorithm: periodic exact re-evaluation only (no guard, no band controllers: 1.0 = off),
-    # balancing iff max c_j > 4·avg, "values above the threshold" with exact k (ge_nonzero, spec §7.4)
+    # balancing iff max c_j > 4·avg, "values above the threshold" with exact k (ge_nonzero)
     "paper": {
         "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": None,
                        "band_relax": 1.0, "band_tighten": 1.0},

@@ -1,8 +1,8 @@
-"""SparDL (spec spardl.md; Zhao et al., ICDE 2024): Spar-Reduce-Scatter (SRS) with block-wise top-k/P,
+"""SparDL (docs/algorithms.md#spardl; Zhao et al., ICDE 2024): Spar-Reduce-Scatter (SRS) with block-wise top-k/P,
 Global Residual Collection (GRC), Spar-All-Gather across d teams (SAG), final All-Gather in each team.
 
 Rank (g, r): team g = rank // Q, local rank r = rank % Q, Q = P/d. n entries in Q blocks of c = ceil(n/Q)
-(zero-padded to Q·c). Per-block budget k_b = max(1, floor(k·c/n)) (= int(c·ρ) of the spec for k = ρn).
+(zero-padded to Q·c). Per-block budget k_b = max(1, floor(k·c/n)) (= int(c·ρ) of the authors' code for k = ρn).
 
     5.1  V = acc;  A = V zero-padded (block b = A[b·c:(b+1)·c]);  D = 0        # lazy: D lives in A
          select(b, kk): I = top-kk of |A[b]| (larger |x| first, ties -> lower index, zeros may be chosen)
@@ -27,7 +27,7 @@ Rank (g, r): team g = rank // Q, local rank r = rank % Q, Q = P/d. n entries in 
          u[F] = values                                        # the engine divides by the WORLD size P
     5.4  GRC:  residual = V;  residual[F] = D[F]              # returned as info["residual"]
 
-Every point-to-point step is one ``comm.alltoall`` with single-peer splits (spec §6); with
+Every point-to-point step is one ``comm.alltoall`` with single-peer splits (Horovod has no send/recv); with
 ``pack="bitcast"`` the int32 indices travel bit-cast to float32 ahead of the values in ONE float32 tensor
 (never apply fp16 compression to it). P = 1 issues no collective (Q = 1, d = 1: u = top-k_b of V).
 """
@@ -51,7 +51,7 @@ def ceil_log2(x):
 
 
 def srs_schedule(Q):
-    """The SRS steps of a team of Q ranks (spec §5.2): ``[(gap_s, m_s) for s = 1..ceil(log2 Q)]``.
+    """The SRS steps of a team of Q ranks (step 5.2): ``[(gap_s, m_s) for s = 1..ceil(log2 Q)]``.
 
     Step s sends blocks (r+gap_s+j) mod Q, j < m_s, to local rank (r+gap_s) mod Q.
     """
@@ -60,7 +60,7 @@ def srs_schedule(Q):
 
 
 def h_controller_step(h, h_step, inertia, u, k_b, d):
-    """One update of the adaptive B-SAG selection size (spec §5.5, code lines 1253-1263).
+    """One update of the adaptive B-SAG selection size (step 5.5, as in the authors' code).
 
     Returns the new ``(h, h_step, inertia)`` after a union of size ``u``.
     """
@@ -89,7 +89,7 @@ def _topk_rows(xp, X, k):
     """Exact top-k of every row of the 2-D float32 ``X`` (m, c): column indices (m, k), int64, ascending.
 
     Larger |x| first, ties broken by the lower index, NaN counts as +inf, zeros may be chosen: every row
-    yields exactly min(k, c) columns (spec §5.3 "every message block carries exactly k_b pairs").
+    yields exactly min(k, c) columns (step 5.3: "every message block carries exactly k_b pairs").
     A partial sort picks k candidates per row; only rows whose k-th magnitude is tied beyond the slots left
     are redone with an exact mask (lower index wins).
     """
@@ -169,7 +169,7 @@ def _choice(value, name, allowed):
 
 class SparDL(Reducer):
     """SparDL (Zhao, Yin, Mao, Liu, Chen, Gao, "SparDL: Distributed Deep Learning Training with Efficient
-    Sparse Communication", ICDE 2024; spec spardl.md).
+    Sparse Communication", ICDE 2024; docs/algorithms.md#spardl).
 
     SparDL chooses its own values: the sparsifier's selection ``idx`` is IGNORED (pair it with
     ``TopK(density)``; only the sparsifier's budget k = max(1, floor(density·n)) is used, giving the
@@ -190,32 +190,27 @@ class SparDL(Reducer):
         pack (str): ``"bitcast"`` (default: indices bit-cast to float32 and values in one tensor, one
             alltoall per step) or ``"two"`` (separate index and value collectives, phases ``<phase>.idx`` /
             ``<phase>.val``).
-        check_finite (bool): all-reduce a non-finite flag (phase ``finite``) and raise on every rank
-            (default False: NaN/Inf are selected as the largest magnitudes and propagate). The engine checks
-            every accumulator before any reducer sees it (``nonfinite=``), so this matters only when the
-            reducer is driven directly.
+
+    Non-finite values are the engine's business: it checks every accumulator before any reducer sees it
+    (``nonfinite=``), so the reducer never receives a NaN or Inf.
     """
 
     name = "spardl"
     uses_selection = False
 
-    def __init__(self, groups=1, *, sag="bruck", selection="lazy", h_mode="adaptive", pack="bitcast",
-                 check_finite=False):
+    def __init__(self, groups=1, *, sag="bruck", selection="lazy", h_mode="adaptive", pack="bitcast"):
         self.groups = check_positive_int(groups, "groups", _API)
         self.sag = _choice(sag, "sag", ("bruck", "recursive"))
         self.selection = _choice(selection, "selection", ("lazy", "eager"))
         self.h_mode = _choice(h_mode, "h_mode", ("adaptive", "fixed"))
         self.pack = _choice(pack, "pack", ("bitcast", "two"))
-        if not isinstance(check_finite, (bool, np.bool_)):
-            raise TypeError(f"{_API}: check_finite must be True or False, got {check_finite!r}")
-        self.check_finite = bool(check_finite)
         if self.sag == "recursive" and self.groups & (self.groups - 1):
             raise ValueError(f"{_API}: groups must be a power of two with sag='recursive', got "
                              f"{self.groups}; use sag='bruck' or groups in (1, 2, 4, 8, ...)")
 
     def __repr__(self):
         return (f"SparDL(groups={self.groups}, sag={self.sag!r}, selection={self.selection!r}, "
-                f"h_mode={self.h_mode!r}, pack={self.pack!r}, check_finite={self.check_finite})")
+                f"h_mode={self.h_mode!r}, pack={self.pack!r})")
 
     # -- communication helpers ----------------------------------------------------------------------------
     def _exchange(self, xp, comm, phase, peer, ints, vals, header=0):
@@ -268,14 +263,6 @@ class SparDL(Reducer):
         if Q == 1 and d > 1 and rank == 0 and ctx.step == 0:
             warnings.warn(f"{_API}: groups == P = {P}: no Spar-Reduce-Scatter, every rank runs B-SAG over "
                           "the whole vector (the paper's lowest accuracy); consider groups < P", stacklevel=2)
-        if self.check_finite:
-            bad = 0.0 if xp.all_finite(acc) else 1.0
-            if P > 1:
-                bad = float(xp.to_numpy(comm.allreduce(xp.asarray([bad], f32, like=acc), "max", "finite"))[0])
-            if bad:
-                raise FloatingPointError(f"{_API}: non-finite values (NaN/Inf) in the accumulated gradient of "
-                                         "at least one rank (check_finite=True)")
-
         c = -(-n // Q)                                 # block size; blocks zero-padded to Q·c
         kb = max(1, min(c, (k * c) // n))             # per-block budget k_b (= int(c·ρ) for k = ρn)
         if d == 1 or self.sag == "recursive":
@@ -351,7 +338,7 @@ class SparDL(Reducer):
                     bufs.append((ri[j * h:(j + 1) * h], rv[j * h:(j + 1) * h]))
             S = xp.zeros(c, f32, like=acc)
             mark = xp.zeros(c, f32, like=acc)
-            for t in range(d):                                       # canonical team order (§8)
+            for t in range(d):                                       # canonical team order (rank-identical sums)
                 bi, bv = bufs[(t - g) % d]
                 loc = xp.astype(bi, i64) - r * c
                 S = xp.scatter_add_(S, loc, bv)

@@ -1,4 +1,4 @@
-"""TopkDSA: sparse reduce-scatter over equal regions + allgatherv with a dense switch (spec oktopk.md §3.3;
+"""TopkDSA: sparse reduce-scatter over equal regions + allgatherv with a dense switch (docs/algorithms.md#topk_dsa;
 SparCML's dynamic sparse allreduce as benchmarked by ref ``topkSA``; paper Table 1 row "TopkDSA").
 
 Per step, on every rank r (``acc`` = a = residual + gradient, S^r its selection, chosen by the sparsifier):
@@ -14,12 +14,12 @@ Per step, on every rank r (``acc`` = a = residual + gradient, S^r its selection,
                             u = concat_j rho^j
 
 Result: u = sum_r TopK(a^r) -- the same u as TopkA, bit for bit (both add the sources in rank order
-starting from +0), and the same residual (oracle O3). The dense switch is taken iff 3N >= n.
+starting from +0), and the same residual. The dense switch is taken iff 3N >= n.
 
-Wire format (words = 4-byte elements, spec §2.6): every (index, value) pair travels as two words of one
+Wire format (words = 4-byte elements): every (index, value) pair travels as two words of one
 int32 array, the index followed by the float32 value bit-cast to int32 (int64 words with the value bits
 in the low half only when an index does not fit int32). One collective per exchange; each pair is
-metered as 2 words. Volume received by rank r (oracle O20):
+metered as 2 words. Volume received by rank r:
     scatter: 2·sum_{s != r} |S^s ∩ R_r|;  count: P-1;  sparse: 2(N - U_r)  or  dense: n - |R_r|.
 """
 
@@ -30,14 +30,14 @@ from .topka import sum_in_rank_order
 
 
 def regions(n, P):
-    """Equal region offsets o_0..o_P (spec §3.3 step 2): q = n // P, the last region takes the rest."""
+    """Equal region offsets o_0..o_P (step 2): q = n // P, the last region takes the rest."""
     q = n // P
     return [j * q for j in range(P)] + [n]
 
 
 class TopkDSA(Reducer):
     """TopkDSA (Renggli et al., SparCML, SC'19, dynamic sparse allreduce; baseline of Li & Hoefler,
-    PPoPP'22, §5; spec oktopk.md §3.3): direct-exchange sparse reduce-scatter over P equal regions, then
+    PPoPP'22, §5; docs/algorithms.md#topk_dsa): direct-exchange sparse reduce-scatter over P equal regions, then
     an allgatherv of the reduced regions, sparse (COO) while the global fill-in N stays below n/3 and
     dense (the region buffers) otherwise. Same result as TopkA; costs between 4k(P-1)/P and
     (2k+n)(P-1)/P words per rank instead of 2k(P-1).

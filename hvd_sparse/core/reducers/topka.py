@@ -1,5 +1,5 @@
-"""TopkA: allgather of every rank's local selection (spec oktopk.md §3.2; paper Table 1 row "TopkA").
-Also the exchange of Gaussiank (§3.5 step 5) and of DCT-DP (dct.md §A.6, "allgather").
+"""TopkA: allgather of every rank's local selection (docs/algorithms.md#topka; Li & Hoefler Table 1 row "TopkA").
+Also the exchange of Gaussiank and of DCT-DP (docs/algorithms.md#gaussiank, docs/algorithms.md#dct).
 
 Per step, on every rank r (``acc`` = residual + gradient, S^r its selection, chosen by the sparsifier):
 
@@ -11,7 +11,7 @@ Per step, on every rank r (``acc`` = residual + gradient, S^r its selection, cho
     4. included I^r = S^r                                         # every sent value reaches u
 
 With an exact-k sparsifier every message has the same size, so no count exchange is needed and each
-rank receives exactly 2k(P-1) words (oracle O2). Output support <= min(n, Pk) (fill-in; no global top-k).
+rank receives exactly 2k(P-1) words. Output support <= min(n, Pk) (fill-in; no global top-k).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""DCT-DP (spec dct.md §A.4): per-tensor hard threshold, refreshed by a top-K once every ``lifespan`` steps.
-Exchanged by :class:`hvd_sparse.core.reducers.topka.TopkA` with counts (the spec's ``comm="allgather"``).
+"""DCT-DP (docs/algorithms.md#dct): per-tensor hard threshold, refreshed by a top-K once every ``lifespan`` steps.
+Exchanged by :class:`hvd_sparse.core.reducers.topka.TopkA` with counts (an allgatherv).
 
 Rank p, step t (``ctx.step``), tensor l of ``ctx.layout`` (numels n_l, offsets = prefix sums):
 
@@ -13,8 +13,8 @@ Rank p, step t (``ctx.step``), tensor l of ``ctx.layout`` (numels n_l, offsets =
     send (nonzero(M) + offset_l, Gt[M])     # TopkA: allgather counts, indices, values; rank-order sum
     E_l  = where(M, 0, Gt)                  # the engine's error feedback (residual[included] = 0)
 
-Between recomputes tau_l is stale (nnz drifts, §A.4); NaN never passes the mask (it stays in E), ±Inf passes.
-Optional drain (§A.5), mode "flush" only: with ``ef_drain_period = T_d`` a Bernoulli(1/T_d) draw keyed by
+Between recomputes tau_l is stale (nnz drifts); NaN never passes the mask (it stays in E), ±Inf passes.
+Optional drain (the paper's Remark 2), "flush" only: with ``ef_drain_period = T_d`` a Bernoulli(1/T_d) draw keyed by
 (drain_seed, t) -- identical on every rank -- selects every entry this step (Ghat = Gt, E = 0). Mode "discard"
 (drop E without sending) needs the residual to be cleared by the engine and is not available through the
 sparsifier interface.
@@ -58,7 +58,7 @@ def _snap(x):
 
 
 def dct_k(n_l, density, k_rounding="ceil"):
-    """K for a tensor of n_l entries (§A.4): ceil(rho·n_l) ("ceil") or the paper's n_l - floor(n_l·(1-rho)) + 1
+    """K for a tensor of n_l entries : ceil(rho·n_l) ("ceil") or the paper's n_l - floor(n_l·(1-rho)) + 1
     ("paper"), clamped to [1, n_l]; products within float noise of an integer count as that integer."""
     if k_rounding == "ceil":
         x = density * n_l
@@ -73,7 +73,7 @@ def dct_k(n_l, density, k_rounding="ceil"):
 
 class DCT(Sparsifier):
     """DCT-DP (Gupta et al., "Training Recommender Systems at Scale: Communication-Efficient Model and Data
-    Parallelism", KDD 2021; spec dct.md Part A): one hard threshold per parameter tensor, recomputed as the
+    Parallelism", KDD 2021; docs/algorithms.md#dct): one hard threshold per parameter tensor, recomputed as the
     K-th largest |Gt| only every ``lifespan`` steps; every entry with |Gt| >= tau is sent. Pair it with the
     TopkA reducer (allgather with counts, rank-order sum). Not exact-k.
 
@@ -84,7 +84,7 @@ class DCT(Sparsifier):
         zero_tau_guard (bool): when tau_l == 0 select |Gt| > 0 instead of >= 0; default True.
         sync_threshold (bool): average tau over ranks on recompute steps (one allreduce of the per-tensor
             thresholds, phase ``dct_tau``); default False (each rank keeps its own tau, as in the paper).
-        ef_drain_period (int or None): T_d of the stochastic drain (§A.5); default None (off).
+        ef_drain_period (int or None): T_d of the stochastic drain; default None (off).
         ef_drain_mode (str): "flush" (default; the only mode available, see the module docstring).
         drain_seed (int): seed of the rank-identical drain draws; default 0.
 
@@ -120,7 +120,7 @@ class DCT(Sparsifier):
         self.drain_seed = int(drain_seed)
 
     def _drain_now(self, t):
-        """§A.5: Bernoulli(1/T_d) keyed by (drain_seed, t): the same draw on every rank, no communication."""
+        """The drain: Bernoulli(1/T_d) keyed by (drain_seed, t): the same draw on every rank, no communication."""
         if self.ef_drain_period is None:
             return False
         if self.ef_drain_period == 1:
@@ -154,7 +154,7 @@ class DCT(Sparsifier):
             state["tau"] = taus
             state["layout"] = layout
         taus = state["tau"]
-        if self._drain_now(t):                                 # §A.5 "flush": M = all-true
+        if self._drain_now(t):                                 # drain "flush": M = all-true
             state.update(nnz=list(layout), recomputed=recompute, drained=True, density_actual=1.0 if n else 0.0)
             return xp.arange(n, xp.index_dtype, like=acc)
         parts, nnz = [], []

@@ -1,5 +1,5 @@
-"""ExDyna (spec exdyna.md §5): exclusive rotating partitions, threshold selection, topology adjustment and
-online threshold scaling. The exchange is :class:`hvd_sparse.core.reducers.exdyna.ExDynaReducer` (§5.7).
+"""ExDyna (docs/algorithms.md#exdyna): exclusive rotating partitions, threshold selection, topology adjustment and
+online threshold scaling. The exchange is :class:`hvd_sparse.core.reducers.exdyna.ExDynaReducer` (step 5.7).
 
 Iteration t, rank r, world size P, V = residual + gradient (the engine's ``acc``, float32, length n):
 
@@ -28,7 +28,7 @@ Iteration t, rank r, world size P, V = residual + gradient (the engine's ``acc``
               tau = max(tau * sf, tau_min)
          k_prev = K ; ks_prev = ks
 
-§7 fixes: ``num_blk_eff = max(num_blk, min_blk_div*P)`` (warning when it differs); tiny n: retry with
+Edge cases: ``num_blk_eff = max(num_blk, min_blk_div*P)`` (warning when it differs); tiny n: retry with
 align = 1, and if ``n < num_blk_eff`` use ``num_blk_eff = max(P, n)``, ``sz_blk = n // num_blk_eff`` (with
 n < P some partitions are empty: k_r = 0 and no fallback); k = max(1, int(density·n)); k_acc >= 1.
 P = 1: one partition [0, n), no topology sweep, threshold scaling still runs.
@@ -36,7 +36,7 @@ Cost of 5.6: on a CPU buffer the fused kernel of :mod:`hvd_sparse.core.native` s
 (|V| >= tau in float32, offset st added in the same pass, no |V| copy); elsewhere the generic xp path.
 
 All controller state (``blk_part``, ``blk_pos``, ``tau``, ``k_prev``, ``ks_prev``) is computed from globally
-gathered counts only, so it is bitwise identical on every rank (§4, oracle 4).
+gathered counts only, so it is bitwise identical on every rank.
 """
 
 from __future__ import annotations
@@ -62,13 +62,13 @@ def _ge(xp, x, th):
 
 # -- pure bookkeeping (size-P lists; unit-tested directly) -------------------------------------------------
 def exdyna_geometry(n, P, num_blk=1024, align=32, min_blk_div=4):
-    """§5.2 with the §7 fixes. Returns a dict: num_blk_eff, sz_blk, num_rem, blk_part, blk_pos, min_blk."""
-    num_blk_eff = max(int(num_blk), int(min_blk_div) * P)            # §7: P > num_blk / 4
+    """Step 5.2 with the edge-case fixes. Returns a dict: num_blk_eff, sz_blk, num_rem, blk_part, blk_pos, min_blk."""
+    num_blk_eff = max(int(num_blk), int(min_blk_div) * P)            # P > num_blk / 4
     a = n // num_blk_eff
     sz_blk = a - a % align
-    if sz_blk == 0:                                                   # §7 tiny n, step 1: align = 1
+    if sz_blk == 0:                                                   # tiny n, step 1: align = 1
         sz_blk = a
-    if n < num_blk_eff:                                               # §7 tiny n, step 2
+    if n < num_blk_eff:                                               # tiny n, step 2
         num_blk_eff = max(P, n)
         sz_blk = n // num_blk_eff
     num_rem = n - sz_blk * num_blk_eff
@@ -82,7 +82,7 @@ def exdyna_geometry(n, P, num_blk=1024, align=32, min_blk_div=4):
 
 
 def partition_range(p, blk_part, blk_pos, sz_blk, num_rem):
-    """§5.2: element range [start, end) of partition p; the tail num_rem belongs to the last partition."""
+    """Step 5.2: element range [start, end) of partition p; the tail num_rem belongs to the last partition."""
     P = len(blk_part)
     st = blk_pos[p] * sz_blk
     en = (blk_pos[p] + blk_part[p]) * sz_blk + (num_rem if p == P - 1 else 0)
@@ -91,13 +91,13 @@ def partition_range(p, blk_part, blk_pos, sz_blk, num_rem):
 
 def adjust_topology(blk_part, blk_pos, load, k_prev, n, sz_blk, min_blk, tol_hi=1.05, tol_lo=1 / 1.05,
                     blk_move=1):
-    """§5.3: one left-to-right sweep over adjacent partitions; returns new (blk_part, blk_pos) lists.
+    """Step 5.3: one left-to-right sweep over adjacent partitions; returns new (blk_part, blk_pos) lists.
 
     ``load[p]`` is the count partition p produced in the previous step (already mapped from ranks).
     """
     blk_part, blk_pos, load = list(blk_part), list(blk_pos), list(load)
     P = len(blk_part)
-    k_acc = max(1, int(k_prev / P))                                   # §7 guard
+    k_acc = max(1, int(k_prev / P))                                   # k_acc >= 1
     den_acc = k_prev / n if n else 0.0
     mv = int(blk_move * sz_blk * den_acc)
     for i in range(P - 1):
@@ -124,15 +124,15 @@ def adjust_topology(blk_part, blk_pos, load, k_prev, n, sz_blk, min_blk, tol_hi=
 
 def threshold_factor(exam, rule="reference", band_hi=1.1, band_lo=0.909, sf_up=1.005, sf_band_up=1.00125,
                      sf_band_down=0.9987, sf_down=0.995):
-    """§5.4: the multiplicative factor applied to tau for ``exam = k_prev / k``.
+    """Step 5.4: the multiplicative factor applied to tau for ``exam = k_prev / k``.
 
     ``rule="proportional"`` (a library option, not the reference's): ``exp(0.2 (exam - 1))`` clipped to
     [0.8, 2], where the caller passes for ``exam`` the mean of the last two global counts over k. A step
     in log(tau) proportional to the count's relative error: it follows a threshold that must grow tens of
-    times (error feedback) within tens of steps instead of the reference's hundreds (spec §8.1: the paper
+    times (error feedback) within tens of steps instead of the reference's hundreds (the paper
     claims an accurate threshold "within a few iterations"; the code's fixed +-0.5% steps need
     ~200·ln(ratio) iterations), and, being linear in the count, it steers the *arithmetic* mean of the
-    count to k. Tried and rejected: tau *= sqrt(exam) (oscillated with growing amplitude: rotation and
+    count to k. Not tau *= sqrt(exam) (oscillated with growing amplitude: rotation and
     error feedback make the count swing step to step) and exam ** 0.25 (damped, but settled 15% high: a
     log-symmetric rule steers the geometric mean, and the count is skewed).
     """
@@ -156,16 +156,16 @@ def _check_pos_float(value, name, lo_open=0.0):
 
 class ExDyna(Sparsifier):
     """ExDyna (Yoon & Oh, "Preserving Near-Optimal Gradient Sparsification Cost for Scalable Distributed
-    Deep Learning", CCGrid 2024; spec exdyna.md): each rank thresholds ``|V| >= tau`` inside its own
+    Deep Learning", CCGrid 2024; docs/algorithms.md#exdyna): each rank thresholds ``|V| >= tau`` inside its own
     rotating exclusive partition of the flat buffer, so the union of all selections has no duplicates.
     Pair it with :class:`~hvd_sparse.core.reducers.exdyna.ExDynaReducer` (values of every rank all-reduced
-    over the union, §5.7); it also plugs into other reducers (the counts are then allgathered in
+    over the union, step 5.7); it also plugs into other reducers (the counts are then allgathered in
     ``update``, phase ``exdyna_counts``, unless the reducer's ``info`` has them).
 
     Args:
         density (float): target global density; k = max(1, int(density·n)). Required.
-        num_blk (int): number of equal blocks (§5.2); default 1024. Raised to ``min_blk_div·P`` if smaller.
-        align (int): block size is rounded down to a multiple of this; default 32 (1 for tiny n, §7).
+        num_blk (int): number of equal blocks (step 5.2); default 1024. Raised to ``min_blk_div·P`` if smaller.
+        align (int): block size is rounded down to a multiple of this; default 32 (1 for tiny n).
         min_blk_div (int): a partition never shrinks below ``num_blk_eff / (min_blk_div·P)`` blocks; default 4.
         tol_hi (float): a partition is overloaded when load/mean > tol_hi; default 1.05.
         tol_lo (float): underloaded when load/mean < tol_lo; default 1/1.05.
@@ -241,13 +241,13 @@ class ExDyna(Sparsifier):
         geo = exdyna_geometry(n, P, self.num_blk, self.align, self.min_blk_div)
         if geo["num_blk_eff"] > self.num_blk and n >= self.min_blk_div * P:
             warnings.warn(f"{_API}: num_blk={self.num_blk} < {self.min_blk_div}·P={self.min_blk_div * P}; "
-                          f"using {geo['num_blk_eff']} blocks (spec exdyna.md §7)", RuntimeWarning, stacklevel=3)
+                          f"using {geo['num_blk_eff']} blocks", RuntimeWarning, stacklevel=3)
         state.update(geo)
         state["n"] = n
         state["k_prev"] = 1
         state["ks_prev"] = []
         if self.init_threshold is None:
-            tau0 = 1.0 / (2.0 * math.sqrt(k))                          # §3, oracle 11
+            tau0 = 1.0 / (2.0 * math.sqrt(k))                          # the reference's tau0
         elif self.init_threshold == "topk_once":
             p = (ctx.step + ctx.rank) % P
             st, en = partition_range(p, geo["blk_part"], geo["blk_pos"], geo["sz_blk"], geo["num_rem"])
@@ -277,7 +277,7 @@ class ExDyna(Sparsifier):
         state["partition"] = [p, st, en]
         state["fallback"] = False
         state["zero_partition"] = True
-        if en <= st:                                                  # §7: empty partition, no fallback
+        if en <= st:                                                  # empty partition (n < P), no fallback
             state["k_r"] = 0
             return xp.zeros(0, xp.index_dtype, like=acc)
         view = native.f32_view(xp, acc)

@@ -1,4 +1,4 @@
-"""Gaussiank (spec oktopk.md §3.5): a threshold predicted from a Gaussian fit of the accumulator.
+"""Gaussiank (docs/algorithms.md#gaussiank): a threshold predicted from a Gaussian fit of the accumulator.
 
 Per step, on every rank (``acc`` = a = residual + gradient, k = max(1, floor(d·n))):
 
@@ -20,7 +20,7 @@ Numerics. mu and sigma are computed in float64 (deterministic for a given backen
 differ in the last float64 bit, which changes the selection only if a float32 value lies exactly on the
 rounded threshold). The threshold is kept as a Python float (as in ref) and every comparison is done in
 float32 against the largest float32 <= th, which is the same set as the exact comparison |a| > th.
-Zeros are never selected (S = {|a| > max(th, 0)}): with th < 0 (a strongly negative mean) the spec's
+Zeros are never selected (S = {|a| > max(th, 0)}): with th < 0 (a strongly negative mean) the reference's
 rule would select zero entries, which a sparsifier must not do; for th <= 0 the loop stops early because
 no further scaling can change the count.
 
@@ -38,7 +38,7 @@ import numpy as np
 from .. import native
 from .base import Sparsifier
 
-#: Adjustment loops of §3.5 step 3 (ref:LSTM, ref:BERT, ref:VGG).
+#: Adjustment loops of step 3 (ref:LSTM, ref:BERT, ref:VGG).
 ADJUST_VARIANTS = ("lstm", "bert", "vgg")
 
 
@@ -78,7 +78,7 @@ def _f32_floor(th):
 
 class GaussianK(Sparsifier):
     """Gaussiank sparsifier (Shi et al., "Understanding Top-k Sparsification in Distributed Deep
-    Learning", 2019; baseline of Li & Hoefler, PPoPP'22, §5; spec oktopk.md §3.5).
+    Learning", 2019; baseline of Li & Hoefler, PPoPP'22, §5; docs/algorithms.md#gaussiank).
 
     Predicts the threshold of the k largest magnitudes from a normal fit (mean, unbiased std) of the
     accumulator and rescales it until enough values pass (one O(n) count per iteration). Pair it with
@@ -87,7 +87,7 @@ class GaussianK(Sparsifier):
     Args:
         density (float): target fraction d = k/n in (0, 1]; sets z = Phi^-1(1 - d/2) and
             k = max(1, floor(d·n)).
-        adjust (str): the threshold adjustment loop of §3.5 step 3: ``"lstm"`` (ref:LSTM; the paper's
+        adjust (str): the threshold adjustment loop of step 3: ``"lstm"`` (ref:LSTM; the paper's
             "scale until more than 3k/4 values are selected"), ``"bert"`` or ``"vgg"``.
             Default: ``"lstm"``.
 

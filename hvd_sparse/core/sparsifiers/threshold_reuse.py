@@ -1,4 +1,4 @@
-"""Ok-Topk's local selection with threshold reuse (spec oktopk.md §3.6.3, §3.6.1, §5; paper §3.1.3).
+"""Ok-Topk's local selection with threshold reuse (docs/algorithms.md#oktopk; paper §3.1.3).
 
     select(a):                                      # t = ctx.step (sparse-step counter, from 0)
       reev  = (t % tau_p == 0)                      # t = 0 is always a re-evaluation step
@@ -8,7 +8,7 @@
         if guard:                                   # ref:LSTM/VGG only
           repeat guard_iters(5): if count(a, L) > guard_ratio*k: L *= guard_factor(1.03) else break
         S = select(a, L)                            # ge_nonzero: |a| >= L and a != 0;  gt: |a| > L
-        if max_select_ratio and |S| > max_select_ratio*k:      # optional hard cap (§5)
+        if max_select_ratio and |S| > max_select_ratio*k:      # optional hard cap
           L = kth_abs(a, k); S = exact top-k        # local, no consensus needed
       L_nxt = band_adjust(L, |S|, k, lo_L, hi_L, /s_L, *s_L)    # takes effect next step
       L = L_nxt
@@ -18,7 +18,7 @@ Thresholds are kept as Python floats (fp64, as in ref) and compared in fp32 (the
 every comparison, so numpy and torch select bit-identically). ``count(a, L)`` in the guard counts what the
 configured rule would select (ref: strict ``>``, which is also what ``select_rule="gt"`` does).
 
-Edge cases (§5): a stored L <= 0 (the accumulator had fewer than k nonzeros at the last evaluation, or
+Edge cases: a stored L <= 0 (the accumulator had fewer than k nonzeros at the last evaluation, or
 density 1) would select every nonzero on reuse steps and no controller could ever raise it, so such a step
 re-evaluates L exactly instead (local decision, no collective); zeros are never selected.
 
@@ -58,7 +58,7 @@ def _ge(xp, x, th):
 
 
 def f32(x):
-    """``x`` rounded to float32, as a Python float: the value thresholds are compared with (spec §2.1)."""
+    """``x`` rounded to float32, as a Python float: what thresholds are compared with."""
     return float(np.float32(x))
 
 
@@ -76,7 +76,7 @@ def rule_mask(xp, mag, th, rule):
 
 
 def band_adjust(th, cnt, k, lo, hi, relax, tighten):
-    """The post-hoc band controller of ref (spec §3.6.3): ``th/relax`` below ``lo·k``, ``th·tighten`` above
+    """The post-hoc band controller of the authors' code: ``th/relax`` below ``lo·k``, ``th·tighten`` above
     ``hi·k``, else ``th``. Pure Python floats (fp64, as ref)."""
     if cnt < lo * k:
         return th / relax
@@ -105,7 +105,7 @@ def check_select_rule(rule, api):
 
 class ThresholdReuse(Sparsifier):
     """Ok-Topk local selection (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning",
-    PPoPP'22, §3.1.3; spec oktopk.md §3.6.3): the exact k-th largest ``|acc|`` is computed every
+    PPoPP'22, §3.1.3; docs/algorithms.md#oktopk): the exact k-th largest ``|acc|`` is computed every
     ``threshold_period`` steps and reused in between, with ref's pre-selection guard and band controller.
 
     Args:
@@ -119,19 +119,19 @@ class ThresholdReuse(Sparsifier):
         guard_iters (int): default 5.
         guard_target (float or None): once triggered, keep raising L until count <= guard_target·k (at most
             ``guard_iters`` times). Default None = guard_ratio (ref). The library's ``Compression.oktopk``
-            uses guard_ratio=1.1, guard_factor=1.1, guard_iters=8, guard_target=1.0: after a cold start
-            or a gradient spike the ref guard (at most x1.16 per step) lets |S| reach 5k for several
-            steps; this one reaches |S| <= k within one step (each extra raise costs one count pass, and
-            only on overshooting steps).
+            uses guard_ratio=1.15, guard_factor=1.03, guard_iters=30, guard_target=1.05 (``OKTOPK_PRESETS``):
+            after a cold start or a gradient spike the ref guard (at most x1.16 per step) lets |S| reach 5k
+            for several steps; this one brings |S| to <= 1.05k within the step (up to x2.4; each extra raise
+            is one count over the candidates, and only on overshooting steps).
         band_lo, band_hi (float): local band [lo·k, hi·k] of the post-hoc controller. Default 0.75, 1.25.
         band_relax (float): L /= band_relax when |S| < lo·k. Default 1.012 (1.0 disables).
         band_tighten (float): L *= band_tighten when |S| > hi·k. Default 1.012 (1.0 disables).
-        max_select_ratio (float or None): optional hard cap (spec §5): if |S| > ratio·k on a reuse step,
+        max_select_ratio (float or None): optional hard cap: if |S| > ratio·k on a reuse step,
             recompute L exactly and select the exact top-k for this step. Default None (off, as ref).
 
     Per-rank state (``state``): ``threshold`` (L for the next step), ``threshold_used`` (L of this step),
     ``selected`` (|S|), ``reeval`` (bool), ``guard_raises`` (int), ``capped`` (bool), ``size`` (P).
-    The guard and band are heuristics of the reference code (spec §7.5), not part of the paper.
+    The guard and band are heuristics of the authors' code, not part of the paper.
     """
 
     name = "threshold_reuse"
@@ -206,7 +206,7 @@ class ThresholdReuse(Sparsifier):
                 cand = cand[keep]
         idx = native.wrap(xp, cand)
         if self.max_select_ratio is not None and cand.size > self.max_select_ratio * k:
-            idx, L = self._exact(xp, acc, None, k)          # hard cap (§5): exact for this step
+            idx, L = self._exact(xp, acc, None, k)          # hard cap: exact for this step
             capped = True
         return idx, L, raises, capped
 
@@ -246,7 +246,7 @@ class ThresholdReuse(Sparsifier):
                         break
             idx = xp.nonzero(rule_mask(xp, mag, L, self.select_rule))
             if self.max_select_ratio is not None and xp.numel(idx) > self.max_select_ratio * k:
-                idx, L = self._exact(xp, acc, mag, k)       # hard cap (§5): exact for this step
+                idx, L = self._exact(xp, acc, mag, k)       # hard cap: exact for this step
                 capped = True
         m = xp.numel(idx)
         state["threshold_used"] = L

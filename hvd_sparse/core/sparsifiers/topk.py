@@ -1,10 +1,10 @@
-"""Exact top-k (spec oktopk.md §2.1, §3.2 step 2): the k entries of largest ``|acc|``.
+"""Exact top-k (docs/algorithms.md#exact-top-k): the k entries of largest ``|acc|``.
 
     S = the min(k, nnz(acc)) indices of largest |acc_j|, ties at the k-th magnitude broken by lower index
 
 This is the sparsifier of TopkA, TopkDSA and gTopk (paper §5: "an exact torch.topk every step", their
 sparsification overhead). It never selects zeros, so with density 1 it selects every nonzero entry and
-the sparse reducers equal the dense allreduce (oracle O9).
+the sparse reducers equal the dense allreduce.
 """
 
 from __future__ import annotations

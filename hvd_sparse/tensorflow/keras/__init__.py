@@ -10,7 +10,7 @@
 
 Why not Horovod's own: under Keras 3 (the default ``tf.keras`` of TensorFlow >= 2.16) Horovod 0.28.1's Keras
 optimizer overrides Keras 2 internals that Keras 3 never calls, so it silently stops averaging gradients
-(spec horovod_integration.md §2.3). This optimizer intercepts the public entry point of each flavour --
+(docs/design.md#tensorflow-and-keras). This optimizer intercepts the public entry point of each flavour --
 ``apply(grads, variables)`` in Keras 3 (``apply_gradients`` and ``model.fit`` both go through it),
 ``apply_gradients(grads_and_vars)`` in tf_keras -- and reduces there, with a dense Horovod allreduce for
 ``Compression.none``/``fp16`` and one engine step (the same engine as PyTorch) for a sparse preset.

@@ -14,8 +14,8 @@
 
 Why not Horovod's own (``horovod.tensorflow.keras.callbacks``, 0.28.1): under Keras 3 they call ``.ref()`` on
 Keras variables, ``keras.backend.constant`` / ``get_value`` (gone in Keras 3) and ``optimizer.lr``; under tf_keras
-they import ``keras.backend``, which is Keras 3 (spec horovod_integration.md §2.3). These versions keep Horovod's
-structure (backend-agnostic ``*Impl`` mixins + thin subclasses of ``Callback``, §2.4) but touch Keras only through
+they import ``keras.backend``, which is Keras 3. These versions keep Horovod's
+structure (backend-agnostic ``*Impl`` mixins + thin subclasses of ``Callback``) but touch Keras only through
 what both flavours share: ``variable.assign`` / ``.numpy()``, ``optimizer.learning_rate``, ``model.variables``.
 
 Which Keras: the callbacks subclass ``tf.keras.callbacks.Callback`` as resolved **when this module is first
