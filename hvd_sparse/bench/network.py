@@ -30,7 +30,8 @@ parameter names and shapes of a real network (:data:`hvd_sparse.bench.layouts.MO
 itself is built once by this process (:mod:`hvd_sparse.bench.shm`: the noise pool and the shared component of
 every step, in ``/dev/shm``) and mapped read-only by the workers.
 
-Reported per algorithm (:mod:`hvd_sparse.bench.network_report`; steps after ``--warmup`` warm-up steps; each step's time is the max over ranks):
+Reported per algorithm (:mod:`hvd_sparse.bench.network_report`; steps after ``--warmup`` warm-up steps; each
+step's time is the max over ranks):
     step_seconds_median   median over steps -- Ok-Topk's exact re-evaluation steps (every 32 steps) are
                           part of the run, as in training; ``--steps 32 --warmup 1`` includes one
     step_seconds_mean     mean over steps
