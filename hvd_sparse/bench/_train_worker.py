@@ -139,7 +139,7 @@ def _build(args, cfg, steps_total):
         if cfg["warmup_dense_steps"]:
             options["warmup_dense_steps"] = cfg["warmup_dense_steps"]
         if cfg["momentum_correction"]:
-            options["momentum"] = args.momentum
+            options["momentum_correction"] = args.momentum
         compression = make(cfg["preset"], args.density, **options)
         optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                               compression=compression)
