@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
     (["--configs", "horovod,topk"], "--configs", "'topk'"),
     (["--configs", "oktopk+x"], "--configs", "unknown option 'x'"),
     (["--configs", "ddp_powersgd_r0"], "--configs", "ddp_powersgd_r<rank>"),
+    (["--configs", "spardl+mc"], "--configs", "does not apply to spardl"),
     (["--targets", "0.9,1.5"], "--targets", "(0, 1]"),
     (["--bandwidth", "fast"], "--bandwidth", "1gbit"),
     (["--workers", "1"], "--workers", "between 2 and 64"),
@@ -94,7 +95,7 @@ def test_summary_takes_the_slowest_rank_per_step_and_times_the_targets_on_the_wa
 @requires_netns
 def test_tiny_run_trains_every_kind_of_configuration_and_leaves_no_network_behind(tmp_path):
     out, png = tmp_path / "train.json", tmp_path / "train.png"
-    configs = "compute,horovod,horovod_fp16,topka,ddp,ddp_powersgd_r1"
+    configs = "compute,horovod,horovod_fp16,topka,oktopk+w3+mc,ddp,ddp_powersgd_r1"
     cmd = [sys.executable, "-m", "hvd_sparse.bench", "train", "--workers", "2", "--bandwidth", "1gbit", "--epochs",
            "1", "--image-size", "8", "--hidden", "32", "--eval-every", "5", "--floor-epochs", "1",
            "--configs", configs, "--json", str(out), "--plot", str(png)]
@@ -124,7 +125,9 @@ def test_tiny_run_trains_every_kind_of_configuration_and_leaves_no_network_behin
     assert rows["horovod_fp16"]["sent_bytes_per_step"] == ring * 2
     assert rows["topka"]["sent_bytes_per_step"] == (n // 100) * 2 * 4                # k (index, value) pairs
     assert 0 < rows["ddp_powersgd_r1"]["sent_bytes_per_step"] < ring * 4             # compressed after warm-up
-    for kind in ("horovod", "horovod_fp16", "topka"):
+    # 3 dense warm-up steps (float32 ring allreduce) of 21 measured, then Ok-Topk's O(k) exchange
+    assert 2 * ring * 4 / (steps - 1) < rows["oktopk+w3+mc"]["sent_bytes_per_step"] < 3 * ring * 4 / (steps - 1) + 1e4
+    for kind in ("horovod", "horovod_fp16", "topka", "oktopk+w3+mc"):
         assert rows[kind]["exchange"] > 0                   # synchronize() is timed apart from the update
     assert rows["ddp"]["exchange"] == 0
     # same initial weights and data order: Horovod's and DDP's dense averages train the same model

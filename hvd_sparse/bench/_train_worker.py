@@ -61,6 +61,8 @@ def parse_config(name, presets=None):
         else:
             raise ValueError(f"configuration {name!r}: unknown option {o!r} (+w<steps>: dense warm-up steps, "
                              "+mc: momentum correction)")
+    if cfg["momentum_correction"] and base == "spardl":
+        raise ValueError(f"configuration {name!r}: momentum correction does not apply to spardl")
     return cfg
 
 
