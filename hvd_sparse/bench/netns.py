@@ -14,7 +14,7 @@ The public API, also for other tools that need P shaped "hosts" on one machine:
     missing_requirements()                what is missing to build one (root, ``ip``, ``tc``); empty: nothing
     link_check(net, seconds)              one TCP stream through two shaped ends
     Rate, bandwidth(text), workers(text)  a tc rate in bits/s; the argparse types of ``--bandwidth``, ``--workers``
-    signals_deferred(), pid_alive(pid)    helpers of the tear-down paths
+    signals_deferred(), pid_alive(pid)    used by the tear-down paths
 
 The topology::
 
