@@ -1,7 +1,7 @@
 """The presets' training options on the simulator: ``warmup_dense_steps`` (dense allreduce for the first N steps,
 then the scheme from its own step 0) and ``momentum_correction`` (Deep Gradient Compression's momentum correction
 and momentum factor masking in error feedback). Replica consistency, mass conservation, the exact dense warm-up,
-the torch backend's bits, non-finite skips and resume."""
+the torch and TensorFlow backends' bits, non-finite skips and resume."""
 
 import numpy as np
 import pytest
@@ -123,13 +123,14 @@ def test_without_the_options_nothing_changes():
     assert b.velocities is None
 
 
+@pytest.mark.parametrize("backend", ("torch", "tensorflow"))
 @pytest.mark.parametrize("name", ("oktopk", "topka", "exdyna"))
-def test_torch_backend_gives_the_same_bits(name):
-    pytest.importorskip("torch")
+def test_torch_and_tensorflow_backends_give_the_same_bits(name, backend):
+    pytest.importorskip(backend)
     g = _grads(10, 4, 700, seed=7, integer=False)
     opts = dict(warmup_dense_steps=2, momentum_correction=0.9)
     a = simulate(_make(name, **opts), g)
-    b = simulate(_make(name, **opts), g, backend="torch")
+    b = simulate(_make(name, **opts), g, backend=backend)
     np.testing.assert_array_equal(a.updates, b.updates)
     np.testing.assert_array_equal(a.residuals, b.residuals)
     np.testing.assert_array_equal(a.velocities, b.velocities)
