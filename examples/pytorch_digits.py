@@ -13,10 +13,10 @@ import time
 
 import horovod.torch as hvd
 import torch
-import torch.nn.functional as F
 
 import hvd_sparse.torch as hvds
 from hvd_sparse.bench.digits_torch import Net, load_data   # the CNN and the 80/20 split of sklearn's digits
+from hvd_sparse.bench.loop import accuracy, epoch_order, exchange_stats, run_epoch   # the benchmarks' loop
 
 PRESETS = {"topka": hvds.Compression.topka}
 
@@ -33,11 +33,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def evaluate(model, test):
-    with torch.no_grad():
-        return (model(test[0]).argmax(1) == test[1]).float().mean().item()
-
-
 def train(args, compression, train_set, test_set, label):
     torch.manual_seed(args.seed)
     model = Net()
@@ -47,36 +42,29 @@ def train(args, compression, train_set, test_set, label):
     optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                           compression=compression)
     # each rank takes its own shard of the training set, reshuffled every epoch (same seed on all ranks)
-    x_tr, y_tr = train_set
-    shard = torch.arange(hvd.rank(), len(x_tr), hvd.size())
-    steps_per_epoch = len(shard) // args.batch_size
+    x_tr, _ = train_set
+    steps_per_epoch = len(epoch_order(len(x_tr), hvd.rank(), hvd.size(), args.seed, 0)) // args.batch_size
     # cosine decay to 0 over the run: both runs end on a settled model, not on one noisy SGD step
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch)
+    sums = {}
+
+    def after_step(s, loss, seconds):
+        # hvd_sparse counts its bytes; for Horovod's dense ring allreduce: 2n(P-1)/P float32 words per rank
+        density, sent = exchange_stats(optimizer, n, hvd.size())
+        sums["loss"] += loss.item()
+        sums["density"] += density
+        sums["bytes"] += sent
+
     history = []
     for epoch in range(1, args.epochs + 1):
-        g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
-        order = shard[torch.randperm(len(shard), generator=g)]
-        model.train()
-        loss_sum, density_sum, bytes_sum, t0 = 0.0, 0.0, 0.0, time.perf_counter()
-        for s in range(steps_per_epoch):
-            idx = order[s * args.batch_size:(s + 1) * args.batch_size]
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x_tr[idx]), y_tr[idx])
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            loss_sum += loss.item()
-            if hasattr(optimizer, "sparse_stats"):
-                st = optimizer.sparse_stats()
-                density_sum += st["density"]
-                bytes_sum += st["sent_bytes"]
-            else:   # Horovod's dense ring allreduce: 2n(P-1)/P float32 words per rank per step
-                density_sum += 1.0
-                bytes_sum += 2 * n * (hvd.size() - 1) / hvd.size() * 4
-        model.eval()
+        order = epoch_order(len(x_tr), hvd.rank(), hvd.size(), args.seed, epoch)
+        sums.update(loss=0.0, density=0.0, bytes=0.0)
+        t0 = time.perf_counter()
+        run_epoch(model, optimizer, train_set, order, args.batch_size, schedule, after_step=after_step)
+        loss_sum, density_sum, bytes_sum = sums["loss"], sums["density"], sums["bytes"]
         stats = dict(
             loss=hvd.allreduce(torch.tensor(loss_sum / steps_per_epoch), name=f"{label}.loss").item(),
-            acc=evaluate(model, test_set),
+            acc=accuracy(model, test_set),
             density=density_sum / steps_per_epoch,
             bytes=hvd.allreduce(torch.tensor(bytes_sum / steps_per_epoch), name=f"{label}.bytes").item(),
             seconds=time.perf_counter() - t0)

@@ -15,6 +15,9 @@ speaks Horovod's compressor protocol (``compress``/``decompress``) so that the u
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 from .core.engine import Engine
 from .core.reducers import Dense, ExDynaReducer, GTopk, OkTopk, Reducer, SparDL, TopkA, TopkDSA
 from .core.reducers.oktopk import OKTOPK_PRESETS
@@ -44,7 +47,16 @@ class SparseCompression:
         preset (str): the preset's name, for ``repr`` and logs.
     """
 
-    def __init__(self, sparsifier, reducer, preset=None):
+    def __init__(self, sparsifier, reducer, preset=None, *, warmup_dense_steps=0, momentum_correction=0.0):
+        if isinstance(warmup_dense_steps, bool) or not isinstance(warmup_dense_steps, int) or warmup_dense_steps < 0:
+            raise ValueError(f"hvd_sparse.Compression: warmup_dense_steps must be an integer >= 0, "
+                             f"got {warmup_dense_steps!r}")
+        if not 0.0 <= float(momentum_correction) < 1.0:
+            raise ValueError(f"hvd_sparse.Compression: momentum_correction must be in [0, 1) (the momentum m; "
+                             f"0 = off), got {momentum_correction!r}")
+        if momentum_correction and getattr(reducer, "name", None) == "spardl":
+            raise ValueError("hvd_sparse.Compression: momentum_correction does not apply to SparDL, whose residual "
+                             "is collected in the exchange, not the accumulator minus what this rank sent")
         if not isinstance(reducer, Reducer):
             raise TypeError(f"hvd_sparse.Compression: reducer must be a Reducer, got {reducer!r}")
         if reducer.sparse and not isinstance(sparsifier, Sparsifier):
@@ -53,6 +65,14 @@ class SparseCompression:
         self.sparsifier = sparsifier if reducer.sparse else None
         self.reducer = reducer
         self.preset = preset or (f"sparse({sparsifier!r}, allreduce={reducer.name!r})")
+        #: dense allreduce for the first N steps (Engine.step); the sparse schemes start at their step 0 after
+        self.warmup_dense_steps = int(warmup_dense_steps)
+        #: momentum m of DGC's momentum correction and factor masking (core/memory.py); 0.0: off
+        self.momentum_correction = float(momentum_correction)
+        opts = [f"{k}={v!r}" for k, v in (("warmup_dense_steps", self.warmup_dense_steps),
+                                          ("momentum_correction", self.momentum_correction)) if v]
+        if opts:
+            self.preset = f"{self.preset[:-1]}, {', '.join(opts)})" if self.preset.endswith(")") else self.preset
         self._engines = {}        # bucket -> (owner token, Engine): the state of this rank
         self._horovod_adapter = None
 
@@ -108,10 +128,38 @@ def _reducer(name):
                          f"{sorted(REDUCERS)}, got {name!r}") from None
 
 
+_OPTIONS_DOC = """
+        Training options (keyword-only, every sparse preset):
+            warmup_dense_steps (int): the first N steps exchange the whole gradient (a dense allreduce, no
+                residual); the scheme starts at its own step 0 after them. Default 0.
+            momentum_correction (float): m > 0 turns on Deep Gradient Compression's momentum correction and
+                momentum factor masking: error feedback accumulates the velocity u = m·u + grad and zeroes u
+                where entries were sent; wrap an optimizer *without* momentum (e.g. SGD(momentum=0)). Default 0.0.
+"""
+
+
+def _with_training_options(factory):
+    """``factory(..., warmup_dense_steps=0, momentum_correction=0.0)``: the preset with those options set."""
+
+    @functools.wraps(factory)
+    def make(*args, warmup_dense_steps=0, momentum_correction=0.0, **kwargs):
+        c = factory(*args, **kwargs)
+        return SparseCompression(c.sparsifier, c.reducer, c.preset, warmup_dense_steps=warmup_dense_steps,
+                                 momentum_correction=momentum_correction)
+
+    make.__doc__ = (factory.__doc__ or "").rstrip() + "\n" + _OPTIONS_DOC
+    sig = inspect.signature(factory)
+    make.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *(
+        inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v)
+        for k, v in (("warmup_dense_steps", 0), ("momentum_correction", 0.0)))])
+    return make
+
+
 class Compression:
     """Sparse presets, one factory per scheme. Every call returns a new object with fresh state."""
 
     @staticmethod
+    @_with_training_options
     def oktopk(density, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
                max_select_ratio=None):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
@@ -156,6 +204,7 @@ class Compression:
         return SparseCompression(ThresholdReuse(density, **sp), OkTopk(**rd), preset=name)
 
     @staticmethod
+    @_with_training_options
     def topka(density):
         """TopkA (Li & Hoefler, PPoPP'22, §5 baseline; docs/algorithms.md#topka): exact local top-k on every
         rank, allgather of the k (index, value) pairs, sum in rank order. Error feedback keeps what was not
@@ -167,6 +216,7 @@ class Compression:
         return SparseCompression(TopK(density), TopkA(), preset=f"topka(density={density!r})")
 
     @staticmethod
+    @_with_training_options
     def topk_dsa(density):
         """TopkDSA (SparCML's dynamic sparse allreduce as benchmarked by Li & Hoefler, PPoPP'22;
         docs/algorithms.md#topk_dsa): exact local top-k, sparse reduce-scatter over P equal regions (one
@@ -179,6 +229,7 @@ class Compression:
         return SparseCompression(TopK(density), TopkDSA(), preset=f"topk_dsa(density={density!r})")
 
     @staticmethod
+    @_with_training_options
     def gtopk(density):
         """gTopk (Shi et al., ICDCS'19, as benchmarked by Li & Hoefler; docs/algorithms.md#gtopk): exact local
         top-k, then a reduction tree of log2 P rounds, each merging two lists and keeping the top k, and a
@@ -191,6 +242,7 @@ class Compression:
         return SparseCompression(TopK(density), GTopk(), preset=f"gtopk(density={density!r})")
 
     @staticmethod
+    @_with_training_options
     def gaussiank(density, adjust="lstm"):
         """Gaussiank (Shi et al., 2019, as benchmarked by Li & Hoefler; docs/algorithms.md#gaussiank): threshold
         mu + z·sigma from a Gaussian fit of the accumulator (z = Phi^-1(1 - density/2)), scaled down until at
@@ -204,6 +256,7 @@ class Compression:
                                  preset=f"gaussiank(density={density!r})")
 
     @staticmethod
+    @_with_training_options
     def exdyna(density, threshold_rule="proportional", init_threshold="topk_once"):
         """ExDyna (Yoon & Oh, CCGrid'24; docs/algorithms.md#exdyna): the flat gradient is cut into blocks grouped in P
         exclusive partitions that rotate over the ranks every step; each rank selects |acc| >= tau inside its
@@ -226,6 +279,7 @@ class Compression:
                                  ExDynaReducer(), preset=f"exdyna(density={density!r})")
 
     @staticmethod
+    @_with_training_options
     def dct(density, lifespan=1000):
         """DCT-DP (Gupta et al., KDD'21, "Dynamic Communication Thresholding"; docs/algorithms.md#dct): a hard
         threshold per parameter tensor, the K-th largest |acc| of the tensor (K = ceil(density·n_l)),
@@ -239,6 +293,7 @@ class Compression:
                                  preset=f"dct(density={density!r}, lifespan={lifespan!r})")
 
     @staticmethod
+    @_with_training_options
     def spardl(density, groups=1, *, sag="bruck", selection="lazy", h_mode="adaptive", pack="bitcast"):
         """SparDL (ICDE'24; docs/algorithms.md#spardl): Spar-Reduce-Scatter (block-wise top-k/P at every hop, dropped
         values kept as residuals where they fall -- global residual collection), then, with ``groups=d > 1``,
@@ -272,6 +327,7 @@ class Compression:
         return SparseCompression(None, Dense(), preset="dense()")
 
     @staticmethod
+    @_with_training_options
     def sparse(sparsifier, allreduce="oktopk"):
         """Any pairing of a sparsifier and a sparse allreduce, e.g. ``sparse(GaussianK(0.01))`` (Gaussiank
         selection, Ok-Topk's O(k) allreduce) or ``sparse(TopK(0.01), allreduce="topka")``.

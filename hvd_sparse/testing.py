@@ -10,6 +10,7 @@
     res.selected     # (steps, P): how many values each rank selected
     res.phases[t][r] # per-phase counters of the volume meter (words, bytes, calls)
     res.info[t][r]   # what the reducer reported (e.g. Ok-Topk's "K", "threshold", "reeval")
+    res.velocities   # (steps, P, n) with momentum_correction: each rank's velocity after each step, else None
 
 Each virtual rank runs the same engine code as a Horovod rank, over a
 :class:`~hvd_sparse.core.sim.SimulatedCommunicator` (sums in rank order, so results are deterministic).
@@ -33,6 +34,8 @@ class SimulationResult:
     selected: np.ndarray
     phases: list
     info: list
+    #: (steps, P, n): each rank's momentum-correction velocity after each step (None without momentum correction)
+    velocities: np.ndarray = None
 
 
 def simulate(compression, gradients, shapes=None, average=True, backend="numpy", nonfinite="skip"):
@@ -89,6 +92,7 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
     phases = [[None] * P for _ in range(steps)]
     infos = [[None] * P for _ in range(steps)]
     selected = np.zeros((steps, P), dtype=np.int64)
+    velocities = np.zeros((steps, P, n), np.float32) if getattr(compression, "momentum_correction", 0) else None
 
     def run_rank(comm):
         r = comm.rank
@@ -97,6 +101,8 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
             updates[t, r] = to_numpy(eng.step(convert(g[t, r]), average=average, nonfinite=nonfinite))
             res = eng.memory.residual
             residuals[t, r] = 0.0 if res is None else to_numpy(res)
+            if velocities is not None and eng.memory.velocity is not None:
+                velocities[t, r] = to_numpy(eng.memory.velocity)
             last = eng.last
             volume[t][r] = {k: last[k] for k in ("sent_words", "recv_words", "sent_bytes", "recv_bytes",
                                                  "collectives")}
@@ -105,4 +111,4 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
             infos[t][r] = {k: v for k, v in last["info"].items() if k != "residual"}
 
     world.run(run_rank, comms)
-    return SimulationResult(updates, residuals, volume, selected, phases, infos)
+    return SimulationResult(updates, residuals, volume, selected, phases, infos, velocities)

@@ -3,7 +3,7 @@
     horovodrun -np 4 -H localhost:4 --gloo python scripts/step_breakdown.py --numel 25000000 --density 0.01
 
 Runs the network benchmark's worker path without the network (loopback): the same synthetic gradients
-(``hvd_sparse.bench.network.write_gradient_data``, written once by rank 0 into ``--data``), the 16-layer layout,
+(``hvd_sparse.bench.shm.write_gradient_data``, written once by rank 0 into ``--data``), the 16-layer layout,
 ``hvd_sparse.torch.DistributedOptimizer(SGD, compression=<preset>)``, one torch thread. Each part is timed with
 ``time.thread_time`` (CPU time of the main thread) by wrapping the engine's functions; ``rank CPU`` is the CPU
 time of all the rank's threads (``time.process_time``: Horovod's background thread included) and ``step`` the
@@ -34,9 +34,9 @@ def main():
     import horovod.torch as hvd
 
     import hvd_sparse.torch as hvds
-    from hvd_sparse.bench._network_worker import SharedGradients
-    from hvd_sparse.bench.network import synthetic_layout, write_gradient_data
+    from hvd_sparse.bench.layouts import synthetic_layout
     from hvd_sparse.bench.presets import make
+    from hvd_sparse.bench.shm import SharedGradients, write_gradient_data
     from hvd_sparse.core import comm, engine, memory
     from hvd_sparse.core.reducers import oktopk
     from hvd_sparse.core.sparsifiers import threshold_reuse

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hvd_sparse.bench import layouts, netns, shm
 from hvd_sparse.bench import network as N
 from hvd_sparse.bench.__main__ import main
 
@@ -23,8 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _can_build_namespaces():
-    if N.missing_requirements():
-        return "needs root and the ip/tc commands: " + "; ".join(N.missing_requirements())
+    if netns.missing_requirements():
+        return "needs root and the ip/tc commands: " + "; ".join(netns.missing_requirements())
     name = f"hvds{os.getpid()}n99"
     proc = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -39,9 +40,9 @@ requires_netns = pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT))
 
 def leftovers(pid):
     """Namespaces, links and /etc/netns entries of the run of process ``pid``."""
-    ns, links = N.list_names()
-    etc = [d.name for d in N.ETC_NETNS.iterdir()] if N.ETC_NETNS.is_dir() else []
-    return [x for x in ns + links + etc if x.startswith(f"hvds{pid}") and N.NAME.match(x)]
+    ns, links = netns.list_names()
+    etc = [d.name for d in netns.ETC_NETNS.iterdir()] if netns.ETC_NETNS.is_dir() else []
+    return [x for x in ns + links + etc if x.startswith(f"hvds{pid}") and netns.NAME.match(x)]
 
 
 # -- arguments ---------------------------------------------------------------------------------------------
@@ -70,7 +71,7 @@ def test_bad_arguments_are_argparse_errors_naming_the_argument(argv, where, what
 @pytest.mark.parametrize("text, bits", [("1gbit", 10**9), ("100mbit", 10**8), ("500mbit", 5 * 10**8),
                                         ("2.5gbit", 25 * 10**8), ("1GBIT", 10**9), ("800kbit", 8 * 10**5)])
 def test_bandwidth_parses_tc_rates_in_bits_per_second(text, bits):
-    rate = N.bandwidth(text)
+    rate = netns.bandwidth(text)
     assert int(rate) == bits and str(rate) == text.lower()
 
 
@@ -94,16 +95,16 @@ def test_without_tc_the_command_names_the_missing_tool(monkeypatch, capsys):
 
 # -- models and data ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", sorted(N.MODELS))
+@pytest.mark.parametrize("name", sorted(layouts.MODELS))
 def test_model_layouts_add_up_to_the_published_parameter_counts(name):
-    layout = N.model_layout(name)
+    layout = layouts.model_layout(name)
     names = [n for n, _ in layout]
     assert names == sorted(names) and len(set(names)) == len(names)
-    assert sum(int(np.prod(s)) for _, s in layout) == N.MODELS[name][1]
+    assert sum(int(np.prod(s)) for _, s in layout) == layouts.MODELS[name][1]
 
 
 def test_resnet50_has_torchvisions_parameter_tensors():
-    layout = dict(N.model_layout("resnet50"))
+    layout = dict(layouts.model_layout("resnet50"))
     assert len(layout) == 161                                   # len(list(resnet50().parameters()))
     assert layout["conv1.weight"] == (64, 3, 7, 7)
     assert layout["layer4.2.conv3.weight"] == (2048, 512, 1, 1)
@@ -112,14 +113,14 @@ def test_resnet50_has_torchvisions_parameter_tensors():
 
 
 def test_shared_gradients_equal_synthetic_gradients_bit_for_bit(tmp_path):
-    from hvd_sparse.bench._network_worker import SharedGradients
+    from hvd_sparse.bench.shm import SharedGradients
     from hvd_sparse.bench.data import SyntheticGradients
 
     n, P, T = 5003, 3, 4
-    N.write_gradient_data(tmp_path, n, P, T, seed=7)
+    shm.write_gradient_data(tmp_path, n, P, T, seed=7)
     shared, ref = SharedGradients(tmp_path), SyntheticGradients(n, P, seed=7)
     assert shared.layout == ref.layout
-    assert sum(s for _, (s,) in N.synthetic_layout(n)) == n
+    assert sum(s for _, (s,) in layouts.synthetic_layout(n)) == n
     buf = np.full(n, np.nan, np.float32)
     for t in range(T):
         for r in range(P):
@@ -166,7 +167,7 @@ def test_tiny_run_reports_every_algorithm_and_leaves_no_network_behind(tmp_path)
     stdout, stderr = proc.communicate(timeout=300)
     assert proc.returncode == 0, stderr[-4000:]
     assert leftovers(proc.pid) == []
-    assert not list(Path("/dev/shm").glob(f"{N.DATA_DIR_PREFIX}{proc.pid}_*"))
+    assert not list(Path("/dev/shm").glob(f"{shm.DATA_DIR_PREFIX}{proc.pid}_*"))
     report = json.loads(out.read_text())
     assert (report["workers"], report["bandwidth"], report["bandwidth_bits_per_s"]) == (2, "1gbit", 10**9)
     assert (report["numel"], report["density"], report["steps"], report["warmup"]) == (20000, 0.01, 3, 1)
@@ -256,9 +257,9 @@ def test_leftovers_of_a_dead_run_are_removed_and_a_live_runs_are_kept():
         subprocess.run(["ip", "netns", "add", dead_ns], check=True)
         subprocess.run(["ip", "netns", "add", live_ns], check=True)
         subprocess.run(["ip", "link", "add", dead_link, "type", "bridge"], check=True)
-        removed = N.remove_stale()
+        removed = netns.remove_stale()
         assert set(removed) >= {dead_ns, dead_link}
-        ns, links = N.list_names()
+        ns, links = netns.list_names()
         assert dead_ns not in ns and dead_link not in links and live_ns in ns
     finally:
         for name in (dead_ns, live_ns):

@@ -4,6 +4,8 @@ One job per process count runs every scenario of hvd_workers/torch_worker.py; th
 rank wrote. The simulator (hvd_sparse.testing.simulate) is the oracle for the sparse results.
 """
 
+import json
+
 import numpy as np
 import pytest
 
@@ -15,7 +17,7 @@ from horovod_helpers import horovodrun, load_ranks, requires_horovod
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
-SCENARIOS = ["optimizer", "stash", "none", "op", "errors", "presets", "resume"]
+SCENARIOS = ["optimizer", "stash", "none", "op", "errors", "presets", "resume", "options"]
 #: presets whose values are summed by a float allreduce: Gloo's ring adds in another order than the
 #: simulator (rank order), so at P >= 3 they agree to rounding, not to the bit (every rank still agrees).
 FLOAT_ALLREDUCE = {"dense", "exdyna"}
@@ -107,6 +109,26 @@ def test_every_preset_through_horovod_equals_simulator(job, preset):
         if preset in FLOAT_ALLREDUCE and P > 2:
             # a sum of P float32 values in another order: within a few ulps of the largest addend
             np.testing.assert_allclose(got, sim.updates[:, r], rtol=1e-6, atol=1e-6 * np.abs(grads).max())
+        else:
+            assert got.tobytes() == sim.updates[:, r].tobytes(), f"rank {r} differs from the simulator"
+
+
+@pytest.mark.parametrize("preset", ["oktopk", "topka", "exdyna"])
+def test_training_options_through_horovod_equal_simulator(job, preset):
+    P, res = job
+    ranks = res["options"]
+    options = json.loads(str(ranks[0][f"{preset}.options"]))
+    grads = np.stack([r[f"{preset}.raw"] for r in ranks], axis=1)
+    assert np.isfinite(grads).all()
+    sim = simulate(presets.make(preset, 0.05, **options), grads,
+                   shapes=[(int(m),) for m in ranks[0]["layout"]], backend="torch")
+    assert sim.velocities.any()                   # momentum correction ran (the velocity is state)
+    for r in range(P):
+        assert ranks[r][f"{preset}.params"].tobytes() == ranks[0][f"{preset}.params"].tobytes()
+        got = ranks[r][f"{preset}.red"]
+        if P > 2 and (preset in FLOAT_ALLREDUCE or options.get("warmup_dense_steps")):
+            # dense warm-up steps (and ExDyna's values) are float allreduces: Gloo's ring adds in another order
+            np.testing.assert_allclose(got, sim.updates[:, r], rtol=1e-5, atol=1e-5 * np.abs(grads).max())
         else:
             assert got.tobytes() == sim.updates[:, r].tobytes(), f"rank {r} differs from the simulator"
 

@@ -19,6 +19,7 @@ COMMANDS = {
     "select": ("select", "seconds of each sparsifier's selection vs torch.topk and one streaming pass"),
     "convergence": ("convergence", "train the digits CNN with each algorithm under horovodrun"),
     "network": ("network", "seconds per step of P Horovod workers on a tc-shaped network (root)"),
+    "train": ("train", "time to accuracy of real training vs Horovod, DDP, PowerSGD on a tc-shaped network (root)"),
 }
 
 

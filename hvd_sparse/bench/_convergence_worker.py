@@ -4,8 +4,9 @@
         --algorithms dense,topka --epochs 12 --density 0.01 --out result.json
 
 Trains the digits CNN (:mod:`hvd_sparse.bench.digits_torch`) once per algorithm, every run from the same initial
-weights, with the recipe of ``examples/pytorch_digits.py``: SGD with momentum 0.9, learning rate decayed to
-0 by a cosine over the run, each rank on its own shard of the training set reshuffled every epoch.
+weights, with the recipe of ``examples/pytorch_digits.py`` and its loop (:mod:`hvd_sparse.bench.loop`): SGD with
+momentum 0.9, learning rate decayed to 0 by a cosine over the run, each rank on its own shard of the training
+set reshuffled every epoch.
 "dense" is Horovod's own dense allreduce (``hvd_sparse.torch.Compression.none``); every other name is a
 preset of :mod:`hvd_sparse.bench.presets`.
 
@@ -67,11 +68,11 @@ def train(args, name, train_set, test_set):
     """One run; returns the per-epoch records (identical on every rank except ``seconds``)."""
     import horovod.torch as hvd
     import torch
-    import torch.nn.functional as F
 
     import hvd_sparse.torch as hvds
 
     from .digits_torch import Net
+    from .loop import accuracy, epoch_order, exchange_stats, run_epoch, steps_per_epoch
 
     compression = _compression(name, args.density)
     partitioned = getattr(getattr(compression, "sparsifier", None), "partitioned", False)
@@ -82,37 +83,25 @@ def train(args, name, train_set, test_set):
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                           compression=compression)
-    x_tr, y_tr = train_set
-    shard = torch.arange(hvd.rank(), len(x_tr), hvd.size())
-    steps = max(1, len(shard) // args.batch_size)
+    x_tr, _ = train_set
+    steps = steps_per_epoch(len(range(hvd.rank(), len(x_tr), hvd.size())), args.batch_size)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps)
-    dense_bytes = 2 * n * (hvd.size() - 1) / hvd.size() * 4      # ring allreduce, float32, per rank
     history = []
     for epoch in range(1, args.epochs + 1):
-        g = torch.Generator().manual_seed(args.seed * 1000 + epoch)
-        order = shard[torch.randperm(len(shard), generator=g)]
-        model.train()
-        loss_sum, density_sum, bytes_sum = 0.0, 0.0, 0.0
+        order = epoch_order(len(x_tr), hvd.rank(), hvd.size(), args.seed, epoch)
+        sums = {"loss": 0.0, "density": 0.0, "bytes": 0.0}
+
+        def after_step(s, loss, seconds):
+            density, sent = exchange_stats(optimizer, n, hvd.size())
+            sums["loss"] += loss.item()
+            sums["density"] += density
+            sums["bytes"] += sent
+
         t0 = time.perf_counter()
-        for s in range(steps):
-            idx = order[s * args.batch_size:(s + 1) * args.batch_size]
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x_tr[idx]), y_tr[idx])
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            loss_sum += loss.item()
-            if hasattr(optimizer, "sparse_stats"):
-                st = optimizer.sparse_stats()
-                density_sum += st["density"]
-                bytes_sum += st["sent_bytes"]
-            else:
-                density_sum += 1.0
-                bytes_sum += dense_bytes
+        run_epoch(model, optimizer, train_set, order, args.batch_size, schedule, after_step=after_step)
+        loss_sum, density_sum, bytes_sum = sums["loss"], sums["density"], sums["bytes"]
         seconds = time.perf_counter() - t0
-        model.eval()
-        with torch.no_grad():
-            acc = (model(test_set[0]).argmax(1) == test_set[1]).float().mean().item()
+        acc = accuracy(model, test_set)
         tag = f"hvd_sparse.convergence.{name}"
         loss = hvd.allreduce(torch.tensor(loss_sum / steps, dtype=torch.float64), name=f"{tag}.loss").item()
         sent = hvd.allreduce(torch.tensor(bytes_sum / steps, dtype=torch.float64), name=f"{tag}.bytes").item()

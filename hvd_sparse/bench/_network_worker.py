@@ -33,45 +33,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import SyntheticGradients
-from .network import DENSE_POLL, PROGRESS, model_layout, synthetic_layout
-
-
-class SharedGradients(SyntheticGradients):
-    """``SyntheticGradients`` whose rank-independent parts were computed once by the parent process
-    (:func:`hvd_sparse.bench.network.write_gradient_data`) and are mapped read-only from ``directory``:
-    the noise pool, the per-layer scale and the shared component c[t] of every step. ``grad(t, r)`` is the
-    inherited formula, so the values are bit-identical to ``SyntheticGradients(n, workers, seed)``'s."""
-
-    def __init__(self, directory):   # noqa: super().__init__ would draw the 8n-value pool again
-        d = Path(directory)
-        meta = json.loads((d / "meta.json").read_text())
-        self.n, self.workers, self.seed = meta["n"], meta["workers"], meta["seed"]
-        self.rho, self.noise, self.layout = meta["rho"], meta["noise"], meta["layout"]
-        self.steps = meta["steps"]
-        self.scale = np.load(d / "scale.npy", mmap_mode="r")
-        pool = np.load(d / "pool.npy", mmap_mode="r")
-        self._noise_pool = [pool[i] for i in range(pool.shape[0])]
-        self._commons = np.load(d / "common.npy", mmap_mode="r")
-
-    def common(self, t):
-        if not 0 <= t < self.steps:
-            raise IndexError(f"SharedGradients: step {t} was not precomputed (0 <= t < {self.steps})")
-        return self._commons[t]
-
-    def grad(self, t, r, out=None):
-        """``SyntheticGradients.grad(t, r)``, bit for bit, computed in place (one buffer instead of four;
-        ``out``, if given, is reused: a float32 array of n values whose old content is overwritten)."""
-        h = np.random.default_rng([self.seed, 2, t, r]).integers(0, 2**62)
-        src = self._noise_pool[h % len(self._noise_pool)]
-        s = int(h // 7) % self.n
-        e = np.empty(self.n, np.float32) if out is None else out
-        e[s:] = src[:self.n - s]                    # np.roll(src, s)
-        e[:s] = src[self.n - s:]
-        e *= np.float32(self.noise)                 # scale * (c + noise * e): the same float32 operations
-        e += self.common(t)
-        e *= self.scale
-        return e
+from .layouts import model_layout, synthetic_layout
+from .network import PROGRESS
+from .network_report import DENSE_POLL
+from .shm import SharedGradients
 
 
 def parse_args(argv=None):
@@ -85,7 +50,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--data", required=True, help="directory written by network.write_gradient_data")
+    p.add_argument("--data", required=True, help="directory written by shm.write_gradient_data")
     p.add_argument("--out", required=True, help="JSON file written by rank 0")
     p.add_argument("--profile", default=None, help="write cProfile top functions to <PROFILE>.rank<r>.txt")
     return p.parse_args(argv)

@@ -11,9 +11,10 @@ def names():
             if hasattr(_c.Compression, n)]
 
 
-def make(name, density):
-    """``Compression.<name>(density)`` (``dense`` takes no density)."""
+def make(name, density, **options):
+    """``Compression.<name>(density, **options)`` (``dense`` takes no density and no options; the options are
+    the presets' training options, e.g. ``warmup_dense_steps``, ``momentum_correction``)."""
     if name not in names():
         raise ValueError(f"hvd_sparse.bench: unknown algorithm {name!r}; choose from {', '.join(names())}")
     factory = getattr(_c.Compression, name)
-    return factory() if name == "dense" else factory(density)
+    return factory() if name == "dense" else factory(density, **options)

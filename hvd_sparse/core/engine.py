@@ -9,8 +9,16 @@ communicator meet (docs/design.md#engine). Framework adapters and the simulator 
         sparsifier.update(info, ctx)                  # threshold / partition controllers, if any
         return u · prescale · postscale / P           # average (op=Average) or u (op=Sum), grad dtype
 
-The dense reducer skips selection and residual. Per-step statistics (selected count, achieved density,
-words and bytes sent and received) are kept in :attr:`Engine.last`.
+The dense reducer skips selection and residual. Two options of the compression change the step:
+
+* ``warmup_dense_steps = N``: the first N steps are a dense allreduce of ``acc`` (every entry is included, so the
+  residual stays empty); the sparsifier and reducer neither run nor change state, and their step counter
+  (``ctx.step``) starts at 0 on the first sparse step, on every rank alike;
+* ``momentum_correction = m``: the velocity ``u = m·u + grad`` replaces ``grad`` above and is zeroed where the
+  step's included set was sent (memory.py); the user's optimizer then runs without momentum.
+
+Per-step statistics (selected count, achieved density, words and bytes sent and received) are kept in
+:attr:`Engine.last`.
 
 Non-finite gradients (``nonfinite=``): before anything else every rank learns, from one allgather of a one-word
 flag (phase ``nonfinite``; P = 1: none), which ranks hold a NaN or Inf. Then, on every rank alike,
@@ -35,7 +43,12 @@ import numpy as np
 from .errors import NonFiniteGradientError, check_nonfinite
 from .memory import ErrorFeedback
 from .reducers.base import SparseSum
+from .reducers.dense import Dense
 from .xp import backend_of
+
+
+#: the reducer of the dense warm-up steps (``warmup_dense_steps``)
+_DENSE = Dense()
 
 
 def _offsets(xp, arrays):
@@ -137,16 +150,21 @@ class Engine:
                              "cannot serve two models (create one per model/optimizer)")
         check_nonfinite(nonfinite, "hvd_sparse")
         comp = self.compression
-        reducer = comp.reducer
+        warmup = getattr(comp, "warmup_dense_steps", 0)
+        momentum = getattr(comp, "momentum_correction", 0.0)
+        warm = self.steps < warmup
+        reducer = _DENSE if warm else comp.reducer
+        inputs = self.memory.next_velocity(xp, pieces, momentum) if momentum else pieces
         self.comm.meter.reset()
         # Sparse reducers read the gradient once, into acc = residual + grad (the residual itself is untouched
         # until the step succeeds). A NaN/Inf in grad makes acc non-finite, and a finite residual (the invariant:
         # nothing non-finite is ever stored) keeps acc finite otherwise, but for an overflow of residual + grad,
         # which is caught too (it could not be selected or sent either). A sparse result that goes into the very
         # gradient buffers lets that pass zero them, too.
-        zeroed = bool(reducer.sparse_result and out is not None and all(o is p for o, p in zip(out, pieces)))
+        zeroed = bool(reducer.sparse_result and out is not None and inputs is pieces
+                      and all(o is p for o, p in zip(out, pieces)))
         sparsifier = comp.sparsifier
-        ctx = StepContext(self.comm.rank, self.comm.size, self.steps,
+        ctx = StepContext(self.comm.rank, self.comm.size, self.steps - (0 if warm else warmup),
                           tuple(self.layout) if self.layout is not None else (n,), self.comm,
                           bool(sparsifier is not None and sparsifier.exact_k))
         pre = None
@@ -155,10 +173,14 @@ class Engine:
             # a sparsifier that knows its threshold before the step (Ok-Topk's reuse steps) gets its candidates
             # from the add pass: one read of the accumulator less
             pre = sparsifier.prefilter(self.sparsifier_state, ctx) if reducer.uses_selection else None
-            acc, finite, found = self.memory.compensate(xp, pieces, zero_pieces=zeroed,
+            acc, finite, found = self.memory.compensate(xp, inputs, zero_pieces=zeroed,
                                                         select=None if pre is None else (*pre, k))
             if found is not None:
                 ctx = dataclasses.replace(ctx, prefiltered=(*pre, *found))
+        elif warm:     # a fresh array (not error feedback's reused buffer): it is what the allreduce reads
+            flat = xp.astype(inputs[0] if len(inputs) == 1 else xp.concat(inputs), xp.float32)
+            r = self.memory.residual
+            acc, finite = (flat if r is None else xp.add(xp.asarray(r, xp.float32, like=flat), flat)), None
         else:
             acc, finite = xp.astype(pieces[0] if len(pieces) == 1 else xp.concat(pieces), xp.float32), None
         bad = self._nonfinite_ranks(xp, xp.all_finite(acc) if finite is None else finite, acc)
@@ -192,7 +214,12 @@ class Engine:
             sparsifier.update(xp, self.sparsifier_state, info, ctx)
         else:
             k = selected = n
-            u, _, info = reducer.reduce(xp, acc, None, n, self.comm, self.reducer_state, ctx)
+            u, included, info = reducer.reduce(xp, acc, None, n, self.comm, self.reducer_state, ctx)
+            if warm:
+                self.memory.update(xp, acc, included)
+                info = dict(info, warmup=True)
+        if momentum:
+            self.memory.commit_velocity(xp, inputs[0], included)
         scale = float(prescale) * float(postscale) / (self.comm.size if average else 1)
         self.steps += 1
         self.last = StepStats(n=n, k=k, selected=selected, density=selected / n if n else 0.0,
@@ -246,9 +273,10 @@ class Engine:
         return 0.0 if xp is None else self.memory.norm(xp)
 
     def state_dict(self):
-        """This rank's state: residual (numpy float32 or None), sparsifier/reducer state, step count."""
-        r = self.memory.residual
-        return {
+        """This rank's state: residual (numpy float32 or None), sparsifier/reducer state, step count (and the
+        velocity, with momentum correction)."""
+        r, v = self.memory.residual, self.memory.velocity
+        state = {
             "bucket": self.bucket,
             "numel": self.numel,
             "steps": self.steps,
@@ -256,6 +284,9 @@ class Engine:
             "sparsifier": copy.deepcopy(self.sparsifier_state),
             "reducer": copy.deepcopy(self.reducer_state),
         }
+        if v is not None:               # momentum correction's velocity (per rank, like the residual)
+            state["velocity"] = backend_of(v).to_numpy(v).copy()
+        return state
 
     def load_state_dict(self, state):
         """Restore what :meth:`state_dict` returned (this rank's own: residuals are per rank)."""
@@ -264,6 +295,8 @@ class Engine:
         self.numel = state["numel"]
         self.steps = state["steps"]
         r = state["residual"]
+        v = state.get("velocity")
+        self.memory.velocity = None if v is None else np.array(v, dtype=np.float32)
         self.memory.residual = None if r is None else np.array(r, dtype=np.float32)   # moved to the gradient's
         self.sparsifier_state = copy.deepcopy(state["sparsifier"])                      # backend at the next step
         self.reducer_state = copy.deepcopy(state["reducer"])

@@ -6,6 +6,18 @@ Per step, on every rank:  1. acc = residual + grad          (float32, in a spare
 
 Invariant (mass conservation, not gTopk): P·Σ updates + Σ residuals over ranks == Σ grads, exact on integer data.
 The residual stays float32 whatever the gradient dtype, and is per rank: never broadcast, never averaged.
+
+Momentum correction (Deep Gradient Compression, Lin et al., ICLR 2018), when the compression asks for it
+(``momentum_correction = m > 0``): the optimizer's momentum moves into error feedback, so that what is
+accumulated and selected is the velocity, not the raw gradient --
+
+    0. u = m·u + grad                             (the velocity, float32, per rank; then acc = residual + u)
+    3'. u[I] = 0  on sparse steps                 (momentum factor masking: an entry that was sent restarts
+                                                   its velocity, as its residual does)
+
+Without it, a sent entry's stale momentum keeps pushing it with the optimizer's velocity while the residual of
+the other entries lags behind. Dense steps (the warm-up) do not mask: their result is the exact average of the
+velocities, i.e. plain momentum SGD. The invariant becomes P·Σ updates + Σ residuals == Σ u (the velocities fed).
 """
 
 from __future__ import annotations
@@ -37,12 +49,27 @@ class ErrorFeedback:
     and swaps the two buffers. TensorFlow tensors are immutable: there each step makes new ones.
     """
 
-    __slots__ = ("residual", "_spare", "_found")
+    __slots__ = ("residual", "velocity", "_spare", "_found")
 
     def __init__(self):
         self.residual = None
+        self.velocity = None    # momentum correction's u (None: off, or before the first step)
         self._spare = None
         self._found = ()        # entries the last add pass selected, per piece (sizes the next one's output)
+
+    def next_velocity(self, xp, pieces, momentum):
+        """``[momentum·u + concat(pieces)]`` (float32, a new array), the input of :meth:`compensate` in place of
+        the gradient pieces; ``u`` itself changes only in :meth:`commit_velocity` (a skipped step leaves it)."""
+        flat = xp.astype(pieces[0] if len(pieces) == 1 else xp.concat(pieces), xp.float32)
+        u = self.velocity
+        if u is not None and type(u) is not type(flat):     # restored from a checkpoint (numpy)
+            u = xp.asarray(np.array(u, copy=True), xp.float32, like=flat)
+        return [xp.copy(flat) if u is None else xp.add(xp.mul(u, momentum), flat)]
+
+    def commit_velocity(self, xp, velocity, included):
+        """``u = velocity`` with momentum factor masking: ``u[included] = 0``, except when every entry was sent
+        (``included`` is ALL: a dense step)."""
+        self.velocity = velocity if included is ALL else xp.put_(velocity, included, 0.0)
 
     def compensate(self, xp, pieces, zero_pieces=False, select=None):
         """``acc = residual + concat(pieces)`` (float32; the pieces are 1-D, of any float dtype, read once and

@@ -6,8 +6,10 @@ Scenarios:
   none        hvd_sparse DistributedOptimizer(Compression.none / fp16) vs Horovod's own: final params of both
   op          hvd_sparse.torch.sparse_allreduce on a 2-D tensor: inputs and outputs
   errors      misuse raises clear errors on every rank (Adasum, sparse_as_dense via horovod, shared preset)
+  options     presets with warmup_dense_steps / momentum_correction (SGD without momentum), 12 steps each
 """
 
+import json
 import sys
 
 import horovod.torch as hvd
@@ -91,6 +93,28 @@ def scenario_presets(out):
                                         compression=make(name, DENSITY))
         raw, red = run_recorded(opt, model, xs[:12], explicit_sync=False)
         res[f"{name}.raw"], res[f"{name}.red"], res[f"{name}.params"] = raw, red, flat_params(model)
+    res["layout"] = np.array([p.numel() for _, p in sorted(model.named_parameters())])
+    np.savez(out, **res)
+
+
+#: presets with the training options, by name (saved with the results: the test builds the same for the simulator)
+OPTIONS = {"oktopk": dict(warmup_dense_steps=3, momentum_correction=0.5),
+           "topka": dict(warmup_dense_steps=2, momentum_correction=0.9), "exdyna": dict(momentum_correction=0.9)}
+
+
+def scenario_options(out):
+    """Presets with warmup_dense_steps / momentum_correction through the optimizer (SGD without momentum)."""
+    from hvd_sparse.bench.presets import make
+
+    res = {}
+    for name, options in OPTIONS.items():
+        model, xs = model_and_data(seed=7)
+        opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                        named_parameters=model.named_parameters(),
+                                        compression=make(name, DENSITY, **options))
+        raw, red = run_recorded(opt, model, xs[:12], explicit_sync=hvd.rank() % 2 == 1)
+        res[f"{name}.raw"], res[f"{name}.red"], res[f"{name}.params"] = raw, red, flat_params(model)
+        res[f"{name}.options"] = np.array(json.dumps(options))
     res["layout"] = np.array([p.numel() for _, p in sorted(model.named_parameters())])
     np.savez(out, **res)
 

@@ -1,0 +1,253 @@
+"""Worker of ``python -m hvd_sparse.bench train``: one rank in its own network namespace, Horovod and a
+``torch.distributed`` gloo process group side by side over the same shaped link.
+
+Started by :mod:`hvd_sparse.bench.train` through :func:`hvd_sparse.bench.launcher.launch`; not meant to be run by
+hand. For each configuration in turn, from the same initial weights (``torch.manual_seed(seed)``, then rank 0's
+weights broadcast) and the same data order (:func:`hvd_sparse.bench.loop.epoch_order`), it trains
+:class:`~hvd_sparse.bench.digits_torch.WideNet` with the loop of :mod:`hvd_sparse.bench.loop` (SGD, momentum 0.9,
+cosine-decayed learning rate) and records per step and rank the seconds of forward, backward, exchange wait and
+update and the bytes sent; every ``--eval-every`` steps (and after the last) the test accuracy, outside the
+timed steps. Configurations (:func:`parse_config`):
+
+    compute           no communication at all: each rank trains alone (the floor of the step time; no accuracy)
+    horovod           horovod.torch.DistributedOptimizer, Compression.none (allreduces start during backward)
+    horovod_fp16      the same with Compression.fp16
+    <preset>[+opt..]  hvd_sparse.torch.DistributedOptimizer with Compression.<preset>(density), e.g. oktopk;
+                      options: +w<N> (warmup_dense_steps=N), +mc (momentum correction: the velocity is kept by
+                      error feedback and the SGD optimizer runs without momentum)
+    ddp               torch.nn.parallel.DistributedDataParallel over the gloo process group, no hook
+    ddp_powersgd_r<R> the same with the PowerSGD hook, matrix_approximation_rank R, vanilla allreduce for the
+                      first ``--powersgd-warmup`` steps (``start_powerSGD_iter``)
+
+Rank 0 gathers every rank's records and writes them to ``--out`` (JSON); the parent computes the statistics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+
+#: prefix of rank 0's progress lines (the parent forwards them to stderr)
+PROGRESS = "hvd_sparse.train:"
+FIXED = ("compute", "horovod", "horovod_fp16", "ddp")
+_POWERSGD = re.compile(r"^ddp_powersgd_r([1-9]\d*)$")
+
+
+def parse_config(name, presets=None):
+    """``name`` -> ``{"kind", "name", ...}``: kind one of compute, horovod, sparse, ddp; raises ValueError naming
+    the configuration when it is unknown."""
+    from . import presets as _presets
+
+    known = presets if presets is not None else [p for p in _presets.names() if p != "dense"]
+    if name in FIXED:
+        return {"kind": "horovod" if name.startswith("horovod") else name, "name": name,
+                "fp16": name == "horovod_fp16"}
+    m = _POWERSGD.match(name)
+    if m:
+        return {"kind": "ddp", "name": name, "powersgd_rank": int(m.group(1))}
+    base, *opts = name.split("+")
+    if base not in known:
+        raise ValueError(f"unknown configuration {name!r}: choose from {', '.join(FIXED)}, ddp_powersgd_r<rank>, "
+                         f"or a preset ({', '.join(known)}) with options +w<steps>, +mc")
+    cfg = {"kind": "sparse", "name": name, "preset": base, "warmup_dense_steps": 0, "momentum_correction": False}
+    for o in opts:
+        if re.fullmatch(r"w\d+", o):
+            cfg["warmup_dense_steps"] = int(o[1:])
+        elif o == "mc":
+            cfg["momentum_correction"] = True
+        else:
+            raise ValueError(f"configuration {name!r}: unknown option {o!r} (+w<steps>: dense warm-up steps, "
+                             "+mc: momentum correction)")
+    if cfg["momentum_correction"] and base == "spardl":
+        raise ValueError(f"configuration {name!r}: momentum correction does not apply to spardl")
+    return cfg
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", required=True, help="comma-separated configurations")
+    p.add_argument("--epochs", type=int, required=True)
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--image-size", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--eval-every", type=int, default=4)
+    p.add_argument("--floor-epochs", type=int, default=2)
+    p.add_argument("--powersgd-warmup", type=int, default=None, help="start_powerSGD_iter (default: 10%% of the "
+                                                                     "steps, at least 2)")
+    p.add_argument("--out", required=True, help="JSON file written by rank 0")
+    return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def counting_allreduce(counter):
+    """While active, every ``torch.distributed.all_reduce`` adds its tensor's bytes to ``counter[0]`` (the
+    PowerSGD hook and DDP's default hook in Python call it; DDP without a hook allreduces in C++)."""
+    import torch.distributed as dist
+
+    original = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        counter[0] += tensor.numel() * tensor.element_size()
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        dist.all_reduce = original
+
+
+def _build(args, cfg, steps_total):
+    """(model to train, module to evaluate, optimizer, synchronize or None, bytes-of-last-step function, allreduce
+    byte counter or None)."""
+    import horovod.torch as hvd
+    import torch
+
+    import hvd_sparse.torch as hvds
+
+    from .digits_torch import WideNet
+    from .loop import exchange_stats, ring_allreduce_bytes
+    from .presets import make
+
+    torch.manual_seed(args.seed)
+    model = WideNet(args.image_size, args.hidden)
+    n = sum(p.numel() for p in model.parameters())
+    P = hvd.size()
+    kind = cfg["kind"]
+    momentum = 0.0 if cfg.get("momentum_correction") else args.momentum
+    if kind in ("horovod", "sparse"):
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    net = model
+    if kind == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)      # broadcasts rank 0's weights
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum)
+    if kind == "compute":
+        return net, model, optimizer, None, lambda: 0.0, None
+    if kind == "horovod":
+        comp = hvd.Compression.fp16 if cfg["fp16"] else hvd.Compression.none
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             compression=comp)
+        sent = ring_allreduce_bytes(n, P, 2 if cfg["fp16"] else 4)
+        return net, model, optimizer, optimizer.synchronize, lambda: sent, None
+    if kind == "sparse":
+        options = {}
+        if cfg["warmup_dense_steps"]:
+            options["warmup_dense_steps"] = cfg["warmup_dense_steps"]
+        if cfg["momentum_correction"]:
+            options["momentum_correction"] = args.momentum
+        compression = make(cfg["preset"], args.density, **options)
+        optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                              compression=compression)
+        return net, model, optimizer, optimizer.synchronize, lambda: exchange_stats(optimizer, n, P)[1], None
+    rank = cfg.get("powersgd_rank")
+    if rank is None:
+        sent = ring_allreduce_bytes(n, P)
+        return net, model, optimizer, None, lambda: sent, None
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+
+    warm = args.powersgd_warmup if args.powersgd_warmup is not None else max(2, steps_total // 10)
+    state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=warm,
+                                   random_seed=args.seed)
+    net.register_comm_hook(state, powerSGD.powerSGD_hook)
+    counter = [0]                                               # bytes allreduced since the last step
+
+    def sent_bytes():
+        b, counter[0] = counter[0], 0
+        return ring_allreduce_bytes(b, P, 1)
+
+    return net, model, optimizer, None, sent_bytes, counter
+
+
+def train(args, cfg, train_set, test_shard):
+    """One configuration; returns this rank's records and the gathered ones (rank 0)."""
+    import horovod.torch as hvd
+    import torch
+
+    from hvd_sparse.torch.comm import wait
+
+    from .loop import correct, epoch_order, run_epoch, steps_per_epoch
+
+    rank, P = hvd.rank(), hvd.size()
+    x_tr = train_set[0]
+    spe = steps_per_epoch(len(range(rank, len(x_tr), P)), args.batch_size)
+    epochs = args.floor_epochs if cfg["kind"] == "compute" else args.epochs
+    total = epochs * spe
+    net, model, optimizer, synchronize, sent_bytes, counter = _build(args, cfg, total)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+    rec = {"forward": [], "backward": [], "exchange": [], "update": [], "sent_bytes": []}
+    evals = []
+    tag = f"hvd_sparse.bench.train.{cfg['name']}"
+    barrier = torch.zeros(1)
+
+    def evaluate(step):
+        c = torch.tensor([correct(model, test_shard), len(test_shard[1])], dtype=torch.float64)
+        c = hvd.allreduce(c, op=hvd.Sum, name=f"{tag}.eval.{step}")
+        evals.append((step, float(c[0] / c[1])))
+        wait(hvd.allreduce_async(barrier, name=f"{tag}.eval_barrier.{step}"))     # start the next step together
+
+    def after_step(s, loss, seconds):
+        for key, v in zip(("forward", "backward", "exchange", "update"), seconds):
+            rec[key].append(v)
+        rec["sent_bytes"].append(float(sent_bytes()))
+        step = len(rec["forward"])
+        if cfg["kind"] != "compute" and (step % args.eval_every == 0 or step == total):
+            evaluate(step)
+        if rank == 0 and (step % spe == 0):
+            acc = f"  test acc {evals[-1][1] * 100:6.2f}%" if evals else ""
+            print(f"{PROGRESS} [{cfg['name']}] epoch {step // spe}/{epochs}  step {sum(seconds):.3f} s "
+                  f"(rank 0){acc}", flush=True)
+
+    wait(hvd.allreduce_async(barrier, name=f"{tag}.start"))
+    with counting_allreduce(counter) if counter is not None else contextlib.nullcontext():
+        for epoch in range(1, epochs + 1):
+            order = epoch_order(len(x_tr), rank, P, args.seed, epoch)
+            run_epoch(net, optimizer, train_set, order, args.batch_size, schedule, synchronize=synchronize,
+                      after_step=after_step)
+    gathered = {}
+    for key, values in rec.items():
+        g = hvd.allgather(torch.tensor([values], dtype=torch.float64), name=f"{tag}.{key}")
+        gathered[key] = g.tolist()
+    return {"config": cfg["name"], "kind": cfg["kind"], "numel": sum(p.numel() for p in model.parameters()),
+            "steps_per_epoch": spe, "epochs": epochs, "evals": evals, **gathered}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import horovod.torch as hvd
+    import torch
+
+    from .digits_torch import load_data
+
+    torch.set_num_threads(1)
+    hvd.init()
+    configs = [parse_config(c) for c in args.configs.split(",") if c]
+    ddp = any(c["kind"] == "ddp" for c in configs)
+    if ddp:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method="env://", rank=hvd.rank(), world_size=hvd.size())
+    train_set, (x_te, y_te) = load_data(args.seed, image_size=args.image_size)
+    test_shard = (x_te[hvd.rank()::hvd.size()], y_te[hvd.rank()::hvd.size()])
+    runs = [train(args, cfg, train_set, test_shard) for cfg in configs]
+    if hvd.rank() == 0:
+        report = {"workers": hvd.size(), "torch_threads": torch.get_num_threads(), "train_images": len(train_set[0]),
+                  "test_images": len(y_te), "runs": runs}
+        tmp = f"{args.out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, args.out)
+    if ddp:
+        dist.destroy_process_group()
+    hvd.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Launch one Horovod rank per network namespace of a :class:`~hvd_sparse.bench.netns.Network`, the way
+``horovodrun --gloo`` does it (``horovod/runner/gloo_run.py``), but with each rank started by
+``ip netns exec <ns>``: a rendezvous server in this process bound to the bridge's address, one "host" per
+namespace (``local_size`` 1, ``cross_size`` P), ``HOROVOD_GLOO_IFACE`` = the namespace's veth.
+
+The same environment carries what ``torch.distributed`` needs for a gloo process group over the same links
+(``MASTER_ADDR`` = rank 0's address, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``GLOO_SOCKET_IFNAME``), so a
+worker can run Horovod and PyTorch DDP side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from .netns import signals_deferred
+
+#: the port of the torch.distributed rendezvous (rank 0's TCPStore) inside the namespaces
+TORCH_MASTER_PORT = 29517
+
+
+class WorkerFailed(RuntimeError):
+    """A worker exited with an error or the run timed out (the message ends with the workers' output)."""
+
+
+def _start_rendezvous(host_ip, workers):
+    """Horovod's gloo rendezvous server (``RendezvousServer``), bound to ``host_ip``, initialised with one host
+    per worker. Returns (server, port)."""
+    from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
+    from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
+
+    plan = get_host_assignments([HostInfo(f"worker{i}", 1) for i in range(workers)], workers)
+    httpd = RendezvousHTTPServer((host_ip, 0), RendezvousHandler, 0)
+    httpd.init(plan)
+    thread = threading.Thread(target=httpd.serve_forever, name="hvd_sparse-rendezvous", daemon=True)
+    thread.start()
+    return httpd, httpd.server_address[1], plan
+
+
+def tail(path, lines=40):
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return "(no output)"
+    return "\n".join(text.splitlines()[-lines:]) or "(no output)"
+
+
+def launch(net, cmd, worker_args, logdir, timeout, progress, verbose=True, gloo_timeout=120):
+    """Start ``cmd + worker_args`` as one Horovod rank per namespace, forward rank 0's lines that start with
+    ``progress`` to stderr (``verbose``), wait for all of them. Rank r's output goes to ``<logdir>/rank<r>.log``.
+
+    Raises :class:`WorkerFailed` (naming the rank, with the tails of the failed ranks' output) when a rank
+    exits with an error, or when the whole run exceeds ``timeout`` seconds; the other ranks are then stopped.
+    """
+    httpd, port, plan = _start_rendezvous(net.bridge_ip, net.workers)
+    root = str(Path(__file__).resolve().parents[2])        # so that the ranks import this hvd_sparse
+    base = dict(os.environ)
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (root, base.get("PYTHONPATH")) if p)
+    base.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                HOROVOD_GLOO_RENDEZVOUS_ADDR=net.bridge_ip, HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
+                HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
+                HOROVOD_GLOO_TIMEOUT_SECONDS=str(gloo_timeout),
+                MASTER_ADDR=net.ips[0], MASTER_PORT=str(TORCH_MASTER_PORT), WORLD_SIZE=str(net.workers))
+    procs, logs = [], []
+    try:
+        for slot, ns, link in zip(plan, net.namespaces, net.ns_links):
+            env = dict(base, HOROVOD_GLOO_IFACE=link, NCCL_SOCKET_IFNAME=link, HOROVOD_HOSTNAME=slot.hostname,
+                       HOROVOD_RANK=str(slot.rank), HOROVOD_SIZE=str(slot.size),
+                       HOROVOD_LOCAL_RANK=str(slot.local_rank), HOROVOD_LOCAL_SIZE=str(slot.local_size),
+                       HOROVOD_CROSS_RANK=str(slot.cross_rank), HOROVOD_CROSS_SIZE=str(slot.cross_size),
+                       RANK=str(slot.rank), GLOO_SOCKET_IFNAME=link)
+            log = Path(logdir) / f"rank{slot.rank}.log"
+            logs.append(log)
+            with open(log, "w") as f:
+                procs.append(subprocess.Popen(["ip", "netns", "exec", ns, *cmd, *map(str, worker_args)],
+                                              stdout=f, stderr=subprocess.STDOUT, env=env,
+                                              start_new_session=True))
+        deadline = time.monotonic() + timeout
+        offset = 0
+        failed = []                                        # ranks in the order their failure was seen
+        while True:
+            codes = [p.poll() for p in procs]
+            offset = _forward_progress(logs[0], offset, progress, verbose)
+            for r, c in enumerate(codes):
+                if c not in (None, 0) and r not in failed:
+                    failed.append(r)
+            if failed:
+                time.sleep(1.0)                            # let the other ranks report their side
+                for r, p in enumerate(procs):
+                    if p.poll() not in (None, 0) and r not in failed:
+                        failed.append(r)
+                parts = [f"--- rank {r} (exit code {procs[r].returncode}) in {net.namespaces[r]} ---\n"
+                         f"{tail(logs[r])}" for r in failed]
+                raise WorkerFailed(f"rank {failed[0]} exited with code {procs[failed[0]].returncode}; all "
+                                   f"ranks stopped. Output of the failed rank(s):\n" + "\n".join(parts))
+            if all(c == 0 for c in codes):
+                return
+            if time.monotonic() > deadline:
+                running = [r for r, c in enumerate(codes) if c is None]
+                raise WorkerFailed(f"timeout: the run exceeded {timeout:.0f} s (--timeout); ranks "
+                                   f"{running} still running were stopped. Rank 0's output:\n{tail(logs[0])}")
+            time.sleep(0.2)
+    finally:
+        with signals_deferred():
+            _stop(procs)
+            httpd.shutdown()
+            httpd.server_close()
+
+
+def _forward_progress(log, offset, progress, verbose):
+    try:
+        with open(log, "rb") as f:
+            f.seek(offset)
+            chunk = f.read()
+    except OSError:
+        return offset
+    end = chunk.rfind(b"\n")
+    if end < 0:
+        return offset
+    if verbose:
+        for line in chunk[:end].decode(errors="replace").splitlines():
+            if line.startswith(progress):
+                print("  " + line[len(progress):].strip(), file=sys.stderr, flush=True)
+    return offset + end + 1
+
+
+def _stop(procs, grace=5.0):
+    """SIGTERM every running worker (its whole session), then SIGKILL after ``grace`` seconds."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()

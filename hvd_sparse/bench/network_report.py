@@ -1,0 +1,104 @@
+"""The network benchmark's report: statistics of the workers' raw records, the Markdown table and the bar chart
+(see :mod:`hvd_sparse.bench.network` for what each column means)."""
+
+from __future__ import annotations
+
+import statistics
+
+#: Horovod's optimizer (as "dense"), with its ``synchronize`` waiting as hvd_sparse's communicator does (polls and
+#: sleeps instead of spinning): what dense gains from the same wait, measured next to it
+DENSE_POLL = "dense_poll"
+
+
+def summarize(raw, workers, numel, rate, warmup):
+    """Rows of the report from the workers' raw per-rank, per-step records (see the module docstring)."""
+    rows = []
+    for run in raw:
+        secs = [max(col) for col in zip(*run["seconds"])][warmup:]          # max over ranks, each step
+        if run["algorithm"] in ("dense", DENSE_POLL):
+            recv, source = 2 * numel * (workers - 1) / workers * 4, "ring allreduce formula 2n(P-1)/P x 4 B"
+            density = 1.0
+        else:
+            recv = statistics.fmean(v for rank in run["recv_bytes"] for v in rank[warmup:])
+            source = "measured (optimizer.sparse_stats)"
+            sel = [statistics.fmean(col) for col in zip(*run["selected"])][warmup:]
+            density = statistics.fmean(sel) / numel * (workers if run.get("partitioned") else 1)
+        special = [t for t, s in enumerate(run.get("special", [])[warmup:]) if s]
+        rows.append({
+            "algorithm": run["algorithm"],
+            "step_seconds_median": statistics.median(secs),
+            "step_seconds_mean": statistics.fmean(secs),
+            "step_seconds_min": min(secs),
+            "step_seconds_max": max(secs),
+            "recv_bytes_mean": recv,
+            "recv_bytes_source": source,
+            "wire_seconds": recv / (rate / 8),
+            "density_mean": density,
+            "step_seconds": secs,
+            "special_steps": special,
+        })
+    dense = next((r for r in rows if r["algorithm"] == "dense"), None)
+    for r in rows:
+        r["speedup_vs_dense"] = dense["step_seconds_median"] / r["step_seconds_median"] if dense else None
+    return rows
+
+
+
+def _mb(b):
+    return f"{b / 1e6:,.2f} MB" if b >= 1e5 else f"{b / 1e3:,.1f} kB"
+
+
+def markdown(report):
+    what = (f"{report['model']} ({report['numel']:,} parameters)" if report.get("model")
+            else f"n = {report['numel']:,} parameters")
+    link = report.get("link_check_bytes_per_s")
+    lines = [f"P = {report['workers']} Horovod workers (Gloo), one network namespace each, {report['bandwidth']} "
+             f"full duplex per worker (tc tbf both ways"
+             + (f"; link check {link / 1e6:.1f} MB/s" if link else "") + f"); {what}, density "
+             f"{report['density']}; median and mean of {report['steps']} steps after {report['warmup']} warm-up, "
+             f"each step the slowest rank; {report['torch_threads']} torch thread per worker.", "",
+             "| algorithm | step s (median) | step s (mean) | speedup vs dense | recv per rank per step "
+             "| wire s at line rate | density |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in report["results"]:
+        sp = "" if r["speedup_vs_dense"] is None else f"{r['speedup_vs_dense']:.2f}x"
+        lines.append(f"| {r['algorithm']} | {r['step_seconds_median']:.3f} | {r['step_seconds_mean']:.3f} | {sp} | "
+                     f"{_mb(r['recv_bytes_mean'])} | {r['wire_seconds']:.3f} | {r['density_mean']:.4f} |")
+    if any(r["algorithm"] == "dense" for r in report["results"]):
+        lines.append("")
+        lines.append("dense = Horovod's own optimizer (Compression.none, ring allreduce); its bytes are the ring "
+                     "formula 2n(P-1)/P x 4 B, the sparse presets' are measured.")
+    if any(r["algorithm"] == DENSE_POLL for r in report["results"]):
+        lines.append(f"{DENSE_POLL} = dense with Horovod's spinning synchronize() replaced by hvd_sparse's polling "
+                     "wait (hvd_sparse.torch.comm.wait), as the sparse presets wait.")
+    return "\n".join(lines)
+
+
+def plot(report, path):
+    """PNG: one bar per algorithm, median seconds per step (the mean as a black tick), wire time hatched."""
+    from . import cli, presets
+
+    plt = cli.pyplot()
+    res = report["results"]
+    names = [r["algorithm"] for r in res]
+    med = [r["step_seconds_median"] for r in res]
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(res) + 1.8))
+    y = list(range(len(res)))[::-1]
+    ax.barh(y, med, color=[cli.color_of(a, presets.names()) for a in names], label="median step")
+    ax.barh(y, [r["wire_seconds"] for r in res], height=0.3, color="none", edgecolor="black", hatch="//",
+            label="bytes received / line rate")
+    ax.plot([r["step_seconds_mean"] for r in res], y, "|", color="black", markersize=16, label="mean step")
+    for yi, r in zip(y, res):
+        sp = "" if r["speedup_vs_dense"] is None or r["algorithm"] == "dense" else \
+            f"  ({r['speedup_vs_dense']:.2f}x dense)"
+        ax.text(max(r["step_seconds_median"], r["step_seconds_mean"]), yi,
+                f"  {r['step_seconds_median']:.3g} s{sp}", va="center", fontsize=8)
+    ax.set_yticks(y, names)
+    ax.set_xlim(0, max(max(med), max(r["step_seconds_mean"] for r in res)) * 1.45)
+    ax.set_xlabel("seconds per step (slowest rank)")
+    what = report["model"] or f"n = {report['numel']:,}"
+    ax.set_title(f"P = {report['workers']}, {report['bandwidth']} per worker, {what}, density {report['density']}",
+                 fontsize=10)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    cli.save_png(fig, path)
