@@ -103,8 +103,11 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    verbose = os.environ.get("HVD_SPARSE_VERBOSE", "").lower() in ("1", "true", "yes", "on")
     import ray
+
+    from hvd_sparse.quiet import verbose as quiet_off
+
+    verbose = quiet_off()
 
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p),
            "OMP_NUM_THREADS": "1"}

