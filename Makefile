@@ -7,6 +7,8 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 # Horovod's launcher, quiet about the machine's missing MPI; Gloo over the loopback interface.
 HOROVODRUN := $(VENV)/bin/horovodrun -np $(NP) -H localhost:$(NP) --gloo
+# TensorFlow's start-up lines (every rank's and horovodrun's own) filtered out; HVD_SPARSE_VERBOSE=1 keeps them.
+QUIET := $(PY) -m hvd_sparse.quiet
 
 .PHONY: venv test test-fast demo check-build clean
 
@@ -20,8 +22,8 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not horovod" tests
 
 demo: venv
-	$(HOROVODRUN) $(PY) examples/pytorch_digits.py
-	$(HOROVODRUN) $(PY) examples/keras_digits.py --compression oktopk --density 0.01
+	$(QUIET) $(HOROVODRUN) $(PY) examples/pytorch_digits.py
+	$(QUIET) $(HOROVODRUN) $(PY) examples/keras_digits.py --compression oktopk --density 0.01
 
 check-build: venv
 	$(VENV)/bin/horovodrun --check-build

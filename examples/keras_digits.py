@@ -8,15 +8,20 @@ The optimizer is ``hvd_sparse.tensorflow.keras.DistributedOptimizer`` (``--compr
 allreduce; a preset name such as ``oktopk`` or ``topka``: whole-model sparse exchange with error feedback). The
 callbacks broadcast rank 0's weights after the first batch (the ranks start from different weights here, on
 purpose), warm the learning rate up, average the epoch metrics over ranks and log ``sparse_density``,
-``sparse_sent_bytes`` (per step and rank) and ``sparse_residual_norm``, which show in the progress line of
-rank 0 and in History. Prints the final test accuracy. The Keras is ``tf.keras``: Keras 3, or tf_keras when
+``sparse_sent_bytes`` (per step and rank) and ``sparse_residual_norm`` into History; rank 0 prints one line per
+epoch with them (``EpochLine``) and the final test accuracy. The Keras is ``tf.keras``: Keras 3, or tf_keras when
 ``TF_USE_LEGACY_KERAS=1`` (set before TensorFlow is imported). Nothing is downloaded.
 """
 
 import argparse
 import os
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from hvd_sparse.quiet import filter_stderr  # noqa: E402
+
+filter_stderr()   # TensorFlow's start-up lines out of the output (HVD_SPARSE_VERBOSE=1 keeps them)
 
 import horovod.tensorflow as hvd  # noqa: E402
 import numpy as np  # noqa: E402
@@ -29,6 +34,21 @@ from hvd_sparse.bench.digits import load_arrays  # noqa: E402  (the 80/20 split 
 from hvd_sparse.bench.digits_keras import make_model  # noqa: E402  (the digits CNN, 38,282 parameters)
 
 keras = tf.keras          # Keras 3, or tf_keras when TF_USE_LEGACY_KERAS=1
+
+
+class EpochLine(keras.callbacks.Callback):
+    """One line per epoch on rank 0 (after the averaging callbacks): loss, accuracies, sparse statistics, time."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.t0 = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        if hvd.rank() == 0:
+            lg = logs or {}
+            print(f"epoch {epoch + 1:2d}/{self.params['epochs']}  loss {lg['loss']:.4f}  "
+                  f"acc {lg['accuracy'] * 100:6.2f}%  test acc {lg['val_accuracy'] * 100:6.2f}%  "
+                  f"density {lg['sparse_density']:.4f}  sent/step {lg['sparse_sent_bytes'] / 1024:6.2f} KiB  "
+                  f"residual {lg['sparse_residual_norm']:.3f}  ({time.perf_counter() - self.t0:.1f} s)", flush=True)
 
 
 def parse_args(argv=None):
@@ -68,13 +88,14 @@ def main(argv=None):
         hvds_callbacks.LearningRateWarmupCallback(args.lr, warmup_epochs=args.warmup_epochs,
                                                   momentum_correction=False),
         hvds_callbacks.SparsityCallback(),
+        EpochLine(),
     ]
     if hvd.rank() == 0:
         n = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
         print(f"digits: {len(x_tr)} train / {len(x_te)} test images, {hvd.size()} workers, {n} parameters, "
               f"{hvds_callbacks.FLAVOUR}, compression {compression!r}", flush=True)
     history = model.fit(x_tr[shard], y_tr[shard], batch_size=args.batch_size, epochs=args.epochs,
-                        validation_data=(x_te, y_te), callbacks=callbacks, verbose=2 if hvd.rank() == 0 else 0)
+                        validation_data=(x_te, y_te), callbacks=callbacks, verbose=0)
     loss, acc = model.evaluate(x_te, y_te, verbose=0)
     # identical weights on every rank (same test accuracy everywhere)
     accs = hvd.allgather(tf.constant([acc], tf.float64), name="keras_digits.acc", ignore_name_scope=True).numpy()

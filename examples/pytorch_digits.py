@@ -4,8 +4,10 @@
 
 Trains the same model from the same initial weights twice: once with Horovod's dense allreduce
 (``Compression.none``), once with a sparse preset (default TopkA at density 0.01). Prints per epoch the
-training loss, test accuracy, achieved density and bytes sent per step for each run, then one line
-comparing them. Digits (1,797 8x8 images) ships with scikit-learn: nothing is downloaded.
+training loss, test accuracy, achieved density and bytes sent per step for each run (for the sparse run also the
+error-feedback residual's norm, from ``optimizer.sparse_stats(average=True)``), then one line comparing them.
+``--tensorboard DIR`` also writes those statistics with ``SummaryWriter.add_scalars`` (needs the tensorboard
+package). Digits (1,797 8x8 images) ships with scikit-learn: nothing is downloaded.
 """
 
 import argparse
@@ -30,10 +32,11 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default: 32)")
     p.add_argument("--lr", type=float, default=0.05, help="initial SGD learning rate, cosine-decayed to 0 (default: 0.05)")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--tensorboard", metavar="DIR", help="write the sparse statistics for TensorBoard into DIR")
     return p.parse_args(argv)
 
 
-def train(args, compression, train_set, test_set, label):
+def train(args, compression, train_set, test_set, label, writer=None):
     torch.manual_seed(args.seed)
     model = Net()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -68,10 +71,16 @@ def train(args, compression, train_set, test_set, label):
             density=density_sum / steps_per_epoch,
             bytes=hvd.allreduce(torch.tensor(bytes_sum / steps_per_epoch), name=f"{label}.bytes").item(),
             seconds=time.perf_counter() - t0)
+        residual = ""
+        if hasattr(optimizer, "sparse_stats"):    # hvd_sparse's sparse optimizer (Horovod's dense one has none)
+            sparse = optimizer.sparse_stats(average=True)   # a collective: every rank calls it, once per epoch
+            residual = f"  residual {sparse['residual_norm']:.3f}"
+            if writer is not None:
+                writer.add_scalars(f"{label}/sparse", sparse, epoch)
         history.append(stats)
         if hvd.rank() == 0:
             print(f"[{label:>6}] epoch {epoch:2d}  loss {stats['loss']:.4f}  test acc {stats['acc'] * 100:6.2f}%  "
-                  f"density {stats['density']:.4f}  sent/step {stats['bytes'] / 1024:8.1f} KiB  "
+                  f"density {stats['density']:.4f}  sent/step {stats['bytes'] / 1024:8.1f} KiB{residual}  "
                   f"({stats['seconds']:.2f} s)", flush=True)
     return n, history
 
@@ -85,8 +94,14 @@ def main(argv=None):
     if hvd.rank() == 0:
         print(f"digits: {len(train_set[0])} train / {len(test_set[0])} test images, {hvd.size()} workers; "
               f"dense (Horovod) vs {sparse!r}", flush=True)
+    writer = None
+    if args.tensorboard and hvd.rank() == 0:
+        from torch.utils.tensorboard import SummaryWriter
+        writer = SummaryWriter(args.tensorboard)
     n, dense_hist = train(args, hvds.Compression.none, train_set, test_set, "dense")
-    _, sparse_hist = train(args, sparse, train_set, test_set, "sparse")
+    _, sparse_hist = train(args, sparse, train_set, test_set, "sparse", writer)
+    if writer is not None:
+        writer.close()
     if hvd.rank() == 0:
         d, s = dense_hist[-1], sparse_hist[-1]
         print(f"after {args.epochs} epochs ({n} parameters): dense {d['acc'] * 100:.2f}% vs "

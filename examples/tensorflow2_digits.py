@@ -17,6 +17,10 @@ import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from hvd_sparse.quiet import filter_stderr  # noqa: E402
+
+filter_stderr()   # TensorFlow's start-up lines out of the output (HVD_SPARSE_VERBOSE=1 keeps them)
+
 import horovod.tensorflow as hvd  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

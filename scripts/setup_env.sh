@@ -3,9 +3,11 @@
 #
 #   scripts/setup_env.sh            # what `make venv` (and so `make test` / `make demo`) runs
 #
-# 1. Debian packages the Horovod build needs (g++, cmake, make, patch), installed only when missing.
+# 1. Debian packages the Horovod build needs (g++, cmake, make, patch), and those of the tests (iproute2 for the
+#    network namespaces, openssh-server for the multi-host horovodrun test), installed only when missing.
 # 2. .venv with the pinned frameworks: torch==2.13.0 (CPU wheel), tensorflow-cpu==2.21.0 + tf-keras==2.21.0,
-#    and the project with its dev extras (pytest, hypothesis, scikit-learn, scipy, matplotlib).
+#    and the project with its dev and ray extras (pytest, hypothesis, scikit-learn, scipy, matplotlib; Ray for
+#    the horovod.ray tests).
 # 3. Horovod 0.28.1 from its PyPI sdist, patched with patches/horovod-0.28.1.patch (see the patch header)
 #    and built with Gloo + PyTorch + TensorFlow ops, no MPI. The built wheel is cached in
 #    $HVD_SPARSE_CACHE (default ~/.cache/hvd_sparse/wheels) under a key of the patch's hash and the
@@ -44,6 +46,7 @@ command -v cmake >/dev/null || missing+=(cmake)
 command -v make >/dev/null || missing+=(make)
 command -v patch >/dev/null || missing+=(patch)
 command -v ip >/dev/null || missing+=(iproute2)
+[[ -x /usr/sbin/sshd ]] || missing+=(openssh-server)          # brings ssh and ssh-keygen (openssh-client)
 if ((${#missing[@]})); then
     if [[ $(id -u) -ne 0 ]]; then
         echo "setup_env.sh: missing system packages: ${missing[*]} (run as root, or apt-get install them)" >&2
@@ -101,8 +104,8 @@ if ! have_horovod; then
 fi
 
 # ---- 4. the project itself ------------------------------------------------------------------------------
-log "installing hvd_sparse (editable) with dev extras"
-"${PIP[@]}" install --no-build-isolation -e ".[dev]"
+log "installing hvd_sparse (editable) with dev and ray extras"
+"${PIP[@]}" install --no-build-isolation -e ".[dev,ray]"
 
 echo "$WANT" > "$STAMP"
 log "ready: $VENV"

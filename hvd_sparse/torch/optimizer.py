@@ -48,6 +48,7 @@ from ..core.errors import (check_nonfinite, check_op, check_positive_int, check_
 from .comm import HorovodTorchCommunicator, allgather_object
 from .compression import Compression, is_sparse
 from .elastic import ELASTIC_RESIDUALS, SparseOptimizer
+from .stats import averaged_stats, record
 
 _API = "hvd_sparse.torch.DistributedOptimizer"
 
@@ -177,6 +178,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             engine.step(flats, average=average, prescale=prescale, postscale=postscale,
                         nonfinite=self._hvds_nonfinite, out=flats)
             self._hvds_skip_step = engine.last["skipped"]       # the engine warned, naming the ranks
+            record(self, engine.last)                           # for sparse_stats(average=True)
             for (_, p), g in zip(dense_params, grads):
                 if p.grad.is_sparse:
                     p.grad = g.to_sparse()
@@ -262,9 +264,15 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         return self._hvds_inner.load_state_dict(self, *args, **kwargs)
 
     # -- sparse state and statistics --------------------------------------------------------------------
-    def sparse_stats(self):
+    def sparse_stats(self, average=False):
         """Statistics of the last exchange on this rank: ``n, k, selected, density, sent_bytes,
-        recv_bytes, sent_words, recv_words, collectives`` (empty before the first step)."""
+        recv_bytes, sent_words, recv_words, collectives`` (empty before the first step); no communication.
+
+        ``average=True``: a collective (every rank, same point of the loop) that returns ``density``,
+        ``sent_bytes``, ``recv_bytes`` and ``residual_norm`` as floats averaged over the exchanges since the previous
+        such call and over the ranks, for ``SummaryWriter.add_scalars`` (see :mod:`hvd_sparse.torch.stats`)."""
+        if average:
+            return averaged_stats(self)
         return dict(self._hvds_engine().last) if self._hvds_exchanges else {}
 
     def residual_norm(self):

@@ -39,6 +39,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from ...core.stats import SparsityWindow, averaged
 from .._variables import HVD_DTYPES, broadcast_variables, optimizer_variables, same_variable
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
@@ -321,8 +322,8 @@ class SparsityCallbackImpl:
         if int(every_n_batches) < 0:
             raise ValueError(f"every_n_batches must be >= 0, got {every_n_batches}")
         self.every_n_batches = int(every_n_batches)
-        self._epoch = [0, 0.0, 0.0]          # steps seen, sum of density, sum of sent bytes
-        self._window = [0, 0.0, 0.0]
+        self._epoch = SparsityWindow()
+        self._window = SparsityWindow()
         self._calls = 0
         self._latest = None
 
@@ -333,42 +334,29 @@ class SparsityCallbackImpl:
         self._calls, self._latest = 0, None
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = [0, 0.0, 0.0]
+        self._epoch.clear()
 
     def on_train_batch_end(self, batch, logs=None):
         stats_fn = getattr(self._optimizer(), "sparse_stats", None)
         stats = stats_fn() if stats_fn is not None else {}
-        if stats:
-            for acc in (self._epoch, self._window):
-                acc[0] += 1
-                acc[1] += float(stats["density"])
-                acc[2] += float(stats["sent_bytes"])
+        self._epoch.add(stats)
+        self._window.add(stats)
         self._calls += 1
         if self.every_n_batches and self._calls % self.every_n_batches == 0:
             self._latest = self._reduce(self._window, "batch")
-            self._window = [0, 0.0, 0.0]
+            self._window.clear()
         if self._latest is not None and logs is not None:
             logs.update(self._latest)
 
-    def _dense_bytes(self):
-        n = sum(int(np.prod(v.shape)) for v in self.model.trainable_variables)
-        size = hvd.size()
-        return 2.0 * n * (size - 1) / size * 4
-
-    def _reduce(self, acc, tag):
-        """Collective: (steps with stats, mean density, mean bytes, residual norm) summed over ranks."""
-        steps, density, sent = acc
+    def _reduce(self, window, tag):
+        """Collective: the window's statistics averaged over ranks (hvd_sparse.core.stats)."""
         norm_fn = getattr(self._optimizer(), "residual_norm", None)
-        local = [1.0 if steps else 0.0, density / steps if steps else 0.0, sent / steps if steps else 0.0,
-                 float(norm_fn()) if norm_fn is not None else 0.0]
+        local = window.local(float(norm_fn()) if norm_fn is not None else 0.0)
         total = _allreduce_vector(local, f"{_PREFIX}.SparsityCallback.{tag}", hvd.Sum)
-        ranks = total[0]
-        if ranks > 0:
-            density, sent = total[1] / ranks, total[2] / ranks
-        else:
-            density, sent = 1.0, self._dense_bytes()
-        return {"sparse_density": float(density), "sparse_sent_bytes": float(sent),
-                "sparse_residual_norm": float(total[3] / hvd.size())}
+        avg = averaged(total, hvd.size(),
+                       lambda: sum(int(np.prod(v.shape)) for v in self.model.trainable_variables))
+        return {"sparse_density": avg["density"], "sparse_sent_bytes": avg["sent_bytes"],
+                "sparse_residual_norm": avg["residual_norm"]}
 
     def on_epoch_end(self, epoch, logs=None):
         values = self._reduce(self._epoch, "epoch")

@@ -1,0 +1,57 @@
+"""``optimizer.sparse_stats(average=True)`` of ``hvd_sparse.torch.DistributedOptimizer``: the sparse exchange's
+statistics averaged over ranks, as a dict of floats that fits ``torch.utils.tensorboard.SummaryWriter``:
+
+    stats = optimizer.sparse_stats(average=True)     # every rank, at the same point of the loop
+    if hvd.rank() == 0:
+        writer.add_scalars("sparse", stats, global_step)
+        # or, one chart per value: for key, value in stats.items(): writer.add_scalar(f"sparse/{key}", value, step)
+
+Keys (the numbers Keras' ``SparsityCallback`` logs, computed by the same code, :mod:`hvd_sparse.core.stats`):
+``density``, ``sent_bytes`` and ``recv_bytes`` (per step and rank), each the mean over the exchanges since the
+previous ``sparse_stats(average=True)`` call (or since the start) and over the ranks, and ``residual_norm`` (the
+error-feedback residual's L2 norm now, mean over the ranks). The values are identical on every rank; ``{}`` when no
+rank exchanged since the previous call.
+
+It is a collective, like ``hvd.allreduce``: one float64 sum-allreduce over the optimizer's process set. Call it on
+every rank of the process set, at the same point of the training loop, between steps (not inside backward), the
+same number of times -- e.g. every N steps, or at the end of each epoch, on all ranks; only the writing to
+TensorBoard is rank 0's. Called on some ranks only, it waits for the others as any Horovod collective does.
+``sparse_stats()`` (no argument) stays local: this rank's last exchange, no communication.
+"""
+
+from __future__ import annotations
+
+import horovod.torch as hvd
+import torch
+
+from ..core.stats import SparsityWindow, averaged
+
+_NAME = "hvd_sparse.model.sparse_stats"
+
+
+def window(optimizer):
+    """The optimizer's :class:`~hvd_sparse.core.stats.SparsityWindow` (created on first use)."""
+    w = optimizer.__dict__.get("_hvds_window")
+    if w is None:
+        w = optimizer.__dict__["_hvds_window"] = SparsityWindow()
+    return w
+
+
+def record(optimizer, stats):
+    """Add one exchange's statistics (``Engine.last``) to the optimizer's window."""
+    window(optimizer).add(stats)
+
+
+def averaged_stats(optimizer):
+    """Collective: the window's statistics averaged over the process set's ranks; the window starts afresh.
+    ``{}`` on a rank outside the optimizer's process set."""
+    ps = optimizer.process_set
+    if not ps.included():
+        return {}
+    w = window(optimizer)
+    norm = optimizer._hvds_engine().residual_norm() if optimizer._hvds_exchanges else 0.0
+    local = torch.tensor(w.local(norm), dtype=torch.float64)
+    total = hvd.allreduce(local, op=hvd.Sum, name=_NAME, process_set=ps) if ps.size() > 1 else local
+    w.clear()
+    total = total.tolist()
+    return averaged(total, ps.size()) if total[0] > 0 else {}
