@@ -8,8 +8,6 @@ import pytest
 
 from hvd_sparse.bench import presets
 from hvd_sparse.compression import Compression
-from hvd_sparse.core import agree
-from hvd_sparse.core.errors import RankDisagreementError
 from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.testing import simulate
 
@@ -25,8 +23,8 @@ def run_ranks(steps_of_rank, P):
     def target(comm):
         try:
             return steps_of_rank(comm.rank, comm)
-        except RankDisagreementError as e:
-            return f"RankDisagreementError: {e}"
+        except Exception as e:        # noqa: BLE001 - every rank's error is compared by its text
+            return f"{type(e).__name__}: {e}"
 
     return world.run(target)
 
@@ -131,6 +129,8 @@ def test_layout_change_starts_afresh_and_carries_the_residual_by_name():
 
 
 def test_the_fingerprint_is_computed_only_when_the_layout_or_options_change(monkeypatch):
+    from hvd_sparse.core import agree
+
     calls = []
     real = agree.describe
     monkeypatch.setattr(agree, "describe", lambda *a: calls.append(1) or real(*a))
@@ -156,6 +156,9 @@ def test_agreement_is_control_traffic_of_28_bytes():
         e.step(_grads(3)[r])
         return e.last["control_bytes"], e.last["collectives"]
 
+    from hvd_sparse.core import agree
+
+    assert agree.WORDS == 7
     assert run_ranks(fn, 3) == [(2 * 28, 2)] * 3     # 7 int32 words to each of P - 1 ranks; topka: counts + pairs
 
 
