@@ -2,7 +2,8 @@
 "Misuse and Horovod's recipes"). Each scenario writes <outdir>/<scenario>.rank<r>.npz when it is done, so a test can
 tell a scenario that hung (no file) from one that failed.
 
-    misuse_worker.py <job> <outdir>        job: "agree" (ranks that disagree: an error on every rank) or "train"
+    misuse_worker.py <job> <outdir>        job: "agree" (ranks that disagree: an error on every rank), "train",
+                                           or one scenario
 
 agree:  compression (oktopk vs topka, topka vs gtopk, oktopk periods), density (topka, oktopk), allreduce_shapes
         (sparse_allreduce with other shapes per rank), two_optimizers (stepped in another order per rank, then in
@@ -304,6 +305,6 @@ if __name__ == "__main__":
     hvd.init()
     torch.set_num_threads(1)
     job, outdir = sys.argv[1], sys.argv[2]
-    for scenario in JOBS[job]:
+    for scenario in JOBS.get(job) or [globals()[job]]:      # a job, or one scenario by name
         scenario(outdir)
         print(f"rank {hvd.rank()}: {scenario.__name__} done", flush=True)
