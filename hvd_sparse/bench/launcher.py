@@ -147,3 +147,46 @@ def _stop(procs, grace=5.0):
             except ProcessLookupError:
                 pass
             p.wait()
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def missing_message(prog):
+    """The usage error of a namespace benchmark on a machine that cannot build namespaces, or None."""
+    from .netns import missing_requirements
+
+    missing = missing_requirements()
+    if missing:
+        return f"{prog}: error: this benchmark builds network namespaces and needs " + "; ".join(missing) + "."
+    return None
+
+
+def run_cli(prog, args, run, plot, markdown):
+    """The end of a namespace benchmark's ``main``: ``run()`` (SIGTERM and SIGHUP stop it as an interrupt, which
+    stops the workers and removes the network), its errors as exit codes (2: the network could not be built, 1: a
+    worker failed, 130: interrupted), then the report as ``--json``, ``--plot`` and Markdown on stdout."""
+    from . import cli
+    from .netns import NetworkError
+
+    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        report = run()
+    except NetworkError as e:
+        print(f"{prog}: error: could not build the benchmark network: {e}", file=sys.stderr)
+        return 2
+    except WorkerFailed as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted; workers stopped, network removed", file=sys.stderr)
+        return 130
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    cli.write_json(args.json, report)
+    if args.plot:
+        plot(report, args.plot)
+    print(markdown(report))
+    return 0

@@ -47,15 +47,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .launcher import WorkerFailed, launch, tail
+from .launcher import WorkerFailed, launch, missing_message, run_cli, tail
 from .layouts import MODELS, model_choice, model_layout
-from .netns import MAX_WORKERS, Network, NetworkError, Rate, bandwidth, link_check, missing_requirements, \
+from .netns import MAX_WORKERS, Network, Rate, bandwidth, link_check, \
     remove_stale, workers
 from .network_report import DENSE_POLL, markdown, plot, summarize
 from .shm import DATA_DIR_PREFIX, cleanup_stale_data_dirs, data_bytes, shm_root, write_gradient_data
@@ -179,18 +178,13 @@ def add_arguments(p):
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(args):
-    from . import cli, presets
+    from . import presets
 
     prog = "python -m hvd_sparse.bench network"
-    missing = missing_requirements()
+    missing = missing_message(prog)
     if missing:
-        print(f"{prog}: error: this benchmark builds network namespaces and needs " + "; ".join(missing) + ".",
-              file=sys.stderr)
+        print(missing, file=sys.stderr)
         return 2
     algorithms = args.algorithms or presets.names()
     numel = args.numel if args.numel is not None or args.model else 25_000_000
@@ -207,29 +201,11 @@ def main(args):
     if not args.quiet:
         print(f"network: {', '.join(algorithms)} on {args.workers} Horovod workers, {args.bandwidth} per worker",
               file=sys.stderr, flush=True)
-    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        report = run(algorithms, args.workers, args.bandwidth, numel=None if args.model else numel,
-                     model=args.model, density=args.density, steps=args.steps, warmup=args.warmup, seed=args.seed,
-                     lr=args.lr, timeout=args.timeout, link_check_seconds=0 if args.no_link_check else 0.5,
-                     verbose=not args.quiet, profile=args.profile)
-    except NetworkError as e:
-        print(f"{prog}: error: could not build the benchmark network: {e}", file=sys.stderr)
-        return 2
-    except WorkerFailed as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted; workers stopped, network removed", file=sys.stderr)
-        return 130
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    cli.write_json(args.json, report)
-    if args.plot:
-        plot(report, args.plot)
-    print(markdown(report))
-    return 0
+    return run_cli(prog, args, lambda: run(
+        algorithms, args.workers, args.bandwidth, numel=None if args.model else numel, model=args.model,
+        density=args.density, steps=args.steps, warmup=args.warmup, seed=args.seed, lr=args.lr, timeout=args.timeout,
+        link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet, profile=args.profile),
+        plot, markdown)
 
 
 def _mem_available():

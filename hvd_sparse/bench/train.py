@@ -30,13 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
 from pathlib import Path
 
-from .launcher import WorkerFailed, launch, tail
-from .netns import Network, NetworkError, Rate, bandwidth, link_check, missing_requirements, remove_stale, workers
+from .launcher import WorkerFailed, launch, missing_message, run_cli, tail
+from .netns import Network, Rate, bandwidth, link_check, remove_stale, workers
 from .train_report import markdown, plot, summarize
 
 WORKER = "hvd_sparse.bench._train_worker"
@@ -143,18 +142,11 @@ def add_arguments(p):
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(args):
-    from . import cli
-
     prog = "python -m hvd_sparse.bench train"
-    missing = missing_requirements()
+    missing = missing_message(prog)
     if missing:
-        print(f"{prog}: error: this benchmark builds network namespaces and needs " + "; ".join(missing) + ".",
-              file=sys.stderr)
+        print(missing, file=sys.stderr)
         return 2
     if args.image_size % 2:
         print(f"{prog}: error: --image-size must be even, got {args.image_size}", file=sys.stderr)
@@ -163,27 +155,9 @@ def main(args):
     if not args.quiet:
         print(f"train: {', '.join(names)} on {args.workers} workers, {args.bandwidth} per worker, {args.epochs} "
               "epochs each", file=sys.stderr, flush=True)
-    old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        report = run(names, args.workers, args.bandwidth, epochs=args.epochs, density=args.density,
-                     batch_size=args.batch_size, lr=args.lr, seed=args.seed, image_size=args.image_size,
-                     hidden=args.hidden, eval_every=args.eval_every, floor_epochs=args.floor_epochs,
-                     powersgd_warmup=args.powersgd_warmup, accuracy_targets=args.targets, timeout=args.timeout,
-                     link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet)
-    except NetworkError as e:
-        print(f"{prog}: error: could not build the benchmark network: {e}", file=sys.stderr)
-        return 2
-    except WorkerFailed as e:
-        print(f"{prog}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted; workers stopped, network removed", file=sys.stderr)
-        return 130
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    cli.write_json(args.json, report)
-    if args.plot:
-        plot(report, args.plot)
-    print(markdown(report))
-    return 0
+    return run_cli(prog, args, lambda: run(
+        names, args.workers, args.bandwidth, epochs=args.epochs, density=args.density, batch_size=args.batch_size,
+        lr=args.lr, seed=args.seed, image_size=args.image_size, hidden=args.hidden, eval_every=args.eval_every,
+        floor_epochs=args.floor_epochs, powersgd_warmup=args.powersgd_warmup, accuracy_targets=args.targets,
+        timeout=args.timeout, link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet),
+        plot, markdown)
