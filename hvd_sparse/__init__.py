@@ -7,8 +7,8 @@ Framework-agnostic parts live here (``hvd_sparse.Compression``, ``hvd_sparse.cor
 __version__ = "0.1.0.dev0"
 
 from .compression import Compression, SparseCompression  # noqa: E402
-from .core.errors import NonFiniteGradientError, ReplicaDivergenceError  # noqa: E402
+from .core.errors import NonFiniteGradientError, RankDisagreementError, ReplicaDivergenceError  # noqa: E402
 from .core.sparsifiers import DCT, ExDyna, GaussianK, ThresholdReuse, TopK  # noqa: E402
 
 __all__ = ["Compression", "SparseCompression", "DCT", "ExDyna", "GaussianK", "ThresholdReuse", "TopK",
-           "NonFiniteGradientError", "ReplicaDivergenceError", "__version__"]
+           "NonFiniteGradientError", "RankDisagreementError", "ReplicaDivergenceError", "__version__"]

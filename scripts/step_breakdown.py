@@ -8,7 +8,9 @@ Runs the network benchmark's worker path without the network (loopback): the sam
 ``time.thread_time`` (CPU time of the main thread) by wrapping the engine's functions; ``rank CPU`` is the CPU
 time of all the rank's threads (``time.process_time``: Horovod's background thread included) and ``step`` the
 wall time of ``optimizer.step()``. Rank 0 prints one row per part and one column per rank (ms per step, mean over
-the measured steps). A diagnostic tool for docs/benchmarks.md, not a benchmark: the wrappers cost a little.
+the measured steps), and the share of the step taken by the agreement that starts every step
+(``hvd_sparse/core/agree.py``) plus the adapter's layout read. A diagnostic tool for docs/benchmarks.md, not a
+benchmark: the wrappers cost a little.
 """
 
 import argparse
@@ -20,6 +22,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+
+AGREEMENT = "agreement (incl. its allgather)"
+LAYOUT = "layout read + declare"
 
 
 def main():
@@ -40,6 +46,7 @@ def main():
     from hvd_sparse.core import comm, engine, memory
     from hvd_sparse.core.reducers import oktopk
     from hvd_sparse.core.sparsifiers import threshold_reuse
+    from hvd_sparse.torch import optimizer as torch_optimizer
     from hvd_sparse.torch.comm import allgather_object, wait
 
     torch.set_num_threads(1)
@@ -82,6 +89,11 @@ def main():
     timed(oktopk.OkTopk, "reduce", "reducer (incl. its collectives)")
     timed(engine.Engine, "_emit", "write the result into p.grad")
     timed(torch.optim.SGD, "step", "SGD update")
+    # the agreement every step starts with (hvd_sparse/core/agree.py): fingerprint check + its 28-byte allgather
+    # (that allgather's wait is also in "waiting in collectives"), and the adapter's read of what is trained now
+    timed(engine.Engine, "_agreement", AGREEMENT)
+    timed(engine.Engine, "declare", LAYOUT)
+    timed(torch_optimizer._SparseDistributedOptimizer, "_hvds_params", LAYOUT)
 
     layout = synthetic_layout(args.numel)
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in layout]
@@ -112,6 +124,8 @@ def main():
               f"(mean of {args.steps}; CPU time of the main thread unless said)")
         for key in sorted(rows[0]):
             print(f"  {key:36s}" + "".join(f"{r.get(key, 0.0) * 1e3:9.1f}" for r in rows))
+        share = [100 * (r.get(AGREEMENT, 0.0) + r.get(LAYOUT, 0.0)) / r["step (wall, median)"] for r in rows]
+        print(f"  {'agreement + layout, % of step':36s}" + "".join(f"{s:9.2f}" for s in share))
     hvd.shutdown()
     os._exit(0)
 

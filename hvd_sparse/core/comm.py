@@ -32,6 +32,7 @@ import os
 import time
 from typing import Protocol, runtime_checkable
 
+from .agree import SHARED_NAMES
 from .xp import backend_of
 
 SUM = "sum"
@@ -151,7 +152,8 @@ PEER_FAILURE_GRACE = 3.0
 class HorovodCommunicator:
     """The ``Communicator`` over Horovod's collectives, shared by the framework adapters.
 
-    It names every collective ``hvd_sparse.<bucket>.<phase>`` (the same on every rank, stable across steps),
+    It names every collective ``hvd_sparse.<bucket>.<phase>`` (the same on every rank, stable across steps, unique per
+unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
     passes the process set, and meters what moved. A framework subclass only runs the four Horovod calls on its
     own tensors: ``_allreduce(x, hvd_op, kw)``, ``_allgather(x, kw)``, ``_alltoall(x, splits, kw) -> (out,
     recv_splits)``, ``_broadcast(x, root, kw)``, where ``kw`` holds ``name`` and ``process_set``.
@@ -172,7 +174,14 @@ class HorovodCommunicator:
         self.meter = VolumeMeter()
 
     def _kw(self, phase):
-        return {"name": f"hvd_sparse.{self.bucket}.{phase}", "process_set": self.process_set}
+        return {"name": self.name(phase), "process_set": self.process_set}
+
+    def name(self, phase):
+        """The Horovod name of ``phase``'s collective: ``hvd_sparse.<bucket>.<phase>``, unique per unit, except for
+        the agreement step's phases, which every unit of the process set shares (``hvd_sparse.agree``, ...: see
+        :mod:`hvd_sparse.core.agree`)."""
+        shared = SHARED_NAMES.get(phase)
+        return f"hvd_sparse.{shared}" if shared else f"hvd_sparse.{self.bucket}.{phase}"
 
     def _guarded(self, phase, fn, *args):
         try:
@@ -185,7 +194,7 @@ class HorovodCommunicator:
             if os.environ.get("HOROVOD_ELASTIC") != "1":
                 time.sleep(PEER_FAILURE_GRACE)
             raise _peer_failure_type()(
-                f"hvd_sparse: collective 'hvd_sparse.{self.bucket}.{phase}' failed on rank {self.rank}: Horovod "
+                f"hvd_sparse: collective '{self.name(phase)}' failed on rank {self.rank}: Horovod "
                 "shut down because another rank failed or was killed (its own error comes first in the log, and "
                 f"horovodrun names it); this rank stops too. Horovod said: {e}") from e
 

@@ -12,8 +12,19 @@ communicator meet (DESIGN.md "Layers"). Framework adapters and the simulator bot
 The dense reducer skips selection and residual. Per-step statistics (selected count, achieved density,
 words and bytes sent and received) are kept in :attr:`Engine.last`.
 
-Non-finite gradients (``nonfinite=``): before anything else every rank learns, from one allgather of a one-word
-flag (phase ``nonfinite``; P = 1: none), which ranks hold a NaN or Inf. Then, on every rank alike,
+Agreement: before any data collective every rank takes part in the agreement step of :mod:`hvd_sparse.core.agree`
+(one allgather of a 7-word vector, Horovod name ``hvd_sparse.agree``, phase ``nonfinite``; P = 1: none): a
+non-finite flag, a local-problem flag, the step counter and a fingerprint of the unit, its preset and arguments
+and the layout (:meth:`Engine.declare`). A difference raises
+:class:`~hvd_sparse.core.errors.RankDisagreementError` on every rank, naming what differs and the ranks.
+
+Layout changes (:meth:`Engine.declare` with other entries: a parameter group added, a parameter frozen or
+unfrozen): the engine starts afresh -- thresholds, partitions and the step counter as at step 0 of a run, on
+every rank alike -- and the residual follows the tensors by name: a tensor that stays keeps its residual, a new
+one starts from zeros, the residual of one that left is dropped.
+
+Non-finite gradients (``nonfinite=``): the agreement tells every rank which ranks hold a NaN or Inf. Then, on
+every rank alike,
 
 * ``"skip"`` (default, like AMP's ``GradScaler``): the step is skipped -- residual, thresholds, partitions and
   the step counter are left untouched, nothing is selected or exchanged, :attr:`Engine.last` says
@@ -21,7 +32,7 @@ flag (phase ``nonfinite``; P = 1: none), which ranks hold a NaN or Inf. Then, on
   that inspects it backs off on every rank and the adapters skip the optimizer update;
 * ``"raise"``: :class:`NonFiniteGradientError` names the ranks and the step, on every rank.
 
-The flag's 4 bytes are reported as ``control_bytes`` and not added to the algorithm's volume.
+The agreement's 28 bytes are reported as ``control_bytes`` and not added to the algorithm's volume.
 """
 
 from __future__ import annotations
@@ -32,7 +43,8 @@ import warnings
 
 import numpy as np
 
-from .errors import NonFiniteGradientError, check_nonfinite
+from . import agree
+from .errors import NonFiniteGradientError, RankDisagreementError, check_nonfinite, disagreement_message
 from .memory import ErrorFeedback
 from .reducers.base import SparseSum
 from .xp import backend_of
@@ -103,6 +115,49 @@ class Engine:
         self.layout = None      # numels of the tensors in the flat buffer (set by adapters / simulate)
         self.last = StepStats()
         self.skipped_steps = 0  # steps skipped for non-finite gradients (not counted in ``steps``)
+        self.notes = ()         # declared (key, value) pairs the ranks must also agree on
+        self.entries = None     # declared layout: ((name, shape, dtype), ...) in exchange order, or None
+        self._agree = (None, None, None)     # (key, description, fingerprint) of the last agreement
+
+    def declare(self, entries, notes=()):
+        """Declare what the next steps exchange: ``entries``, a tuple of ``(name, shape, dtype)`` in the order of
+        the flat gradient, and ``notes``, ``(key, value)`` pairs that every rank must also agree on (e.g. which
+        parameters an adapter exchanges elsewhere). Cheap when unchanged. A change of ``entries`` after the first
+        declaration starts the unit afresh and carries the residual by name (module docstring); every rank must
+        declare the same (the agreement checks)."""
+        self.notes = tuple(notes)
+        entries = tuple((str(n), tuple(int(d) for d in s), str(t)) for n, s, t in entries)
+        if entries == self.entries:
+            return
+        old, self.entries = self.entries, entries
+        self.layout = [int(np.prod(s)) for _, s, _ in entries]
+        if old is None:
+            return
+        r = self.memory.residual
+        if r is not None:
+            xp = backend_of(r)
+            offs, where = 0, {}
+            for name, shape, _ in old:
+                m = int(np.prod(shape))
+                where[name] = (offs, shape)
+                offs += m
+            parts = []
+            for name, shape, _ in entries:
+                m = int(np.prod(shape))
+                at = where.get(name)
+                parts.append(r[at[0]:at[0] + m] if at is not None and at[1] == shape
+                             else xp.zeros(m, xp.float32, like=r))
+            self.memory.replace(xp.concat(parts, like=r) if parts else None)
+        self.sparsifier_state = self.compression.sparsifier.initial_state() if self.compression.sparsifier else {}
+        self.reducer_state = self.compression.reducer.initial_state()
+        self.steps = 0
+        self.numel = None
+
+    @property
+    def unit(self):
+        """The unit's identity across ranks (agreement, messages): the communicator's collective prefix when it
+        has one (unique per optimizer / ``sparse_allreduce`` name), else the bucket."""
+        return getattr(self.comm, "bucket", None) or self.bucket
 
     # -- one step ------------------------------------------------------------------------------------
     def step(self, grad, average=True, prescale=1.0, postscale=1.0, nonfinite="skip", out=None):
@@ -129,13 +184,18 @@ class Engine:
         if out is not None and [xp.numel(o) for o in out] != sizes:
             raise ValueError(f"hvd_sparse engine '{self.bucket}': out must hold one array per gradient piece, "
                              f"of sizes {sizes}")
-        if self.numel is None:
-            self.numel = n
-        elif n != self.numel:
-            raise ValueError(f"hvd_sparse engine '{self.bucket}': the gradient has {n} entries, but this "
-                             f"compression state was built for {self.numel}; one compression object "
-                             "cannot serve two models (create one per model/optimizer)")
         check_nonfinite(nonfinite, "hvd_sparse")
+        local_error = None
+        if self.entries is not None and sum(self.layout) != n:
+            local_error = (f"the gradient has {n} entries, but the declared layout holds {sum(self.layout)}")
+        elif self.numel is not None and n != self.numel:
+            local_error = (f"hvd_sparse engine '{self.bucket}': the gradient has {n} entries, but this "
+                           f"compression state was built for {self.numel}; one compression object "
+                           "cannot serve two models (create one per model/optimizer)")
+        if local_error is not None and self.comm.size == 1:
+            raise ValueError(local_error)
+        if local_error is None and self.numel is None:
+            self.numel = n
         comp = self.compression
         reducer = comp.reducer
         self.comm.meter.reset()
@@ -150,6 +210,15 @@ class Engine:
                           tuple(self.layout) if self.layout is not None else (n,), self.comm,
                           bool(sparsifier is not None and sparsifier.exact_k))
         pre = None
+        if local_error is not None:          # report it on every rank: nothing is read, nothing sent
+            self._agreement(xp, pieces, n, True, local_error, average, prescale, postscale, nonfinite)
+        if n == 0:                           # an empty gradient: agreed on, nothing to select or send
+            self._agreement(xp, pieces, n, True, None, average, prescale, postscale, nonfinite)
+            self.steps += 1
+            self.last = StepStats(n=0, k=0, selected=0, density=0.0, info={}, skipped=False, nonfinite_ranks=[],
+                                  control_bytes=self.comm.meter.totals()["sent_bytes"], sent_bytes=0, recv_bytes=0,
+                                  sent_words=0, recv_words=0, collectives=0)
+            return self._emit(xp, xp.zeros(0, xp.float32, like=pieces[0]), 1.0, pieces, out)
         if reducer.sparse:
             k = sparsifier.k_for(n)
             # a sparsifier that knows its threshold before the step (Ok-Topk's reuse steps) gets its candidates
@@ -161,7 +230,8 @@ class Engine:
                 ctx = dataclasses.replace(ctx, prefiltered=(*pre, *found))
         else:
             acc, finite = xp.astype(pieces[0] if len(pieces) == 1 else xp.concat(pieces), xp.float32), None
-        bad = self._nonfinite_ranks(xp, xp.all_finite(acc) if finite is None else finite, acc)
+        bad = self._agreement(xp, pieces, n, xp.all_finite(acc) if finite is None else finite, None, average,
+                              prescale, postscale, nonfinite)
         control = self.comm.meter.totals()["sent_bytes"]
         self.comm.meter.reset()
         if bad:
@@ -231,14 +301,29 @@ class Engine:
             off += m
         return out
 
-    def _nonfinite_ranks(self, xp, finite, like):
-        """The ranks (sorted) whose gradient holds a NaN or Inf (``finite``: this rank's verdict): one allgather
-        of a one-word flag."""
-        flag = 0 if finite else 1
+    def _agreement(self, xp, pieces, n, finite, local_error, average, prescale, postscale, nonfinite):
+        """The agreement step (:mod:`hvd_sparse.core.agree`): the ranks (sorted) whose gradient holds a NaN or
+        Inf, after proving that every rank exchanges the same thing at the same step; raises
+        :class:`RankDisagreementError` on every rank otherwise (and for a ``local_error`` of any rank)."""
         if self.comm.size == 1:
-            return [self.comm.rank] if flag else []
-        flags = self.comm.allgather(xp.asarray([flag], xp.int32, like=like), "nonfinite")
-        return [r for r, f in enumerate(xp.to_numpy(flags).tolist()) if f]
+            return [] if finite else [self.comm.rank]
+        options = (("average", bool(average)), ("prescale", float(prescale)), ("postscale", float(postscale)),
+                    ("nonfinite", nonfinite)) + self.notes
+        entries = self.entries
+        if entries is None:             # undeclared: one tensor of the gradient's size and dtype
+            entries = ((self.bucket, (n,), str(xp.dtype_of(pieces[0]))),)
+        key = (entries, options)
+        if self._agree[0] != key:       # only when the layout or the options changed
+            desc = agree.describe(self.unit, self.compression, entries, options)
+            self._agree = (key, desc, agree.fingerprint(desc))
+        _, desc, fp = self._agree
+        mine = agree.vector(not finite, local_error is not None, self.steps, fp)
+        rows = xp.to_numpy(self.comm.allgather(xp.asarray(mine, xp.int32, like=pieces[0]), agree.PHASE))
+        table = rows.reshape(self.comm.size, agree.WORDS).tolist()
+        if not agree.agreed(table):
+            per_rank = agree.explain(xp, self.comm, dict(desc, step=self.steps, local_error=local_error), pieces[0])
+            raise RankDisagreementError(disagreement_message(per_rank))
+        return [r for r, row in enumerate(table) if row[0]]
 
     # -- state -------------------------------------------------------------------------------------
     def residual_norm(self):
@@ -251,6 +336,7 @@ class Engine:
         return {
             "bucket": self.bucket,
             "numel": self.numel,
+            "entries": None if self.entries is None else [list(e) for e in self.entries],
             "steps": self.steps,
             "residual": None if r is None else backend_of(r).to_numpy(r).copy(),
             "sparsifier": copy.deepcopy(self.sparsifier_state),
@@ -263,6 +349,9 @@ class Engine:
             raise ValueError(f"hvd_sparse engine '{self.bucket}': the state is of unit {state.get('bucket')!r}")
         self.numel = state["numel"]
         self.steps = state["steps"]
+        if state.get("entries") is not None:
+            self.entries = tuple((n, tuple(s), t) for n, s, t in state["entries"])
+            self.layout = [int(np.prod(s)) for _, s, _ in self.entries]
         r = state["residual"]
         self.memory.residual = None if r is None else np.array(r, dtype=np.float32)   # moved to the gradient's
         self.sparsifier_state = copy.deepcopy(state["sparsifier"])                      # backend at the next step

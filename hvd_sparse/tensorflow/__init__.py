@@ -31,7 +31,8 @@ from horovod.tensorflow.compression import Compression as _HorovodCompression
 
 from ..compression import Compression as _SparsePresets
 from ..compression import SparseCompression
-from ..core.errors import check_nonfinite, check_op, check_same_layout, scale_factors
+from ..core.errors import (check_nonfinite, check_op, check_same_layout, check_state_origin, scale_factors,
+                           state_signature)
 from ._consistency import _check_now, _checksum, _run_check, check_consistency, variable_name  # noqa: F401
 from ._xla import refuse_xla
 from .comm import HorovodTFCommunicator
@@ -242,9 +243,7 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
 _STATE_VERSION = 1
 
 
-def _signature(compression):
-    """What a state must have been saved with: the sparsifier's and reducer's full configuration."""
-    return f"{compression.sparsifier!r} + {compression.reducer!r}"
+_signature = state_signature
 
 
 def sparse_state_dict(compression, process_set=global_process_set):
@@ -266,16 +265,7 @@ def load_sparse_state_dict(compression, state, process_set=global_process_set, a
     if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "units" not in state:
         raise ValueError(f"{api}: not a state saved by hvd_sparse.tensorflow (sparse_state_dict() or SparseState), "
                          f"got {type(state).__name__}")
-    rank, size = process_set.rank(), process_set.size()
-    if state["size"] != size or state["rank"] != rank:
-        raise ValueError(f"{api}: this sparse state was saved by rank {state['rank']} of {state['size']}, but this "
-                         f"is rank {rank} of {size}; residuals are per rank: every rank must restore the "
-                         "checkpoint it wrote itself (put hvd.rank() in the checkpoint path), with the same number "
-                         "of ranks")
-    if state["compression"] != _signature(compression):
-        raise ValueError(f"{api}: this sparse state was saved with {state['compression']}, but it is being restored "
-                         f"into {_signature(compression)}; rebuild the same compression preset (same scheme and "
-                         "arguments) before restoring")
+    check_state_origin(state, process_set.rank(), process_set.size(), compression, api)
     pending = {}
     for bucket, unit in state["units"].items():
         entry = compression._engines.get(bucket)

@@ -57,7 +57,7 @@ class SparseOptimizerStateHandler(_state.StateHandler):
     def restore(self):
         self.value.load_state_dict(self._saved_optimizer_state)
         if self._saved_sparse_state is not None:
-            self.value.load_sparse_state_dict(self._saved_sparse_state)
+            self.value._hvds_load(self._saved_sparse_state)
 
     def sync(self):
         broadcast_optimizer_state(self.value, root_rank=0)

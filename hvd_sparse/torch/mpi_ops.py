@@ -21,7 +21,7 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
     Args:
         tensor (torch.Tensor): dense tensor of any shape; not modified.
         compression: a sparse preset, e.g. ``Compression.topka(density=0.01)``.
-        name (str): residual key and base of the op names (``hvd_sparse.<name>.<phase>``).
+        name (str): residual key and base of the op names (``hvd_sparse.allreduce.<name>.<phase>``).
             Default: ``"sparse_allreduce"`` (all unnamed calls share one residual).
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
         process_set (ProcessSet): ranks taking part. Default: all ranks.
@@ -43,9 +43,14 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
         raise TypeError(f"{_API}: tensor must be floating point (float32, float16, bfloat16, float64), got "
                         f"{tensor.dtype}; sparsifying integers would round the average -- use hvd.allreduce")
     bucket = name or "sparse_allreduce"
-    engine = compression.engine(bucket, bucket, lambda: HorovodTorchCommunicator(process_set, bucket))
+    # collectives "hvd_sparse.allreduce.<name>.<phase>": never those of an optimizer or of another name
+    engine = compression.engine(bucket, bucket,
+                                lambda: HorovodTorchCommunicator(process_set, f"allreduce.{bucket}"))
     if engine.comm.process_set is not process_set:
         raise ValueError(f"{_API}: name {bucket!r} was first used with another process_set")
+    # shape and dtype are agreed on by every rank before any data moves (as Horovod's allreduce checks them);
+    # a new shape under the same name starts the name's residual afresh
+    engine.declare([(bucket, tuple(tensor.shape), tensor.dtype)])
     _, _, average = scale_factors(op, 1.0)
     out = engine.step(tensor.detach().reshape(-1), average=average, nonfinite=nonfinite)
     return out.view(tensor.shape)

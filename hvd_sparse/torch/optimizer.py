@@ -10,18 +10,26 @@ preset) the optimizer *is* Horovod's, built by Horovod's own factory: bit-identi
 With a sparse preset the whole model is one sparsification unit:
 
 1. backward hooks only count passes (no collective is ever issued from a hook);
-2. ``synchronize()`` runs one engine step over the gradients of all parameters that require grad, taken as
-   one flat float32 vector in sorted parameter-name order (identical on every rank; a parameter without a
-   gradient contributes zeros) -- error feedback, the sparsifier, the sparse allreduce over ``process_set`` --
-   and writes the averaged result back into ``p.grad``. The gradients are read where they are (added into
-   the error-feedback buffer, no concatenated copy) and the result is written into them in place (for
-   Ok-Topk: zeros plus the K reduced values);
+2. ``synchronize()`` reads which parameters take part *now* -- those of the current ``param_groups`` that require
+   grad, so ``add_param_group`` and freezing/unfreezing take effect at the next step -- and runs one engine step
+   over their gradients, one flat float32 vector in sorted parameter-name order (a parameter without a gradient
+   contributes zeros). The engine's first collective is the agreement (:mod:`hvd_sparse.core.agree`): every rank
+   proves it exchanges the same unit, preset, arguments, parameters (names, shapes, dtypes) and step, or every
+   rank raises :class:`~hvd_sparse.core.errors.RankDisagreementError`. Then error feedback, the sparsifier, the
+   sparse allreduce over ``process_set``; the averaged result is written back into ``p.grad``, in place (for
+   Ok-Topk: zeros plus the K reduced values). A changed set of parameters starts the engine afresh, residuals
+   carried by parameter name;
 3. ``step()`` then runs your optimizer on those gradients.
+
+Each optimizer names its collectives ``hvd_sparse.model.*``, ``hvd_sparse.model.1.*``, ... (construction order):
+two optimizers never consume each other's messages. ``torch.amp.GradScaler`` works with the plain
+``scaler.step(optimizer)`` (the skip is agreed by every rank) and with Horovod's recipe; Horovod's
+``broadcast_optimizer_state`` creates missing state without an exchange.
 
 Two safety nets, keyword-only options of :func:`DistributedOptimizer`:
 
 * ``nonfinite="skip"`` (default) / ``"raise"``: a NaN or Inf in any rank's gradient is detected on every rank in
-  the same step (one one-word allgather); ``"skip"`` leaves all sparse state untouched, writes NaN into every
+  the same step (a word of the agreement); ``"skip"`` leaves all sparse state untouched, writes NaN into every
   ``p.grad`` on every rank (so an AMP-style loss scaler backs off on every rank alike) and makes ``step()`` a
   no-op for this step; ``"raise"`` raises :class:`~hvd_sparse.core.errors.NonFiniteGradientError` on every rank.
 * ``consistency_check_every=N`` (default 0: off): every N optimizer steps, one allgather of two 64-bit checksums
@@ -36,6 +44,8 @@ densifies them into the sparsified buffer.
 
 from __future__ import annotations
 
+import itertools
+import sys
 import warnings
 from contextlib import contextmanager
 
@@ -43,13 +53,16 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
-from ..core.errors import (check_nonfinite, check_op, check_positive_int, check_replicas_agree, check_same_layout,
-                           scale_factors)
-from .comm import HorovodTorchCommunicator, allgather_object
+from horovod.torch.functions import broadcast_optimizer_state
+
+from ..core.errors import (check_nonfinite, check_op, check_positive_int, check_replicas_agree, check_state_origin,
+                           scale_factors, state_signature)
+from .comm import HorovodTorchCommunicator
 from .compression import Compression, is_sparse
 from .elastic import ELASTIC_RESIDUALS, SparseOptimizer
 
 _API = "hvd_sparse.torch.DistributedOptimizer"
+_OWNERS = itertools.count()      # the n-th sparse optimizer of this process names its collectives after n
 
 
 class _SparseDistributedOptimizer(torch.optim.Optimizer):
@@ -81,18 +94,19 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if unnamed:
             raise ValueError(f"{_API}: named_parameters was given, but {len(unnamed)} parameter(s) of the "
                              "optimizer are not in it; pass model.named_parameters() of the whole model")
-        in_opt = {id(p) for p in all_params}
-        # Canonical order: sorted by name, the same on every rank. Only parameters the optimizer updates
-        # and that require grad take part (Horovod's ``_requires_update``).
-        self._hvds_params = [(n, p) for n, p in sorted(named_parameters, key=lambda t: t[0])
-                             if id(p) in in_opt and p.requires_grad]
+        # Canonical order: sorted by name, the same on every rank. A tensor listed under two names (tied weights,
+        # named_parameters(remove_duplicate=False)) is one parameter, named as Horovod names it (the last name).
+        self._hvds_names = {id(p): n for n, p in sorted(named_parameters, key=lambda t: t[0])}
+        index = next(_OWNERS)
+        self._hvds_owner = "model" if index == 0 else f"model.{index}"   # collective prefix, unique per optimizer
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
-        self._hvds_passes = {p: 0 for _, p in self._hvds_params}
+        self._hvds_passes = {}
         self._hvds_grad_accs = []
+        self._hvds_sparse_dims = {}           # name -> sparse_dim, of parameters whose gradient was torch.sparse
         self._synchronized = False
         self._should_synchronize = True
         self._hvds_exchanges = 0
@@ -101,10 +115,30 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hvds_check_every = consistency_check_every
         self._hvds_elastic_residuals = elastic_residuals
         self._hvds_steps = 0
-        for _, p in self._hvds_params:
-            grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
-            grad_acc.register_hook(self._hvds_make_hook(p))
-            self._hvds_grad_accs.append(grad_acc)
+        self._hvds_hook(self._hvds_params())
+
+    def _hvds_params(self):
+        """``[(name, p)]``: the parameters exchanged now -- those of the current ``param_groups`` that require grad
+        (Horovod's ``_requires_update``), in name order. Read at every exchange, so a group added with
+        ``add_param_group`` or a parameter frozen or unfrozen since construction takes part from the next step on.
+        A parameter without a name from ``named_parameters`` is ``allreduce.noname.<group>.<index>``."""
+        seen, out = set(), []
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((self._hvds_names.get(id(p), f"allreduce.noname.{i}.{j}"), p))
+        out.sort(key=lambda t: t[0])
+        return out
+
+    def _hvds_hook(self, params):
+        """Count backward passes of every parameter of ``params`` that has no hook yet."""
+        for _, p in params:
+            if p not in self._hvds_passes:
+                self._hvds_passes[p] = 0
+                grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                grad_acc.register_hook(self._hvds_make_hook(p))
+                self._hvds_grad_accs.append(grad_acc)
 
     # -- hooks: count passes only --------------------------------------------------------------------
     def _hvds_make_hook(self, p):
@@ -118,7 +152,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     def _hvds_engine(self):
         return self._compression.engine(
-            "model", self, lambda: HorovodTorchCommunicator(self.process_set, "model"))
+            "model", self, lambda: HorovodTorchCommunicator(self.process_set, self._hvds_owner))
 
     def _hvds_has_engine(self):
         entry = self._compression._engines.get("model")
@@ -148,16 +182,24 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         self._hvds_skip_step = False
+        params = self._hvds_params()
+        self._hvds_hook(params)                 # parameters added or unfrozen since construction
         dense_params, sparse_params = [], []
-        # Frozen since construction (requires_grad now False): keeps its place in the buffer (zeros; the same
-        # layout on every rank) but gets no gradient, so the optimizer leaves it alone.
-        frozen = [p for _, p in self._hvds_params if not p.requires_grad]
-        for name, p in self._hvds_params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)     # unused on this rank: contributes zeros, as in Horovod
-            if p.grad.is_sparse and not self.sparse_as_dense:
+        for name, p in params:
+            if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense:
+                self._hvds_sparse_dims[name] = p.grad.sparse_dim()
+            if name in self._hvds_sparse_dims:
+                dims = self._hvds_sparse_dims[name]
+                if p.grad is None:          # unused this step: an empty sparse gradient, so it still takes part
+                    p.grad = torch.sparse_coo_tensor(torch.zeros((dims, 0), dtype=torch.int64),
+                                                     torch.zeros((0,) + tuple(p.shape[dims:]), dtype=p.dtype),
+                                                     p.shape, device=p.device)
+                elif not p.grad.is_sparse:
+                    p.grad = p.grad.to_sparse(dims)
                 sparse_params.append((name, p))
             else:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)     # unused on this rank: contributes zeros, as in Horovod
                 dense_params.append((name, p))
         if dense_params:
             # The engine reads the gradients in place (no concatenated copy) and writes the result back into
@@ -170,10 +212,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 # the world changed without a sync: hvd.elastic skips sync() after a graceful host removal
                 self._hvds_elastic_reset()
                 engine = self._hvds_engine()
-            if engine.steps == 0 and self.process_set.size() > 1:    # once: the same parameters everywhere
-                check_same_layout(allgather_object([(n, tuple(p.shape)) for n, p in dense_params],
-                                                   "hvd_sparse.model.layout", self.process_set), _API)
-            engine.layout = [f.numel() for f in flats]
+            # What is exchanged, agreed on by every rank at the engine's first collective (a change -- a group
+            # added, a parameter frozen or unfrozen -- starts the engine afresh, residuals carried by name).
+            engine.declare([(n, tuple(p.shape), p.dtype) for n, p in dense_params],
+                           notes=(("sparse gradients", tuple(sorted(n for n, _ in sparse_params))),))
             engine.step(flats, average=average, prescale=prescale, postscale=postscale,
                         nonfinite=self._hvds_nonfinite, out=flats)
             self._hvds_skip_step = engine.last["skipped"]       # the engine warned, naming the ranks
@@ -183,11 +225,13 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 elif g is not p.grad:
                     p.grad.copy_(g)
         for name, p in sparse_params:            # Horovod's own allgather-based sparse allreduce
-            handle = hvd.sparse_allreduce_async(p.grad, name=f"hvd_sparse.sparse_grad.{name}", op=self.op,
-                                                process_set=self.process_set)
+            handle = hvd.sparse_allreduce_async(p.grad, name=f"hvd_sparse.{self._hvds_owner}.sparse_grad.{name}",
+                                                op=self.op, process_set=self.process_set)
             p.grad = handle()
-        for p in frozen:
-            p.grad = None
+        for group in self.param_groups:          # frozen: no gradient, so the optimizer leaves it alone
+            for p in group["params"]:
+                if not p.requires_grad:
+                    p.grad = None
         for p in self._hvds_passes:
             self._hvds_passes[p] = 0
         self._hvds_exchanges += 1
@@ -211,17 +255,39 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._should_synchronize = True
 
+    # torch.amp.GradScaler then calls step() on every rank, overflow or not, with ``grad_scale`` / ``found_inf`` set
+    # (the plain ``scaler.step(optimizer)`` pattern): the skip is decided by the exchange, the same on every rank.
+    _step_supports_amp_scaling = True
+
     def step(self, closure=None):
+        caller = sys._getframe(1)
+        while caller.f_code.co_filename == _TORCH_OPTIMIZER_FILE:      # torch's step hooks / profiling wrapper
+            caller = caller.f_back
+        if caller.f_code is broadcast_optimizer_state.__code__:
+            # Horovod's broadcast_optimizer_state steps ranks without optimizer state (a resumed or joining rank, or
+            # every rank of a fresh start) on zero gradients to create that state, as it does for its own classes:
+            # the inner optimizer only -- no exchange (the other ranks are not stepping), sparse state untouched.
+            return self._hvds_inner.step(self, closure)
+        scaler = _grad_scaler(self, caller)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
                               "optimizer.synchronize(). This can cause training slowdown. You may want to "
                               "consider using optimizer.skip_synchronize() context if you use "
                               "optimizer.synchronize() in your code.")
+            if scaler is not None and getattr(self, "grad_scale", None) is not None:
+                scaler.unscale_(self)        # local gradients in true units before error feedback sees them
             self.synchronize()
+            if scaler is not None:
+                # every rank skips or none does (the exchange agreed): so the scale is updated alike everywhere
+                for found in scaler._per_optimizer_states[id(self)]["found_inf_per_device"].values():
+                    found.fill_(1.0 if self._hvds_skip_step else 0.0)
         self._synchronized = False
-        if self._hvds_skip_step:           # non-finite gradient on some rank: no update on any rank
-            self._hvds_skip_step = False
+        found_inf = getattr(self, "found_inf", None) if scaler is not None else None
+        if scaler is not None:
+            self.grad_scale = self.found_inf = None      # unscaled already: the inner optimizer must not again
+        if self._hvds_skip_step or (found_inf is not None and float(found_inf) > 0):
+            self._hvds_skip_step = False       # non-finite gradient on some rank: no update on any rank
             return None
         out = self._hvds_inner.step(self, closure)
         self._hvds_steps += 1
@@ -235,12 +301,12 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         Runs every ``consistency_check_every`` steps by itself; callable at any point every rank reaches."""
         if not self.process_set.included() or self.process_set.size() == 1:
             return
-        sums = torch.stack([_checksum(p) for _, p in self._hvds_params]) if self._hvds_params \
-            else torch.zeros((0, 2), dtype=torch.int64)
-        gathered = hvd.allgather(sums.unsqueeze(0), name="hvd_sparse.model.consistency",
+        params = self._hvds_params()            # what is trained now
+        sums = torch.stack([_checksum(p) for _, p in params]) if params else torch.zeros((0, 2), dtype=torch.int64)
+        gathered = hvd.allgather(sums.unsqueeze(0), name=f"hvd_sparse.{self._hvds_owner}.consistency",
                                  process_set=self.process_set)
         per_rank = [[tuple(c) for c in row] for row in gathered.tolist()]
-        check_replicas_agree([n for n, _ in self._hvds_params], per_rank, self._hvds_steps, _API)
+        check_replicas_agree([n for n, _ in params], per_rank, self._hvds_steps, _API)
 
     def zero_grad(self, *args, **kwargs):
         if any(self._hvds_passes.values()):
@@ -277,21 +343,46 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         Per rank: save it next to ``state_dict()`` on *every* rank (not only rank 0) and load each rank's own;
         it is deliberately not part of ``state_dict()``, which Horovod's ``broadcast_optimizer_state`` would
         overwrite with rank 0's residuals."""
-        return {"version": 1, "model": self._hvds_engine().state_dict()}
+        return {"version": 1, "model": self._hvds_engine().state_dict(), "rank": self.process_set.rank(),
+                "size": self.process_set.size(), "compression": state_signature(self._compression)}
 
     def skipped_steps(self):
         """Steps skipped on this rank (and every other) because a gradient was not finite."""
         return self._hvds_engine().skipped_steps
 
     def load_sparse_state_dict(self, state):
-        """Restore :meth:`sparse_state_dict`; the run then continues bit for bit as if never interrupted."""
+        """Restore :meth:`sparse_state_dict`; the run then continues bit for bit as if never interrupted.
+        Raises ValueError (restoring nothing) for a state of another rank, another number of ranks or another
+        compression (scheme, density, periods), as ``hvd_sparse.tensorflow.SparseState`` does."""
         if not isinstance(state, dict) or state.get("version") != 1 or "model" not in state:
             raise ValueError(f"{_API}.load_sparse_state_dict: not a state from sparse_state_dict(), got "
                              f"{type(state).__name__} with keys {sorted(state) if isinstance(state, dict) else ''}")
+        if "rank" in state:            # states written before these keys existed are restored unchecked
+            check_state_origin(state, self.process_set.rank(), self.process_set.size(), self._compression,
+                               f"{_API}.load_sparse_state_dict")
+        self._hvds_load(state)
+
+    def _hvds_load(self, state):
+        """Restore this rank's own state unchecked (hvd_sparse.torch.elastic's rollback, across a world change)."""
         self._hvds_engine().load_state_dict(state["model"])
         self._hvds_exchanges = max(self._hvds_exchanges, 1 if state["model"]["steps"] else 0)
 
 
+def _grad_scaler(optimizer, caller):
+    """The ``torch.amp.GradScaler`` whose ``step()`` is calling ``optimizer.step()``, or None. Raises when
+    ``grad_scale`` was set by something else: the unscale and the agreed skip could not be done right."""
+    if not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf"):
+        return None
+    scaler = caller.f_locals.get("self")
+    if isinstance(scaler, torch.amp.GradScaler) and id(optimizer) in scaler._per_optimizer_states:
+        return scaler
+    raise RuntimeError(f"{_API}: step() was called with grad_scale/found_inf set by something other than "
+                       "torch.amp.GradScaler.step(); use scaler.step(optimizer), or Horovod's recipe: "
+                       "optimizer.synchronize(); scaler.unscale_(optimizer); with optimizer.skip_synchronize(): "
+                       "scaler.step(optimizer)")
+
+
+_TORCH_OPTIMIZER_FILE = sys.modules[torch.optim.Optimizer.__module__].__file__
 _WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -345,6 +436,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         ValueError: bad ``op``, ``gradient_predivide_factor``, ``backward_passes_per_step``, ``groups``,
             duplicate or missing parameter names, or a sparse preset already used by another optimizer.
     """
+    if callable(getattr(optimizer, "synchronize", None)) and callable(getattr(optimizer, "skip_synchronize", None)):
+        raise ValueError(f"{_API}: optimizer is already a distributed optimizer ({type(optimizer).__name__} returned "
+                         "by DistributedOptimizer); wrap the original torch optimizer once")
     check_nonfinite(nonfinite, _API)
     check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
     if elastic_residuals not in ELASTIC_RESIDUALS:

@@ -101,7 +101,7 @@ class StashAdapter:
         prescale, postscale, average = scale_factors(opt.op, opt.gradient_predivide_factor)
         engine = self.compression.engine(
             "model", opt, lambda: HorovodTorchCommunicator(opt.process_set, "model"))
-        engine.layout = [self.stash[n][1].numel() for n in names]
+        engine.declare([(n, tuple(self.stash[n][1].shape), self.stash[n][1].dtype) for n in names])
         out = engine.step(flat, average=average, prescale=prescale, postscale=postscale)
         self.results = {}
         offset = 0

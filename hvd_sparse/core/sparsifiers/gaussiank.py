@@ -4,7 +4,7 @@ Per step, on every rank (``acc`` = a = residual + gradient, k = max(1, floor(d·
 
     1. mu = mean(a) (signed);  sigma = std(a) (unbiased, N-1)
     2. th = mu + z·sigma,  z = Phi^-1(1 - d/2)         # 2.5758 for d=1%, 2.3263 for d=2%
-    3. adjustment, cnt(th) = |{|a| > th}|, k34 = floor(3k/4):
+    3. adjustment, cnt(th) = |{|a| > th}|, k34 = max(1, floor(3k/4)):
          lstm (default): repeat <= 50 times: if cnt < k34: th /= 1.012 else stop
          bert:           if cnt < k34: repeat <= 20 times while cnt < floor(5k/6): th /= 1.012
          vgg:            if cnt < k34: repeat <= 20 times while cnt < k34: th /= 1.02
@@ -124,7 +124,7 @@ class GaussianK(Sparsifier):
         th = mu + gaussian_z(self.density) * sd
         th0 = th
         # 3. adjustment loop (a threshold <= 0 already selects every nonzero: nothing left to change)
-        k34 = (3 * k) // 4
+        k34 = max(1, (3 * k) // 4)          # at least one entry: k = 1 would otherwise never adjust
         it = 0
         if self.adjust == "lstm":
             while it < 50 and th > 0.0 and count(th) < k34:
@@ -132,7 +132,7 @@ class GaussianK(Sparsifier):
                 it += 1
         elif self.adjust == "bert":
             if th > 0.0 and count(th) < k34:
-                k56 = (5 * k) // 6
+                k56 = max(1, (5 * k) // 6)
                 while it < 20 and th > 0.0 and count(th) < k56:
                     th /= 1.012
                     it += 1

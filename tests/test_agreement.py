@@ -1,0 +1,176 @@
+"""The agreement step of every engine step (hvd_sparse/core/agree.py), in the simulator: ranks that disagree on
+the preset, an argument, the layout, the unit or the step get the same RankDisagreementError on every rank
+before any data moves; a layout change starts the unit afresh and carries the residual by name; the fingerprint is
+computed only when what it covers changes. The same checks through real horovodrun: test_agreement_horovod.py."""
+
+import numpy as np
+import pytest
+
+from hvd_sparse.bench import presets
+from hvd_sparse.compression import Compression
+from hvd_sparse.core.sim import SimulatedWorld
+from hvd_sparse.testing import simulate
+
+
+def _grads(P, n=200, seed=0):
+    return np.random.default_rng(seed).standard_normal((P, n)).astype(np.float32)
+
+
+def run_ranks(steps_of_rank, P):
+    """Run ``steps_of_rank(rank, comm)`` on P virtual ranks; returns per rank the result or the error's text."""
+    world = SimulatedWorld(P, timeout=30)
+
+    def target(comm):
+        try:
+            return steps_of_rank(comm.rank, comm)
+        except Exception as e:        # noqa: BLE001 - every rank's error is compared by its text
+            return f"{type(e).__name__}: {e}"
+
+    return world.run(target)
+
+
+def engines_of(comps, P=2):
+    def fn(r, comm):
+        return comps[r].new_engine(comm).step(_grads(P)[r])
+    return run_ranks(fn, P)
+
+
+@pytest.mark.parametrize("a, b, says", [
+    (Compression.oktopk(0.1), Compression.topka(0.1), "the compression of 'model': 'Compression.oktopk(density=0.1)' "
+                                                      "on rank 0, 'Compression.topka(density=0.1)' on rank 1"),
+    (Compression.topka(0.1), Compression.gtopk(0.1), "the compression of 'model'"),
+    (Compression.oktopk(0.1), Compression.oktopk(0.1, threshold_period=8),
+     "the compression argument 'threshold_period' of 'model': 32 on rank 0, 8 on rank 1"),
+    (Compression.oktopk(0.1), Compression.oktopk(0.1, repartition_period=8),
+     "the compression argument 'repartition_period' of 'model': 64 on rank 0, 8 on rank 1"),
+    (Compression.topka(0.1), Compression.topka(0.3), "the compression argument 'density' of 'model': 0.1 on rank 0, "
+                                                     "0.3 on rank 1"),
+    (Compression.oktopk(0.1), Compression.oktopk(0.3), "the compression argument 'density'"),
+])
+def test_ranks_that_disagree_on_the_compression_raise_the_same_error_on_every_rank(a, b, says):
+    got = engines_of([a, b])
+    assert got[0] == got[1], got
+    assert got[0].startswith("RankDisagreementError: hvd_sparse: ranks disagree on ") and says in got[0], got[0]
+
+
+def test_a_disagreement_among_three_ranks_names_the_odd_rank():
+    got = engines_of([Compression.topka(0.1), Compression.topka(0.1), Compression.topka(0.2)], P=3)
+    assert len(set(got)) == 1 and "0.1 on ranks 0, 1, 0.2 on rank 2" in got[0], got
+
+
+def test_shapes_dtypes_and_unit_names_are_agreed():
+    g = _grads(2)
+
+    def shapes(r, comm):      # the same n, another shape
+        e = Compression.topka(0.1).new_engine(comm)
+        e.declare([("w", (10, 20) if r == 0 else (20, 10), "float32")])
+        return e.step(g[r])
+
+    got = run_ranks(shapes, 2)
+    assert got[0] == got[1] and "parameter 'w' is (10, 20) float32 on rank 0 but (20, 10) float32 on rank 1" in got[0]
+
+    def sizes(r, comm):       # undeclared: one tensor of the gradient's size
+        return Compression.topka(0.1).new_engine(comm, "x").step(g[r][:200 - 10 * r])
+
+    got = run_ranks(sizes, 2)
+    assert got[0] == got[1] and "parameter 'x' is (200,) float32 on rank 0 but (190,) float32 on rank 1" in got[0]
+
+    def units(r, comm):       # two units stepped in a different order on the two ranks
+        comp = Compression.topka(0.1)
+        first, second = comp.new_engine(comm, "a"), comp.new_engine(comm, "b")
+        order = (first, second) if r == 0 else (second, first)
+        return [e.step(g[r]) for e in order]
+
+    got = run_ranks(units, 2)
+    assert got[0] == got[1] and "what is being exchanged: 'a' on rank 0, 'b' on rank 1" in got[0]
+
+
+def test_a_rank_that_skipped_a_step_is_named_by_the_step_count():
+    g = _grads(2)
+
+    def fn(r, comm):
+        e = Compression.topka(0.1).new_engine(comm)
+        if r == 1:
+            e.steps = 1       # as if rank 1 had run one step alone
+        return e.step(g[r])
+
+    got = run_ranks(fn, 2)
+    assert got[0] == got[1] and "the step count of 'model': 0 on rank 0, 1 on rank 1" in got[0]
+    assert "scaler.unscale_(optimizer)" in got[0]
+
+
+def test_a_local_problem_of_one_rank_is_raised_on_every_rank():
+    g = _grads(2)
+
+    def fn(r, comm):
+        e = Compression.topka(0.1).new_engine(comm)
+        e.step(g[r])
+        return e.step(g[r][:100] if r == 1 else g[r])        # rank 1 alone feeds another model
+
+    got = run_ranks(fn, 2)
+    assert got[0] == got[1] and "on rank 1: " in got[0] and "cannot serve two models" in got[0], got
+
+
+def test_layout_change_starts_afresh_and_carries_the_residual_by_name():
+    P, g = 2, _grads(2, n=30)
+
+    def fn(r, comm):
+        e = Compression.topka(0.2).new_engine(comm)
+        e.declare([("a", (10,), "float32"), ("b", (20,), "float32")])
+        e.step(g[r])
+        before = np.array(e.memory.residual)
+        e.declare([("b", (20,), "float32"), ("c", (5,), "float32")])      # 'a' left, 'c' is new
+        after = np.array(e.memory.residual)
+        return before, after, e.steps, e.layout
+
+    for before, after, steps, layout in run_ranks(fn, P):
+        assert steps == 0 and layout == [20, 5]
+        assert after[:20].tobytes() == before[10:].tobytes() and not after[20:].any()
+
+
+def test_the_fingerprint_is_computed_only_when_the_layout_or_options_change(monkeypatch):
+    from hvd_sparse.core import agree
+
+    calls = []
+    real = agree.describe
+    monkeypatch.setattr(agree, "describe", lambda *a: calls.append(1) or real(*a))
+    simulate(presets.make("oktopk", 0.1), np.random.default_rng(0).standard_normal((6, 2, 100)).astype(np.float32))
+    assert len(calls) == 2                   # once per rank, not once per step
+
+    def fn(r, comm):
+        e = Compression.topka(0.1).new_engine(comm)
+        e.declare([("a", (100,), "float32")])
+        for t in range(3):
+            e.step(_grads(2, n=100)[r])
+        e.declare([("a", (50,), "float32"), ("b", (50,), "float32")])
+        e.step(_grads(2, n=100)[r])
+
+    calls.clear()
+    run_ranks(fn, 2)
+    assert len(calls) == 4                   # per rank: the first layout and the changed one
+
+
+def test_agreement_is_control_traffic_of_28_bytes():
+    def fn(r, comm):
+        e = Compression.topka(0.1).new_engine(comm)
+        e.step(_grads(3)[r])
+        return e.last["control_bytes"], e.last["collectives"]
+
+    from hvd_sparse.core import agree
+
+    assert agree.WORDS == 7
+    assert run_ranks(fn, 3) == [(2 * 28, 2)] * 3     # 7 int32 words to each of P - 1 ranks; topka: counts + pairs
+
+
+@pytest.mark.parametrize("preset", presets.names())
+def test_simulate_with_an_empty_gradient_returns_empty_updates(preset):
+    res = simulate(presets.make(preset, 0.1), np.zeros((2, 3, 0), np.float32))
+    assert res.updates.shape == (2, 3, 0) and res.residuals.shape == (2, 3, 0)
+
+
+@pytest.mark.parametrize("adjust, most", [("lstm", 0.0), ("bert", 0.1), ("vgg", 0.02)])
+def test_gaussiank_with_k_1_sends_in_almost_every_step(adjust, most):
+    # n = 100, density 0.01: k = 1, so floor(3k/4) = 0 used to stop the threshold adjustment before it began
+    g = np.random.default_rng(0).standard_normal((100, 2, 100)).astype(np.float32)
+    res = simulate(Compression.gaussiank(0.01, adjust=adjust), g)
+    assert (res.selected == 0).mean() <= most

@@ -1,0 +1,169 @@
+"""What real training scripts do with a wrapped torch optimizer, through real `horovodrun -np 2 --gloo`: either
+bit-identical parameters on every rank or the same clear error on every rank within a bounded time -- never a hang,
+never silent divergence (docs/reliability.md, "Misuse and Horovod's recipes"; worker: hvd_workers/misuse_worker.py).
+A job that hangs is killed at its time limit; the scenarios it did not finish then fail by name."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from horovod_helpers import BIN, HERE, job_env, requires_horovod
+
+pytestmark = [pytest.mark.horovod, requires_horovod]
+
+NP = 2
+LIMIT = 300          # seconds per job; a disagreement raises within seconds, a hang ends here
+
+
+def _job(tmp_path_factory, job):
+    out = tmp_path_factory.mktemp(job)
+    cmd = [str(BIN / "horovodrun"), "-np", str(NP), "-H", f"localhost:{NP}", "--gloo", sys.executable,
+           str(HERE / "hvd_workers" / "misuse_worker.py"), job, str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=job_env(),
+                            start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=LIMIT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)          # horovodrun and its workers: nothing is left behind
+        log, _ = proc.communicate()
+        log = f"(killed after {LIMIT} s: a hang)\n{log}"
+    return out, log
+
+
+@pytest.fixture(scope="module")
+def agree(tmp_path_factory):
+    return _job(tmp_path_factory, "agree")
+
+
+@pytest.fixture(scope="module")
+def train(tmp_path_factory):
+    return _job(tmp_path_factory, "train")
+
+
+def ranks(job, scenario):
+    out, log = job
+    files = [out / f"{scenario}.rank{r}.npz" for r in range(NP)]
+    if not all(f.exists() for f in files):
+        pytest.fail(f"scenario {scenario!r} did not finish on every rank:\n{log[-5000:]}")
+    return [dict(np.load(f)) for f in files]
+
+
+def same_error(rs, key, *says):
+    msgs = [str(r[key]) for r in rs]
+    assert msgs[0] == msgs[1], f"{key}: the ranks raised different errors: {msgs}"
+    assert msgs[0].startswith("RankDisagreementError: hvd_sparse: ranks disagree on "), msgs[0]
+    for s in says:
+        assert s in msgs[0], msgs[0]
+
+
+def identical(rs, *keys):
+    for key in keys:
+        assert rs[0][key].tobytes() == rs[1][key].tobytes(), f"{key} differs across ranks"
+
+
+# -- ranks that disagree -----------------------------------------------------------------------------------------
+def test_ranks_that_disagree_on_the_compression_raise_on_every_rank_within_seconds(agree):
+    rs = ranks(agree, "compression")
+    same_error(rs, "oktopk_topka", "the compression of 'model': 'Compression.oktopk(density=0.1)' on rank 0, "
+                                   "'Compression.topka(density=0.1)' on rank 1")
+    same_error(rs, "topka_gtopk", "'Compression.gtopk(density=0.1)' on rank 1")
+    same_error(rs, "threshold_period", "the compression argument 'threshold_period'", "32 on rank 0, 4 on rank 1")
+    same_error(rs, "repartition_period", "the compression argument 'repartition_period'", "64 on rank 0, 4 on rank 1")
+    for r in rs:
+        for key in ("oktopk_topka", "topka_gtopk", "threshold_period", "repartition_period"):
+            assert float(r[key + ".seconds"]) < 30, (key, float(r[key + ".seconds"]))
+
+
+def test_ranks_that_disagree_on_the_density_raise_instead_of_diverging(agree):
+    rs = ranks(agree, "density")
+    for key in ("topka", "oktopk"):
+        same_error(rs, key, "the compression argument 'density'", "0.1 on rank 0, 0.3 on rank 1")
+
+
+def test_sparse_allreduce_with_other_shapes_per_rank_raises_on_every_rank_like_horovod(agree):
+    rs = ranks(agree, "allreduce_shapes")
+    for key in ("topka", "oktopk"):
+        same_error(rs, f"{key}.sizes",
+                   f"parameter '{key}.sizes' is (10,) torch.float32 on rank 0 but (12,) torch.float32 on rank 1")
+        same_error(rs, f"{key}.shapes", "(3, 4) torch.float32 on rank 0 but (4, 3) torch.float32 on rank 1")
+        identical(rs, f"{key}.same")
+
+
+def test_two_optimizers_stepped_in_another_order_raise_and_never_mix_gradients(agree):
+    rs = ranks(agree, "two_optimizers")
+    msgs = [str(r["msg"]) for r in rs]
+    assert msgs[0] == msgs[1] and "ranks disagree on what is being exchanged" in msgs[0], msgs
+    assert "on rank 0" in msgs[0] and "on rank 1" in msgs[0]
+    identical(rs, "a", "b")                          # then stepped in the same order: each trains on its own
+
+
+# -- recipes that train ------------------------------------------------------------------------------------------
+def test_a_parameter_group_added_after_wrapping_is_averaged_and_checked(train):
+    rs = ranks(train, "add_param_group")
+    identical(rs, "params")
+    head = rs[0]["head"]
+    moved = [head[t].tobytes() != head[t + 1].tobytes() for t in range(len(head) - 1)]
+    assert moved == [False, False, True, True, True, True]   # trained from the step it was added
+
+
+def test_parameters_frozen_at_wrapping_and_unfrozen_later_are_averaged(train):
+    rs = ranks(train, "unfreeze")
+    identical(rs, "params")
+    bb = rs[0]["backbone"]
+    assert [bb[t].tobytes() != bb[t + 1].tobytes() for t in range(len(bb) - 1)] == [False, False] + [True] * 4
+
+
+def test_sparse_embedding_without_a_gradient_in_some_steps_trains(train):
+    rs = ranks(train, "embedding")
+    identical(rs, "params")
+    assert np.isfinite(rs[0]["params"]).all()
+
+
+def test_plain_grad_scaler_pattern_skips_on_every_rank_and_agrees_on_the_scale(train):
+    rs = ranks(train, "grad_scaler")
+    identical(rs, "params", "scales")
+    for r in rs:
+        p = r["params"]
+        assert [t for t in range(len(p) - 1) if p[t].tobytes() == p[t + 1].tobytes()] == [3]
+        assert r["scales"].tolist() == [1024.0] * 3 + [512.0] * 3
+        assert int(r["skipped"]) == 1
+
+
+def test_wrapping_a_wrapped_optimizer_says_so(train):
+    for r in ranks(train, "wrap_twice"):
+        for key in ("msg", "msg2"):
+            assert "ValueError" in str(r[key]) and "already a distributed optimizer" in str(r[key]), str(r[key])
+
+
+def test_tied_weights_listed_twice_train(train):
+    rs = ranks(train, "tied")
+    identical(rs, "params")
+    assert np.isfinite(rs[0]["params"]).all()
+
+
+def test_load_sparse_state_dict_checks_rank_size_preset_and_density(train):
+    for r in ranks(train, "state_checks"):
+        assert "saved by rank" in str(r["other_rank"]) and "saved by rank" in str(r["other_size"])
+        for key in ("other_preset", "other_density", "other_period"):
+            assert "this sparse state was saved with" in str(r[key]), (key, str(r[key]))
+        assert str(r["own"]) == ""
+
+
+def test_broadcast_optimizer_state_when_only_rank_0_has_state_neither_hangs_nor_exchanges(train):
+    rs = ranks(train, "broadcast_resume")
+    identical(rs, "params", "bufs")
+    for r in rs:
+        assert not bool(r["engine_before"])          # no sparse exchange ran inside broadcast_optimizer_state
+
+
+def test_broadcast_optimizer_state_on_a_fresh_start_leaves_the_sparse_state_alone(train):
+    rs = ranks(train, "broadcast_fresh")
+    for r in rs:
+        for preset in ("dct", "exdyna"):
+            assert r[f"{preset}.with"].tobytes() == r[f"{preset}.without"].tobytes(), preset
+            assert float(r[f"{preset}.density.True"]) == float(r[f"{preset}.density.False"])
+    identical(rs, "dct.with", "exdyna.with")
