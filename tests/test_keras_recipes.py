@@ -9,8 +9,12 @@ bit-identical weights, or every rank gets the same clear error, within the job's
 * a user's optimizer subclass defined in the script: averaged, backward_passes_per_step honoured;
 * type(opt).from_config(opt.get_config()): Horovod's test_from_config, and the copy trains;
 * register_local_var: Horovod's test_gradient_aggregation_with_local_vars (expected values by its formula);
-* LearningRateScheduleCallback with LearningRateWarmupCallback: Horovod's test_train_model_lr_schedule.
+* LearningRateScheduleCallback with LearningRateWarmupCallback: Horovod's test_train_model_lr_schedule;
+* ranks that disagree on the compression (model.fit: density, preset; the tape, eagerly and in a tf.function:
+  preset, Ok-Topk's periods): the same RankDisagreementError on every rank, naming the argument and the ranks.
 """
+
+import re
 
 import numpy as np
 import pytest
@@ -20,7 +24,7 @@ from horovod_helpers import horovodrun, load_ranks, requires_horovod
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
 P = 2
-SCENARIOS = ("loss_scale", "jit", "subclass", "from_config", "local_vars", "schedule")
+SCENARIOS = ("loss_scale", "jit", "subclass", "from_config", "local_vars", "schedule", "disagree")
 
 
 @pytest.fixture(scope="module", params=["keras3", "tf_keras"])
@@ -123,3 +127,24 @@ def test_learning_rate_schedule_as_horovod(job):
             assert np.isclose(value, initial * epoch)
     assert np.isclose(lr[4], initial)         # the warmup ends at initial_lr
     np.testing.assert_allclose(lr[5:10], [initial * 0.1 ** e for e in range(5, 10)], rtol=1e-6)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("fit.density", "the compression argument 'density' of 'model': 0.1 on rank 0, 0.3 on rank 1"),
+    ("fit.preset", "the compression of 'model': 'Compression.oktopk(density=0.1)' on rank 0, "
+                   "'Compression.topka(density=0.1)' on rank 1"),
+    ("tape.preset.eager", "'Compression.gtopk(density=0.1)' on rank 0, 'Compression.topka(density=0.1)' on rank 1"),
+    ("tape.preset.function", "'Compression.gtopk(density=0.1)' on rank 0, 'Compression.topka(density=0.1)' on "
+                             "rank 1"),
+    ("tape.periods.eager", "the compression argument 'threshold_period' of 'model': 8 on rank 0, 4 on rank 1"),
+    ("tape.periods.function", "the compression argument 'threshold_period' of 'model': 8 on rank 0, 4 on rank 1"),
+])
+def test_ranks_that_disagree_on_the_compression_get_the_same_error(job, case, expected):
+    ranks = ok(job["disagree"])
+    lines = []
+    for r in ranks:
+        found = re.findall(r"hvd_sparse: ranks disagree on [^\n]*", str(r[case]))
+        assert found, f"no disagreement error: {str(r[case])[-500:]}"
+        lines.append(found[-1])
+        assert float(r[f"{case}.seconds"]) < 60
+    assert lines == [lines[0]] * P and expected in lines[0]

@@ -17,6 +17,9 @@ Scenarios:
                sparse, plus backward_passes_per_step=1: the variables after every call
   schedule     Horovod's test_train_model_lr_schedule: warmup + three LearningRateScheduleCallback s with Adam:
                the learning rate at each epoch end and History's loss
+  disagree     ranks that disagree on the compression: model.fit with another density or another preset on rank 1,
+               and a DistributedGradientTape step (eager and in a tf.function) with another preset or other Ok-Topk
+               periods on rank 1: the error each rank got and when
 """
 
 import os
@@ -203,6 +206,41 @@ def scenario_schedule(res):
     res["initial_lr"] = initial_lr
     res["loss"] = np.array(history.history["loss"])
     res["weights"] = flat(model)
+
+
+def scenario_disagree(res):
+    x, y = digits(3)
+    one = hvd.rank() == 1
+    fit_cases = {"density": lambda: hvds.Compression.topka(0.3 if one else 0.1),
+                 "preset": lambda: (hvds.Compression.topka if one else hvds.Compression.oktopk)(0.1)}
+    tape_cases = {"preset": lambda: (hvd_tf.Compression.topka if one else hvd_tf.Compression.gtopk)(0.1),
+                  "periods": lambda: hvd_tf.Compression.oktopk(0.1, threshold_period=4 if one else 8,
+                                                               repartition_period=8 if one else 16)}
+
+    def attempt(key, fn):
+        start = time.time()
+        try:
+            fn()
+            res[key] = ""
+        except Exception as e:     # noqa: BLE001 - recorded for the test
+            res[key] = f"{type(e).__name__}: {e}"
+        res[f"{key}.seconds"] = time.time() - start
+
+    for name, comp in fit_cases.items():
+        attempt(f"fit.{name}", lambda: fit(mlp(), hvds.DistributedOptimizer(keras.optimizers.SGD(0.05),
+                                                                            compression=comp()), x, y))
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for name, comp in tape_cases.items():
+        for mode in ("eager", "function"):
+            m, preset = mlp(), comp()
+
+            def step():
+                with tf.GradientTape() as tape:
+                    loss = loss_fn(y[:BATCH], m(x[:BATCH]))
+                tape = hvd_tf.DistributedGradientTape(tape, compression=preset)
+                return tape.gradient(loss, m.trainable_variables)
+
+            attempt(f"tape.{name}.{mode}", tf.function(step) if mode == "function" else step)
 
 
 if __name__ == "__main__":

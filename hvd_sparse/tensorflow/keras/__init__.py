@@ -43,7 +43,7 @@ from .. import (ELASTIC_RESIDUALS, Compression, SparseState, _check_now, _Reduct
 from .._variables import keras_flavour, same_variable
 from ._aggregation import LocalAggregation, reduce_with_locals
 from ._loss_scale import install as install_loss_scale_agreement
-from ._loss_scale import next_id, refuse_wrapped
+from ._loss_scale import refuse_wrapped
 
 _API = "hvd_sparse.tensorflow.keras.DistributedOptimizer"
 
@@ -62,7 +62,6 @@ class _Guard:
         self.variables = None
         self.local = []
         self.scale_local_gradients = scale_local_gradients
-        self.id = next_id()             # names this optimizer's loss-scale agreement
         self.pre_reduced = None         # (skipped,) after aggregate_gradients
         self.applying = False           # inside apply_gradients: aggregate_gradients is the inner one
 
@@ -304,9 +303,17 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     """Wrap a Keras optimizer so that every update first averages the gradients over Horovod ranks -- sparsely,
     when ``compression`` is a sparse preset. Horovod's signature (``horovod.tensorflow.keras``), in its order.
 
-    The result is an instance of a subclass of your optimizer's class (same name), rebuilt with
-    ``cls.from_config(optimizer.get_config())`` as Horovod does, with ``sparse_stats()``, ``residual_norm()``,
-    ``sparse_state_dict()`` and ``load_sparse_state_dict()`` (checkpoints: also ``SparseState(optimizer)``).
+    The result is an instance of a subclass of your optimizer's class (same name; the Keras flavour is taken from
+    the class's bases, so a subclass defined in your script works), rebuilt with
+    ``cls.from_config(optimizer.get_config())`` as Horovod does -- ``type(opt).from_config(config)`` gives another
+    working distributed optimizer (with a fresh copy of a sparse preset) --, with Horovod's ``register_local_var``,
+    ``sparse_stats()``, ``residual_norm()``, ``sparse_state_dict()`` and ``load_sparse_state_dict()``
+    (checkpoints: also ``SparseState(optimizer)``).
+
+    Mixed precision: put Keras's ``LossScaleOptimizer`` around this optimizer (``model.compile`` does it under the
+    ``mixed_float16`` policy); every rank then skips the same steps and keeps the same loss scale
+    (:mod:`hvd_sparse.tensorflow.keras._loss_scale`). ``jit_compile=True`` is refused (ValueError naming the fix):
+    the exchange runs Python and Horovod collectives, which XLA cannot compile.
 
     Args:
         optimizer: a Keras 3 or tf_keras optimizer (not yet wrapped).
@@ -336,7 +343,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
             or ``"drop"``; partitions, thresholds and counters always start afresh.
 
     Raises:
-        ValueError: an optimizer that is already distributed (by hvd_sparse or Horovod), or bad arguments.
+        ValueError: an optimizer that is already distributed (by hvd_sparse or Horovod), a ``LossScaleOptimizer``
+            (wrap its inner optimizer instead), or bad arguments.
         NotImplementedError: ``op=hvd.Adasum``.
     """
     if getattr(optimizer, "_hvds_reduce", None) is not None \

@@ -16,7 +16,8 @@ to agree in two ways:
 * Keras 3: its ``LossScaleOptimizer`` checks the gradients itself (``check_finite``) before calling the inner
   optimizer at all. :func:`install` wraps that method once (on the class) so that, when the inner optimizer is
   hvd_sparse's, the local answer is agreed across the optimizer's process set by one allreduce of one int32 (the
-  count of ranks with a non-finite gradient, named ``hvd_sparse.loss_scale.<n>.nonfinite``); every other
+  count of ranks with a non-finite gradient, under the fixed name ``hvd_sparse.loss_scale.nonfinite``, the same for
+  every optimizer so that ranks that built different numbers of optimizers still meet in it); every other
   ``LossScaleOptimizer`` is unchanged. The exchange then runs on every rank or on none.
 
 Either way the scale is halved, or grown, on every rank alike, so it stays identical. Wrapping a
@@ -25,19 +26,12 @@ Either way the scale is halved, or grown, on every rank alike, so it stays ident
 
 from __future__ import annotations
 
-import itertools
-
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from .._xla import refuse_xla
 
-_SEQUENCE = itertools.count()       # per process: the n of hvd_sparse.loss_scale.<n>; same order on every rank
 _LSO_NAMES = ("LossScaleOptimizer", "LossScaleOptimizerV3", "BaseLossScaleOptimizer")
-
-
-def next_id():
-    return next(_SEQUENCE)
 
 
 def is_loss_scale_optimizer(optimizer):
@@ -63,8 +57,7 @@ def agree_finite(optimizer, finite):
         return finite
     refuse_xla(reduction.api)
     bad = hvd.allreduce(tf.cast(tf.logical_not(tf.cast(finite, tf.bool)), tf.int32), op=hvd.Sum,
-                        name=f"hvd_sparse.loss_scale.{optimizer._hvds_guard.id}.nonfinite", ignore_name_scope=True,
-                        process_set=ps)
+                        name="hvd_sparse.loss_scale.nonfinite", ignore_name_scope=True, process_set=ps)
     return tf.equal(bad, 0)
 
 
