@@ -328,8 +328,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
             change no variable and only count ``optimizer.iterations``. Default 1.
         average_aggregated_gradients (bool): with ``backward_passes_per_step > 1``, divide the reduced sum by
             ``backward_passes_per_step`` (Horovod's option). Default False (the sum, as in Horovod).
-        name, device_dense, device_sparse, num_groups, groups, scale_local_gradients: accepted for
-            compatibility; the sparse path reduces the model as one unit.
+        scale_local_gradients (bool): as in Horovod: divide the gradients of the variables registered with
+            ``register_local_var`` by the number of ranks. Default True.
+        name, device_dense, device_sparse, num_groups, groups: accepted for compatibility; the sparse path
+            reduces the model as one unit.
         nonfinite (str, keyword-only): when any rank's gradient holds a NaN or Inf (sparse presets):
             ``"skip"`` (default: on every rank the update is skipped -- no variable changes, not even
             ``iterations`` -- and the sparse state is untouched) or ``"raise"`` (the step fails on every rank
