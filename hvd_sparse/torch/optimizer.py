@@ -45,7 +45,6 @@ densifies them into the sparsified buffer.
 from __future__ import annotations
 
 import itertools
-import sys
 import warnings
 from contextlib import contextmanager
 
@@ -53,10 +52,9 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
-from horovod.torch.functions import broadcast_optimizer_state
-
 from ..core.errors import (check_nonfinite, check_op, check_positive_int, check_replicas_agree, check_state_origin,
                            scale_factors, state_signature)
+from . import recipes
 from .comm import HorovodTorchCommunicator
 from .compression import Compression, is_sparse
 from .elastic import ELASTIC_RESIDUALS, SparseOptimizer
@@ -260,15 +258,12 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def step(self, closure=None):
-        caller = sys._getframe(1)
-        while caller.f_code.co_filename == _TORCH_OPTIMIZER_FILE:      # torch's step hooks / profiling wrapper
-            caller = caller.f_back
-        if caller.f_code is broadcast_optimizer_state.__code__:
-            # Horovod's broadcast_optimizer_state steps ranks without optimizer state (a resumed or joining rank, or
-            # every rank of a fresh start) on zero gradients to create that state, as it does for its own classes:
-            # the inner optimizer only -- no exchange (the other ranks are not stepping), sparse state untouched.
+        frame = recipes.caller()
+        if recipes.is_broadcast_optimizer_state(frame):
+            # Horovod's broadcast_optimizer_state creating missing state: the inner optimizer only, no exchange
+            # (the other ranks are not stepping), sparse state untouched (hvd_sparse.torch.recipes)
             return self._hvds_inner.step(self, closure)
-        scaler = _grad_scaler(self, caller)
+        scaler = recipes.grad_scaler(self, frame, _API)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -278,10 +273,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             if scaler is not None and getattr(self, "grad_scale", None) is not None:
                 scaler.unscale_(self)        # local gradients in true units before error feedback sees them
             self.synchronize()
-            if scaler is not None:
-                # every rank skips or none does (the exchange agreed): so the scale is updated alike everywhere
-                for found in scaler._per_optimizer_states[id(self)]["found_inf_per_device"].values():
-                    found.fill_(1.0 if self._hvds_skip_step else 0.0)
+            if scaler is not None:      # every rank skips or none does: the scale is updated alike everywhere
+                recipes.record_skip(scaler, self, self._hvds_skip_step)
         self._synchronized = False
         found_inf = getattr(self, "found_inf", None) if scaler is not None else None
         if scaler is not None:
@@ -368,21 +361,6 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hvds_exchanges = max(self._hvds_exchanges, 1 if state["model"]["steps"] else 0)
 
 
-def _grad_scaler(optimizer, caller):
-    """The ``torch.amp.GradScaler`` whose ``step()`` is calling ``optimizer.step()``, or None. Raises when
-    ``grad_scale`` was set by something else: the unscale and the agreed skip could not be done right."""
-    if not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf"):
-        return None
-    scaler = caller.f_locals.get("self")
-    if isinstance(scaler, torch.amp.GradScaler) and id(optimizer) in scaler._per_optimizer_states:
-        return scaler
-    raise RuntimeError(f"{_API}: step() was called with grad_scale/found_inf set by something other than "
-                       "torch.amp.GradScaler.step(); use scaler.step(optimizer), or Horovod's recipe: "
-                       "optimizer.synchronize(); scaler.unscale_(optimizer); with optimizer.skip_synchronize(): "
-                       "scaler.step(optimizer)")
-
-
-_TORCH_OPTIMIZER_FILE = sys.modules[torch.optim.Optimizer.__module__].__file__
 _WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
