@@ -25,15 +25,16 @@ import copy
 import pickle
 
 import horovod.tensorflow as hvd
-import numpy as np
 import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 from horovod.tensorflow.compression import Compression as _HorovodCompression
 
 from ..compression import Compression as _SparsePresets
 from ..compression import SparseCompression
-from ..core.errors import (check_nonfinite, check_op, check_replicas_agree, check_same_layout, check_state_origin,
-                           scale_factors, state_signature)
+from ..core.errors import (check_nonfinite, check_op, check_same_layout, check_state_origin, scale_factors,
+                           state_signature)
+from ._consistency import _check_now, _checksum, _run_check, check_consistency, variable_name  # noqa: F401
+from ._xla import refuse_xla
 from .comm import HorovodTFCommunicator
 
 _Trackable = tf.__internal__.tracking.Trackable
@@ -132,12 +133,14 @@ class _Reduction:
         if not dense or not self.process_set.included():
             return dense, None
         if self.sparse:
+            refuse_xla(self.api)
             # The state's owner is the preset itself (a tape is created anew every step); a preset shared by
             # two models of different sizes is caught by the engine's layout check.
             return _flat_step(self.compression, "model", self.compression, self.process_set, dense,
                               self.average, self.prescale, self.postscale, self.nonfinite)
         if self.process_set.size() == 1:
             return dense, None
+        refuse_xla(self.api, sparse=False)
         # Horovod's own dense path: one named allreduce per tensor, in the (rank-consistent) order of sources
         if self.op == Average:
             pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
@@ -401,6 +404,7 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
                         f"{compression!r}; for dense tensors use hvd.allreduce")
     check_op(op, 1.0, api)
     check_nonfinite(nonfinite, api)
+    refuse_xla(api)
     tensor = tf.convert_to_tensor(tensor)
     if not tensor.dtype.is_floating:
         raise TypeError(f"{api}: tensor must be floating point, got {tensor.dtype.name}; sparsifying integers "
@@ -409,81 +413,3 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
     prescale, postscale, average = scale_factors(op, 1.0)
     return _flat_step(compression, bucket, bucket, process_set, [tensor], average, prescale, postscale,
                       nonfinite)[0][0]
-
-
-# -- consistency guard -----------------------------------------------------------------------------------------
-_WORD = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-
-def _checksum(value):
-    """Two int64 checksums of an array's bits: the sum of its words and a position-weighted sum (any single changed
-    bit changes the first; swapped words change the second). Deterministic, wraps on overflow; the same definition
-    as hvd_sparse.torch's."""
-    a = np.ascontiguousarray(value).reshape(-1)
-    w = a.view(_WORD[a.dtype.itemsize]).astype(np.int64)
-    weights = np.arange(w.size, dtype=np.int64) % 65521 + 1
-    with np.errstate(over="ignore"):
-        return [int(w.sum()), int((w * weights).sum())]
-
-
-def variable_name(variable):
-    """A variable's name for messages: Keras 3's ``path`` (``"sequential/dense/kernel"``), else ``name``."""
-    return getattr(variable, "path", None) or variable.name
-
-
-def _check_now(names, values, process_set, step, name, api):
-    """The check, eagerly, on ``values`` (arrays) of the variables called ``names``."""
-    if not process_set.included() or process_set.size() == 1:
-        return
-    sums = np.array([_checksum(np.asarray(v)) for v in values], dtype=np.int64).reshape(1, -1, 2)
-    gathered = hvd.allgather(tf.constant(sums), name=name, ignore_name_scope=True, process_set=process_set)
-    per_rank = [[tuple(c) for c in row] for row in gathered.numpy().tolist()]
-    check_replicas_agree(list(names), per_rank, step, api)
-
-
-def _run_check(variables, check, extra_inputs=()):
-    """Run ``check(values, *extra)`` on the current values of ``variables``: at once eagerly; inside a ``tf.function``
-    in a ``tf.py_function`` (returned) that takes the values as inputs -- reads of the variables, which TensorFlow's
-    automatic control dependencies order after every earlier write to them (a py_function without those inputs
-    could run before the update: it is ordered with nothing)."""
-    n = len(variables)
-
-    def run(*args):
-        check([a.numpy() for a in args[:n]], *[a.numpy() for a in args[n:]])
-        return tf.constant(0, tf.int32)
-
-    if tf.executing_eagerly():
-        check([np.asarray(v.numpy()) for v in variables], *[np.asarray(x) for x in extra_inputs])
-        return None
-    return tf.py_function(run, [tf.convert_to_tensor(v) for v in variables] + list(extra_inputs), tf.int32)
-
-
-def check_consistency(variables, process_set=global_process_set, name="hvd_sparse.consistency", step=None):
-    """Collective: raise :class:`hvd_sparse.ReplicaDivergenceError` on every rank unless all ranks of
-    ``process_set`` hold bit-identical ``variables`` (two 64-bit checksums of each variable's bits, one allgather of
-    16 bytes per variable; the message names the first differing variable and the ranks that differ from rank 0).
-
-    For the ``DistributedGradientTape`` path (the Keras ``DistributedOptimizer`` has ``consistency_check_every=N``
-    and ``check_consistency()``): call it every N steps with ``model.trainable_variables`` (every rank, same list,
-    same order). Eagerly it raises ``ReplicaDivergenceError`` itself; inside a ``tf.function`` it runs eagerly in a
-    ``tf.py_function`` (returned) fed with reads of the variables, so that it sees every earlier update of them, and
-    the step fails with a ``tf.errors.UnknownError`` carrying the same message.
-
-    Args:
-        variables: ``tf.Variable`` s or Keras variables, the same list in the same order on every rank.
-        process_set: the ranks that must agree. Default: all ranks.
-        name: the allgather's name (the same on every rank).
-        step: the step number for the message: an int, or a tensor / variable read when the check runs (e.g.
-            ``optimizer.iterations``). Default: unknown (``?``).
-    """
-    api = "hvd_sparse.tensorflow.check_consistency"
-    variables = list(variables)
-    names = [variable_name(v) for v in variables]
-    # a step given as a tensor or variable (e.g. optimizer.iterations) is read when the check runs
-    extra = [tf.convert_to_tensor(step)] if step is not None and not isinstance(step, (int, np.integer)) else []
-
-    def check(values, *at):
-        _check_now(names, values, process_set, int(at[0]) if at else ("?" if step is None else int(step)), name,
-                   api)
-
-    return _run_check(variables, check, extra)

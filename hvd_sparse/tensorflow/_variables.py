@@ -17,6 +17,19 @@ HVD_DTYPES = {tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64, tf.flo
               tf.bool}
 
 
+def keras_flavour(obj):
+    """``"tf_keras"``, ``"keras"`` (Keras 3) or ``None``: the module of ``type(obj)`` (or of ``obj`` if it is a
+    class) or, for a user's subclass (``class MyModel(tf.keras.Model)`` in ``__main__``), of its first Keras base."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    for klass in cls.__mro__:
+        module = klass.__module__ or ""
+        if module.startswith("tf_keras"):
+            return "tf_keras"
+        if module.startswith("keras"):
+            return "keras"
+    return None
+
+
 def optimizer_variables(optimizer):
     """``optimizer.variables`` (Keras 3, a list) or ``optimizer.variables()`` (tf_keras, a method)."""
     if optimizer is None:

@@ -29,6 +29,7 @@ in a ``tf.function`` and in ``model.fit``; elastic Horovod: :mod:`hvd_sparse.ten
 
 from __future__ import annotations
 
+import copy
 import weakref
 
 import numpy as np
@@ -39,76 +40,30 @@ from ...compression import SparseCompression
 from ...core.errors import check_op, check_positive_int
 from .. import (ELASTIC_RESIDUALS, Compression, SparseState, _check_now, _Reduction, _run_check, _units_reset,
                 load_sparse_state_dict, sparse_state_dict, variable_name)
+from .._variables import keras_flavour, same_variable
+from ._aggregation import LocalAggregation, reduce_with_locals
+from ._loss_scale import install as install_loss_scale_agreement
+from ._loss_scale import refuse_wrapped
 
 _API = "hvd_sparse.tensorflow.keras.DistributedOptimizer"
 
 __all__ = ["Compression", "DistributedOptimizer", "SparseState", "callbacks"]
 
 
-def _is_tf_keras(optimizer):
-    return type(optimizer).__module__.startswith("tf_keras")
-
-
-class _LocalAggregation:
-    """Horovod's local gradient aggregation (``backward_passes_per_step``, ``horovod/tensorflow/
-    gradient_aggregation_eager.py``), eager and inside ``tf.function`` alike.
-
-    Per call of the optimizer, on every rank:
-        1. sums[i] += grad[i];  counter += 1                        (tf.Variables: they survive retracing)
-        2. if counter == passes:  g = reduce(sums)  (one engine step, or Horovod's dense allreduce)
-                                  g /= passes if average_aggregated_gradients
-                                  apply g (the optimizer's own update; it counts one iteration)
-                                  sums = 0;  counter = 0
-           else:                  optimizer.iterations += 1          (no variable changes, as Horovod)
-    The branch is a ``tf.cond`` on the counter, so one traced function serves every call. The variables are
-    created once, outside any trace (``tf.init_scope``), from the model variables' shapes; they are not part of
-    the optimizer's variables (not broadcast, not checkpointed: a checkpoint taken between two reductions loses
-    the passes accumulated since the last one, as in Horovod).
-    """
-
-    def __init__(self, passes, average):
-        self.passes = passes
-        self.average = average
-        self.counter = None
-        self.sums = None
-
-    def accumulate(self, grads, variables, api):
-        """Step 1; returns the predicate of step 2 (a boolean tensor)."""
-        if self.sums is None:
-            with tf.init_scope():
-                self.counter = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_sparse_passes")
-                self.sums = [tf.Variable(tf.zeros(tuple(v.shape), dtype=g.dtype), trainable=False,
-                                         name="hvd_sparse_grad_sum") for g, v in zip(grads, variables)]
-        if len(grads) != len(self.sums) or any(tuple(s.shape) != tuple(g.shape) for s, g in zip(self.sums, grads)):
-            raise ValueError(f"{api}: with backward_passes_per_step > 1 every call must update the same variables "
-                             f"(the accumulators hold {len(self.sums)} gradients, got {len(grads)} of other shapes); "
-                             "use one DistributedOptimizer per model")
-        for s, g in zip(self.sums, grads):
-            s.assign_add(g)
-        self.counter.assign_add(1)
-        return tf.equal(self.counter, self.passes)
-
-    def reduced(self, reduce, variables):
-        """Step 2, first half: the reduced (and, by option, averaged) sums, and the engine's skip flag."""
-        out, skipped = reduce.reduce_flagged([s.read_value() for s in self.sums], variables)
-        if self.average:
-            out = [g / tf.cast(self.passes, g.dtype) for g in out]
-        return out, skipped
-
-    def clear(self):
-        for s in self.sums:
-            s.assign(tf.zeros_like(s))
-        self.counter.assign(0)
-
-
 class _Guard:
     """Per optimizer, in a plain Python object (not tracked by Keras or tf.train.Checkpoint): the variables the
-    optimizer updates (from its last call), the number of applied updates, and ``consistency_check_every``."""
+    optimizer updates (from its last call), the number of applied updates, ``consistency_check_every``, the
+    worker-local variables (``register_local_var``) and, between tf_keras's ``aggregate_gradients`` and
+    ``apply_gradients``, the skip flag of the exchange that already ran."""
 
-    def __init__(self, every):
+    def __init__(self, every, scale_local_gradients):
         self.every = every
         self.steps = 0
         self.variables = None
+        self.local = []
+        self.scale_local_gradients = scale_local_gradients
+        self.pre_reduced = None         # (skipped,) after aggregate_gradients
+        self.applying = False           # inside apply_gradients: aggregate_gradients is the inner one
 
 
 def _count_iteration(optimizer):
@@ -139,7 +94,7 @@ class _Keras3Methods:
         self._hvds_guard.variables = variables
         agg = self._hvds_agg
         if agg is None:
-            grads, skipped = self._hvds_reduce.reduce_flagged(list(grads), variables)
+            grads, skipped = self._hvds_reduce_grads(list(grads), variables)
             if skipped is None:
                 out = self._hvds_inner.apply(self, grads, trainable_variables)
                 self._hvds_updated()
@@ -156,7 +111,7 @@ class _Keras3Methods:
         ready = agg.accumulate(self._hvds_reduce.densify(list(grads), variables), variables, _API)
 
         def reduce_and_apply():
-            grads, skipped = agg.reduced(self._hvds_reduce, variables)
+            grads, skipped = agg.reduced(self._hvds_reduce_grads, variables)
             _unless(skipped, lambda: self._hvds_inner.apply(self, grads, variables), self._hvds_updated)
             agg.clear()
 
@@ -167,35 +122,82 @@ class _TFKerasMethods:
     def apply_gradients(self, grads_and_vars, *args, **kwargs):
         grads_and_vars = list(grads_and_vars)
         variables = [v for _, v in grads_and_vars]
-        self._hvds_guard.variables = variables
+        grads = [g for g, _ in grads_and_vars]
+        guard = self._hvds_guard
+        guard.variables = variables
+        pre, guard.pre_reduced = guard.pre_reduced, None
         agg = self._hvds_agg
-        if agg is None:
-            grads, skipped = self._hvds_reduce.reduce_flagged([g for g, _ in grads_and_vars], variables)
-            if skipped is None:
-                out = self._hvds_inner.apply_gradients(self, list(zip(grads, variables)), *args, **kwargs)
+
+        def inner(gs):
+            return lambda: self._hvds_inner.apply_gradients(self, list(zip(gs, variables)), *args, **kwargs)
+
+        guard.applying = True
+        try:
+            if pre is not None and kwargs.get("skip_gradients_aggregation"):
+                (skipped,), agg = pre, None      # exchanged already, in aggregate_gradients (a LossScaleOptimizer)
+            elif agg is None:
+                grads, skipped = self._hvds_reduce_grads(grads, variables)
+            if agg is None and skipped is None:
+                out = inner(grads)()
                 self._hvds_updated()
                 return out
-        with tf.init_scope():                 # the slots: here, not inside a branch of a tf.cond
-            create = getattr(self, "_create_all_weights", None) or self.build
-            create(variables)
-        if agg is None:
-            _unless(skipped, lambda: self._hvds_inner.apply_gradients(self, list(zip(grads, variables)), *args,
-                                                                       **kwargs), self._hvds_updated)
+            with tf.init_scope():                 # the slots: here, not inside a branch of a tf.cond
+                create = getattr(self, "_create_all_weights", None) or self.build
+                create(variables)
+            if agg is None:
+                _unless(skipped, inner(grads), self._hvds_updated)
+                return self.iterations
+            ready = agg.accumulate(self._hvds_reduce.densify(grads, variables), variables, _API)
+
+            def reduce_and_apply():
+                reduced, skipped = agg.reduced(self._hvds_reduce_grads, variables)
+                _unless(skipped, inner(reduced), self._hvds_updated)
+                agg.clear()
+
+            tf.cond(ready, reduce_and_apply, lambda: _count_iteration(self))
             return self.iterations
-        ready = agg.accumulate(self._hvds_reduce.densify([g for g, _ in grads_and_vars], variables), variables,
-                               _API)
+        finally:
+            guard.applying = False
 
-        def reduce_and_apply():
-            grads, skipped = agg.reduced(self._hvds_reduce, variables)
-            _unless(skipped, lambda: self._hvds_inner.apply_gradients(self, list(zip(grads, variables)), *args,
-                                                                       **kwargs), self._hvds_updated)
-            agg.clear()
-
-        tf.cond(ready, reduce_and_apply, lambda: _count_iteration(self))
-        return self.iterations
+    def aggregate_gradients(self, grads_and_vars):
+        """tf_keras's cross-replica hook, which a ``LossScaleOptimizer`` calls before it checks the gradients: the
+        exchange runs here, so the loss scaler sees the reduced gradients, the same on every rank; the
+        ``apply_gradients(..., skip_gradients_aggregation=True)`` that follows does not exchange again."""
+        guard = self._hvds_guard
+        if guard.applying:                    # our own apply_gradients -> the inner one: reduced already
+            return self._hvds_inner.aggregate_gradients(self, grads_and_vars)
+        if self._hvds_agg is not None:
+            raise NotImplementedError(f"{_API}: backward_passes_per_step > 1 under a tf_keras LossScaleOptimizer "
+                                      "(mixed_float16) is not supported; use backward_passes_per_step=1, or Keras 3")
+        grads_and_vars = list(grads_and_vars)
+        variables = [v for _, v in grads_and_vars]
+        guard.variables = variables
+        grads, skipped = self._hvds_reduce_grads([g for g, _ in grads_and_vars], variables)
+        guard.pre_reduced = (skipped,)
+        return list(zip(grads, variables))
 
 
 class _CommonMethods:
+    def __init__(self, *args, **kwargs):
+        """The wrapped class's ``__init__``, then hvd_sparse's settings: so ``type(opt).from_config(config)`` (Keras
+        and Horovod rebuild optimizers this way) gives a working distributed optimizer too -- with a sparse preset,
+        a fresh copy of it (same scheme and arguments, its own residuals), as the copy has its own slots."""
+        self._hvds_inner.__init__(self, *args, **kwargs)
+        _setup(self, type(self)._hvds_settings)
+
+    def register_local_var(self, var):
+        """Horovod's ``register_local_var``: ``var``'s gradient is not reduced but kept local (divided by the number
+        of ranks with ``scale_local_gradients=True``, Horovod's default); with ``backward_passes_per_step > 1`` it
+        is summed locally like the others. Every rank must register the same variables (the reduced ones form the
+        exchange's layout, which is checked across ranks)."""
+        local = self._hvds_guard.local
+        if not any(same_variable(var, v) for v in local):
+            local.append(var)
+
+    def _hvds_reduce_grads(self, grads, variables):
+        guard = self._hvds_guard
+        return reduce_with_locals(self._hvds_reduce, grads, variables, guard.local, guard.scale_local_gradients)
+
     def _hvds_updated(self):
         """After an applied update (not a skipped or an only-accumulating call): with ``consistency_check_every=N``
         count it and check every N-th. Eagerly the check runs at once; in a ``tf.function`` (``model.fit``) it runs
@@ -301,9 +303,17 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     """Wrap a Keras optimizer so that every update first averages the gradients over Horovod ranks -- sparsely,
     when ``compression`` is a sparse preset. Horovod's signature (``horovod.tensorflow.keras``), in its order.
 
-    The result is an instance of a subclass of your optimizer's class (same name), rebuilt with
-    ``cls.from_config(optimizer.get_config())`` as Horovod does, with ``sparse_stats()``, ``residual_norm()``,
-    ``sparse_state_dict()`` and ``load_sparse_state_dict()`` (checkpoints: also ``SparseState(optimizer)``).
+    The result is an instance of a subclass of your optimizer's class (same name; the Keras flavour is taken from
+    the class's bases, so a subclass defined in your script works), rebuilt with
+    ``cls.from_config(optimizer.get_config())`` as Horovod does -- ``type(opt).from_config(config)`` gives another
+    working distributed optimizer (with a fresh copy of a sparse preset) --, with Horovod's ``register_local_var``,
+    ``sparse_stats()``, ``residual_norm()``, ``sparse_state_dict()`` and ``load_sparse_state_dict()``
+    (checkpoints: also ``SparseState(optimizer)``).
+
+    Mixed precision: put Keras's ``LossScaleOptimizer`` around this optimizer (``model.compile`` does it under the
+    ``mixed_float16`` policy); every rank then skips the same steps and keeps the same loss scale
+    (:mod:`hvd_sparse.tensorflow.keras._loss_scale`). ``jit_compile=True`` is refused (ValueError naming the fix):
+    the exchange runs Python and Horovod collectives, which XLA cannot compile.
 
     Args:
         optimizer: a Keras 3 or tf_keras optimizer (not yet wrapped).
@@ -318,8 +328,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
             change no variable and only count ``optimizer.iterations``. Default 1.
         average_aggregated_gradients (bool): with ``backward_passes_per_step > 1``, divide the reduced sum by
             ``backward_passes_per_step`` (Horovod's option). Default False (the sum, as in Horovod).
-        name, device_dense, device_sparse, num_groups, groups, scale_local_gradients: accepted for
-            compatibility; the sparse path reduces the model as one unit.
+        scale_local_gradients (bool): as in Horovod: divide the gradients of the variables registered with
+            ``register_local_var`` by the number of ranks. Default True.
+        name, device_dense, device_sparse, num_groups, groups: accepted for compatibility; the sparse path
+            reduces the model as one unit.
         nonfinite (str, keyword-only): when any rank's gradient holds a NaN or Inf (sparse presets):
             ``"skip"`` (default: on every rank the update is skipped -- no variable changes, not even
             ``iterations`` -- and the sparse state is untouched) or ``"raise"`` (the step fails on every rank
@@ -333,13 +345,15 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
             or ``"drop"``; partitions, thresholds and counters always start afresh.
 
     Raises:
-        ValueError: an optimizer that is already distributed (by hvd_sparse or Horovod), or bad arguments.
+        ValueError: an optimizer that is already distributed (by hvd_sparse or Horovod), a ``LossScaleOptimizer``
+            (wrap its inner optimizer instead), or bad arguments.
         NotImplementedError: ``op=hvd.Adasum``.
     """
     if getattr(optimizer, "_hvds_reduce", None) is not None \
             or type(optimizer).__module__.startswith("horovod"):
         raise ValueError(f"{_API}: {type(optimizer).__name__} is already a distributed optimizer (wrapped by "
                          "hvd_sparse or Horovod); wrap the plain Keras optimizer once")
+    refuse_wrapped(optimizer, _API)
     check_op(op, gradient_predivide_factor, _API)
     owner = getattr(compression, "_hvds_keras_owner", None)
     if owner is not None and owner() is not None:
@@ -349,20 +363,39 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     every = check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
     if elastic_residuals not in ELASTIC_RESIDUALS:
         raise ValueError(f"{_API}: elastic_residuals must be 'keep' or 'drop', got {elastic_residuals!r}")
-    methods = dict(_TFKerasMethods.__dict__ if _is_tf_keras(optimizer) else _Keras3Methods.__dict__)
+    # The flavour from the class's bases (a user's `class MySGD(tf.keras.optimizers.SGD)` lives in __main__)
+    tf_keras = keras_flavour(optimizer) == "tf_keras"
+    if not tf_keras:
+        install_loss_scale_agreement()
+    methods = dict(_TFKerasMethods.__dict__ if tf_keras else _Keras3Methods.__dict__)
     methods.update({k: v for k, v in _CommonMethods.__dict__.items() if not k.startswith("__")})
     methods = {k: v for k, v in methods.items() if not k.startswith("__")}
+    settings = {"compression": compression, "claimed": False, "passes": passes, "every": every,
+                "reduction": (op, gradient_predivide_factor, sparse_as_dense, process_set, _API, nonfinite),
+                "average": bool(average_aggregated_gradients), "elastic_residuals": elastic_residuals,
+                "scale_local_gradients": bool(scale_local_gradients)}
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               dict(methods, _hvds_inner=optimizer.__class__, __module__=optimizer.__class__.__module__))
-    new = cls.from_config(optimizer.get_config())
-    new._hvds_reduce = _Reduction(compression, op, gradient_predivide_factor, sparse_as_dense, process_set, _API,
-                                  nonfinite)
-    new._hvds_agg = _LocalAggregation(passes, bool(average_aggregated_gradients)) if passes > 1 else None
-    new._hvds_guard = _Guard(every)
-    new._hvds_elastic_residuals = elastic_residuals
+               dict(methods, __init__=_CommonMethods.__init__, _hvds_inner=optimizer.__class__,
+                    _hvds_settings=settings, __module__=optimizer.__class__.__module__))
+    return cls.from_config(optimizer.get_config())
+
+
+def _setup(opt, settings):
+    """hvd_sparse's state of one optimizer instance (see ``_CommonMethods.__init__``)."""
+    compression = settings["compression"]
     if isinstance(compression, SparseCompression):
-        compression._hvds_keras_owner = weakref.ref(new)
-    return new
+        if settings["claimed"]:                  # a rebuilt copy: a fresh preset of the same configuration
+            compression = copy.copy(compression)
+            compression.__dict__.update(_engines={}, _horovod_adapter=None)
+            for key in ("_hvds_pending_state", "_hvds_keras_owner"):
+                compression.__dict__.pop(key, None)
+        settings["claimed"] = True
+        compression._hvds_keras_owner = weakref.ref(opt)
+    opt._hvds_reduce = _Reduction(compression, *settings["reduction"])
+    passes = settings["passes"]
+    opt._hvds_agg = LocalAggregation(passes, settings["average"]) if passes > 1 else None
+    opt._hvds_guard = _Guard(settings["every"], settings["scale_local_gradients"])
+    opt._hvds_elastic_residuals = settings["elastic_residuals"]
 
 
 def __getattr__(name):          # ``hvds.callbacks`` without importing Keras callbacks eagerly

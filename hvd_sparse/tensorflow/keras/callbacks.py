@@ -7,6 +7,7 @@
         hvds.callbacks.BroadcastGlobalVariablesCallback(0),     # same weights everywhere after the 1st batch
         hvds.callbacks.MetricAverageCallback(),                 # epoch logs averaged over ranks
         hvds.callbacks.LearningRateWarmupCallback(initial_lr=0.05, warmup_epochs=3),
+        hvds.callbacks.LearningRateScheduleCallback(initial_lr=0.05, multiplier=lambda epoch: 0.1, start_epoch=30),
         hvds.callbacks.SparsityCallback(),                      # sparse_density / _sent_bytes / _residual_norm
         tf.keras.callbacks.TensorBoard(...),                    # after them: sees the averaged values
     ]
@@ -33,34 +34,20 @@ callbacks in the same order, as with Horovod.
 
 from __future__ import annotations
 
-import warnings
-
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
 from ...core.stats import SparsityWindow, averaged
-from .._variables import HVD_DTYPES, broadcast_variables, optimizer_variables, same_variable
+from .._variables import HVD_DTYPES, broadcast_variables, keras_flavour, optimizer_variables, same_variable
+from ._lr_schedule import LearningRateScheduleCallbackImpl, LearningRateWarmupCallbackImpl, _to_numpy
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateWarmupCallback",
-           "SparsityCallback", "KERAS", "FLAVOUR"]
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
+           "LearningRateWarmupCallback", "SparsityCallback", "KERAS", "FLAVOUR"]
 
 #: The Keras module whose ``callbacks.Callback`` these classes subclass (``tf.keras`` at import time).
 KERAS = tf.keras
 _Callback = KERAS.callbacks.Callback
-
-
-def keras_flavour(obj):
-    """``"tf_keras"``, ``"keras"`` (Keras 3) or ``None``: the module of ``type(obj)`` (or of ``obj`` if it is a
-    class) or, for a user's subclass (``class MyModel(tf.keras.Model)`` in ``__main__``), of its first Keras base."""
-    cls = obj if isinstance(obj, type) else type(obj)
-    for klass in cls.__mro__:
-        module = klass.__module__ or ""
-        if module.startswith("tf_keras"):
-            return "tf_keras"
-        if module.startswith("keras"):
-            return "keras"
-    return None
 
 
 #: ``"keras"`` (Keras 3) or ``"tf_keras"``: the flavour of ``KERAS``.
@@ -73,36 +60,6 @@ _same_variable = same_variable
 
 
 # -- helpers (no Keras API) ------------------------------------------------------------------------------------
-def _to_numpy(value):
-    if hasattr(value, "numpy"):
-        value = value.numpy()
-    return np.asarray(value)
-
-
-def _to_float(value):
-    return float(_to_numpy(value))
-
-
-def _set_hparam(optimizer, name, value):
-    """Set a hyperparameter so that compiled train functions see it; False when that is impossible.
-
-    A variable (Keras 3 ``learning_rate``, tf_keras ``learning_rate``, legacy tf_keras hypers) is assigned. A Python
-    number (e.g. ``momentum`` of Keras 3 and tf_keras ``SGD``) is baked into the traced train function, so changing
-    the attribute would only act in eager mode: that is refused (returns False) rather than done inconsistently.
-    """
-    current = getattr(optimizer, name, None)
-    if current is None:
-        return False
-    if hasattr(current, "assign"):
-        current.assign(value)
-        return True
-    hyper = getattr(optimizer, "_hyper", None)        # tf_keras legacy OptimizerV2: setattr -> _set_hyper
-    if isinstance(hyper, dict) and name in hyper:
-        setattr(optimizer, name, value)
-        return True
-    return False
-
-
 def _allreduce_vector(values, name, op, device=""):
     """Eager allreduce of a float64 vector (possibly empty) under a fixed name; numpy result."""
     with tf.device(device):
@@ -204,99 +161,6 @@ class MetricAverageCallbackImpl:
         self._average_metrics_in_place(logs)
 
 
-class LearningRateWarmupCallbackImpl:
-    """Horovod's gradual warmup: per batch, over ``warmup_epochs`` epochs,
-
-        epoch' = epoch + (batch + 1) / steps_per_epoch
-        lr     = initial_lr / size * (epoch' * (size - 1) / warmup_epochs + 1)
-
-    i.e. from about ``initial_lr / size`` at the first batch to exactly ``initial_lr`` at the last batch of the
-    warmup, then left alone. Momentum correction (momentum * new_lr / old_lr during the batch that changes lr,
-    restored after it) is applied when the optimizer's momentum is a variable (tf_keras legacy optimizers); Keras 3
-    and tf_keras ``SGD`` keep ``momentum`` as a Python float compiled into the train function, so there it is
-    skipped with a warning instead of acting in eager mode only."""
-
-    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True, steps_per_epoch=None, verbose=0,
-                 *args):
-        super().__init__(*args)
-        if initial_lr is None:
-            raise ValueError("Parameter `initial_lr` is required")
-        self.initial_lr = float(initial_lr)
-        self.warmup_epochs = warmup_epochs
-        self.start_epoch, self.end_epoch = 0, warmup_epochs
-        self.momentum_correction = momentum_correction
-        self.steps_per_epoch = steps_per_epoch
-        self.verbose = verbose
-        self.restore_momentum = None
-        self.current_epoch = None
-        self._warned_momentum = False
-
-    def multiplier(self, epoch):
-        epoch += 1. / self.steps_per_epoch
-        return 1. / hvd.size() * (epoch * (hvd.size() - 1) / self.warmup_epochs + 1)
-
-    def _autodetect_steps_per_epoch(self):
-        params = getattr(self, "params", None) or {}
-        if params.get("steps"):
-            return params["steps"]
-        if params.get("samples") and params.get("batch_size"):
-            return params["samples"] // params["batch_size"]
-        raise ValueError(f"Could not autodetect the number of steps per epoch; pass steps_per_epoch to "
-                         f"{type(self).__name__}()")
-
-    def _learning_rate(self):
-        lr = getattr(self.model.optimizer, "learning_rate", None)
-        if not hasattr(lr, "assign"):
-            raise ValueError(f"{type(self).__name__} needs an optimizer whose learning_rate is a constant (a "
-                             f"variable), not a LearningRateSchedule; got {lr!r}")
-        return lr
-
-    def _adjust_learning_rate(self, epoch):
-        optimizer = self.model.optimizer
-        lr = self._learning_rate()
-        old_lr = _to_float(lr)
-        new_lr = self.initial_lr * self.multiplier(epoch)
-        lr.assign(new_lr)
-        momentum = getattr(optimizer, "momentum", None)
-        if self.momentum_correction and momentum is not None and old_lr:
-            old_momentum = _to_float(momentum)
-            if old_momentum and _set_hparam(optimizer, "momentum", old_momentum * new_lr / old_lr):
-                self.restore_momentum = old_momentum
-            elif old_momentum and not self._warned_momentum:
-                self._warned_momentum = True
-                warnings.warn(f"{type(self).__name__}: {type(optimizer).__name__}.momentum is a Python number "
-                              "compiled into the train function, so momentum correction is skipped (pass "
-                              "momentum_correction=False to silence this)", stacklevel=2)
-
-    def _restore_momentum_if_needed(self):
-        if self.restore_momentum:
-            _set_hparam(self.model.optimizer, "momentum", self.restore_momentum)
-            self.restore_momentum = None
-
-    def on_train_begin(self, logs=None):
-        if not self.steps_per_epoch:
-            self.steps_per_epoch = self._autodetect_steps_per_epoch()
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.current_epoch = epoch
-
-    def on_batch_begin(self, batch, logs=None):
-        if self.current_epoch is None or self.current_epoch < self.start_epoch or \
-                (self.end_epoch is not None and self.current_epoch >= self.end_epoch):
-            return
-        self._adjust_learning_rate(self.current_epoch + float(batch) / self.steps_per_epoch)
-
-    def on_batch_end(self, batch, logs=None):
-        self._restore_momentum_if_needed()
-
-    def on_epoch_end(self, epoch, logs=None):
-        lr = _to_float(self._learning_rate())
-        if logs is not None:
-            logs["lr"] = lr
-        if epoch == self.end_epoch - 1 and self.verbose > 0 and hvd.rank() == 0:
-            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.")
-
-
 class SparsityCallbackImpl:
     """Puts the sparse exchange's statistics into the logs, averaged over ranks (identical on every rank):
 
@@ -389,6 +253,25 @@ class MetricAverageCallback(_FlavourCheck, MetricAverageCallbackImpl, _Callback)
 
     def __init__(self, device=''):
         super().__init__(device)
+
+
+class LearningRateScheduleCallback(_FlavourCheck, LearningRateScheduleCallbackImpl, _Callback):
+    """Horovod's ``LearningRateScheduleCallback``: ``lr = initial_lr * multiplier(epoch)`` between ``start_epoch`` and
+    ``end_epoch`` (see ``LearningRateScheduleCallbackImpl``).
+
+    Args:
+        initial_lr (float): the learning rate the multiplier scales.
+        multiplier: a constant ``m`` (``lr = initial_lr * m ** epoch``) or a function ``f(epoch)``.
+        start_epoch (int), end_epoch (int or None): the epochs it acts on, ``[start_epoch, end_epoch)``.
+        staircase (bool): True: set once per epoch (integer epoch); False: before every batch (fractional epoch).
+        momentum_correction (bool): scale momentum with the lr change during a batch (when possible).
+        steps_per_epoch (int): batches per epoch (``staircase=False``); default: from ``fit``'s parameters.
+    """
+
+    def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
+                 momentum_correction=True, steps_per_epoch=None):
+        super().__init__(initial_lr, multiplier, start_epoch, end_epoch, staircase, momentum_correction,
+                         steps_per_epoch)
 
 
 class LearningRateWarmupCallback(_FlavourCheck, LearningRateWarmupCallbackImpl, _Callback):
