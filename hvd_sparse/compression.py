@@ -109,7 +109,8 @@ class Compression:
     """Sparse presets, one factory per scheme. Every call returns a new object with fresh state."""
 
     @staticmethod
-    def oktopk(density, threshold_period=32, repartition_period=64, balance="auto", *, variant="library"):
+    def oktopk(density, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
+               boundaries=None):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
         spec oktopk.md §3.6): the O(k) sparse allreduce. Each rank selects with a local threshold that is
         exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
@@ -129,6 +130,10 @@ class Compression:
                 the global count K <= k (see ThresholdReuse.guard_target and OkTopk.global_control); "paper"
                 (no controllers), "ref_lstm", "ref_vgg", "ref_bert" (the authors' code, per model). For the
                 "paper"/"ref_*" variants the variant fixes the three knobs above.
+            boundaries (str or None): how the regions follow the selection (``OkTopk.boundaries``): None takes
+                the variant's ("load" for "library": rebalanced every step from the split loads the owners
+                report in the count allgather; "periodic" for the others: only every ``repartition_period``
+                steps, as the paper), or "periodic", "result", "load".
         """
         if variant not in OKTOPK_PRESETS:
             raise ValueError(f"hvd_sparse.Compression.oktopk: variant must be one of {sorted(OKTOPK_PRESETS)}, "
@@ -138,8 +143,12 @@ class Compression:
         if variant == "library":
             sp["threshold_period"] = rd["threshold_period"] = threshold_period
             rd.update(repartition_period=repartition_period, balance=balance)
+        if boundaries is not None:
+            rd["boundaries"] = boundaries
         name = f"oktopk(density={density!r})" if variant == "library" else \
             f"oktopk(density={density!r}, variant={variant!r})"
+        if boundaries is not None:
+            name = f"{name[:-1]}, boundaries={boundaries!r})"
         return SparseCompression(ThresholdReuse(density, **sp), OkTopk(**rd), preset=name)
 
     @staticmethod
