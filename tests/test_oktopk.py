@@ -990,3 +990,27 @@ def test_library_stays_within_6k_bound_on_every_steady_step_despite_drift():
     assert rep["recv_words_max_steady"] <= 5.0 * unit, rep["recv_words_max_steady"] / unit
     assert rep["recv_words_mean_steady"] <= 4.5 * unit
     assert rep["steady_max_phases"]["split"] <= 1.35 * 2 * unit, rep["steady_max_phases"]
+
+
+@pytest.mark.parametrize("runs", [1, 255, 256, 257, 600])
+def test_region_sums_of_more_sources_than_one_merge_takes_stay_in_rank_order(runs):
+    """P > 256 (the native merge's limit): the chunked merge gives every sum as 0 + v_0 + v_1 + ... in rank
+    order, bit for bit (float32 additions do not associate: a different grouping would show)."""
+    from hvd_sparse.core.reducers.oktopk import _sum_runs_in_rank_order
+
+    rng = np.random.default_rng(runs)
+    idx, val, counts = [], [], []
+    for _ in range(runs):
+        i = np.unique(rng.integers(0, 50, rng.integers(0, 12)))
+        idx.append(i)
+        val.append((rng.standard_normal(i.size) * 10.0 ** rng.integers(-3, 4, i.size)).astype(np.float32))
+        counts.append(i.size)
+    idx, val = np.concatenate(idx).astype(np.int64), np.concatenate(val)
+    dense = np.zeros(50, np.float32)
+    off = 0
+    for c in counts:
+        np.add.at(dense, idx[off:off + c], val[off:off + c])
+        off += c
+    where, sums = _sum_runs_in_rank_order(backend_of(val), idx, val, counts, val)
+    np.testing.assert_array_equal(where, np.unique(idx))
+    assert sums.tobytes() == dense[np.unique(idx)].tobytes()

@@ -119,6 +119,28 @@ def _allgather_counts(xp, counts, comm, phase, like):
     return [[int(c) for c in flat[r * w:(r + 1) * w]] for r in range(comm.size)]
 
 
+#: the most runs one merge of ``sum_sparse_in_rank_order`` takes (the native kernel's limit)
+MERGE_RUNS = 256
+
+
+def _sum_runs_in_rank_order(xp, idx, val, counts, like):
+    """``sum_sparse_in_rank_order`` for any number of sources: beyond ``MERGE_RUNS`` the runs are merged in
+    chunks, each merge starting from the sums so far as its first run (``0.0 + s`` is ``s`` bit for bit: a
+    rank-order sum is never -0.0), so every sum is still ``0 + v_0 + v_1 + ...`` in rank order."""
+    if len(counts) <= MERGE_RUNS:
+        return sum_sparse_in_rank_order(xp, idx, val, counts, like)
+    head = sum(counts[:MERGE_RUNS])
+    where, sums = sum_sparse_in_rank_order(xp, idx[:head], val[:head], counts[:MERGE_RUNS], like)
+    for s in range(MERGE_RUNS, len(counts), MERGE_RUNS - 1):
+        part = counts[s:s + MERGE_RUNS - 1]
+        end = head + sum(part)
+        where, sums = sum_sparse_in_rank_order(xp, xp.concat([where, idx[head:end]], like=like),
+                                               xp.concat([sums, val[head:end]], like=like),
+                                               [xp.numel(where)] + list(part), like)
+        head = end
+    return where, sums
+
+
 #: exponents j of the Γ ladder Γ·f^j (global_control="ladder")
 LADDER_STEPS = tuple(range(-2, 7))
 
@@ -244,7 +266,7 @@ class OkTopk(Reducer):
         rel_r, val_r = unpack_pairs(xp, recv)
         # 4. reduction: rho^r = the sum of the P sparse pieces, sources added in rank order 0..P-1, on the
         # support of what arrived (no |R_r|-sized buffer: a region can span most of the model)
-        where, rho = sum_sparse_in_rank_order(xp, rel_r, val_r, [s // 2 for s in recv_splits], acc)
+        where, rho = _sum_runs_in_rank_order(xp, rel_r, val_r, [s // 2 for s in recv_splits], acc)
         nz = xp.nonzero(xp.gt(xp.abs(rho), 0.0))
         return xp.add(xp.take(where, nz), offsets[r]), xp.take(rho, nz), sum(recv_splits) // 2
 
