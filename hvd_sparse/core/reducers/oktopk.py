@@ -2,7 +2,8 @@
 
     oktopk_step(g):                                 # engine: a = eps + g; S = ThresholdReuse.select(a)
       reev  = (t % tau_p == 0)                      # t = 0 is always a re-eval AND repartition step
-      if t % tau == 0: off = repartition(a, L)      # §3.6.4, one allreduce
+      if t % tau == 0: off = repartition(a, L)      # §3.6.4, one allreduce (boundaries="periodic"; with
+                                                    # "result"/"load": t = 0 only, then off = next_off below)
       rho   = split_and_reduce(a, S, off)           # §3.6.5, region r of the sum
       if reev:                                      # §3.6.6
           C   = allgather( (x+off[r], rho[x]) for x with rho[x] != 0 )    # identical on all ranks
@@ -12,6 +13,9 @@
           G    = balance_and_allgatherv(mine)       # sorted by global index
           Gam  = band_adjust(Gam, |G|, k, lo_G, hi_G, /relax, *tighten)
       I   = S ∩ G.idx;  eps = a;  eps[I] = 0        # Alg.2 line 6 (engine zeroes I)
+      next_off = load_boundaries(off, loads)        # "load": loads[r] = pairs region r received in the split,
+                                                    # one more word in the count allgather; "result": the
+                                                    # P quantiles of G (no word at all); see regions.py
       t += 1
       return SparseSum(G.idx, G.val), I             # the SUM, as out[G.idx] = G.val (the engine divides by P)
 
@@ -30,9 +34,9 @@
 Collectives (phase names, each a distinct, stable collective; none at all when P = 1):
     boundaries     allreduce int64 (P-1)               repartition steps
     split          alltoall  (rel. index, value) pairs every step (sources reduced in rank order)
-    reeval_count   allgather 1 int64                   re-eval steps
+    reeval_count   allgather 1 int64 (+1: the load)    re-eval steps
     reeval_gather  allgather (global index, value)     re-eval steps (skipped when every U_r = 0)
-    count          allgather 1 int64                   other steps
+    count          allgather 1 int64 (ladder: 9) (+1)  other steps
     balance        alltoall  (global index, value)     other steps, when the balance policy triggers
     gather         allgather (global index, value)     other steps (skipped when K = 0, known to all)
 
