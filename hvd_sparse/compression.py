@@ -161,7 +161,7 @@ class Compression:
     @staticmethod
     @_with_training_options
     def oktopk(density, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
-               max_select_ratio=None):
+               max_select_ratio=None, boundaries=None):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
         docs/algorithms.md#oktopk): the O(k) sparse allreduce. Each rank selects with a local threshold that is
         exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
@@ -187,6 +187,10 @@ class Compression:
                 ratio·k (every rank knows it from the gathered counts), every rank keeps the exact top-k of the
                 gathered values and re-evaluates the global threshold from them. It bounds the volume of a
                 gradient spike; the "library" variant's controllers already keep both counts near k.
+            boundaries (str or None): how the regions follow the selection (``OkTopk.boundaries``): None takes
+                the variant's ("load" for "library": rebalanced every step from the split loads the owners
+                report in the count allgather; "periodic" for the others: only every ``repartition_period``
+                steps, as the paper), or "periodic", "result", "load".
         """
         if variant not in OKTOPK_PRESETS:
             raise ValueError(f"hvd_sparse.Compression.oktopk: variant must be one of {sorted(OKTOPK_PRESETS)}, "
@@ -197,10 +201,14 @@ class Compression:
         if variant == "library":
             sp["threshold_period"] = rd["threshold_period"] = threshold_period
             rd.update(repartition_period=repartition_period, balance=balance)
+        if boundaries is not None:
+            rd["boundaries"] = boundaries
         name = f"oktopk(density={density!r})" if variant == "library" else \
             f"oktopk(density={density!r}, variant={variant!r})"
         if max_select_ratio is not None:
             name = f"{name[:-1]}, max_select_ratio={max_select_ratio!r})"
+        if boundaries is not None:
+            name = f"{name[:-1]}, boundaries={boundaries!r})"
         return SparseCompression(ThresholdReuse(density, **sp), OkTopk(**rd), preset=name)
 
     @staticmethod

@@ -17,6 +17,15 @@ The model here:
 Recorded (``RecordedGradients``): per-worker gradients of the digits CNN of ``examples/pytorch_digits.py``,
 trained in one process with a dense average of the workers' gradients (what Horovod would do); n is the
 model's size (38,282).
+
+Recorded, larger (``MLPGradients``, ``--data recorded-mlp``): minibatch gradients of a 64-512-512-10 ReLU MLP
+(n = 301,066, 7.9x the CNN) on the digits, taken along one real training run (SGD, lr 0.1, batch 128 drawn per
+step). Rank r's gradient at step t is the gradient of its own 16-sample batch at the run's weights of step t. The
+gradients are regenerated, not stored: a file of them would weigh steps x P x n x 4 bytes (120 MB for 100 steps
+at P = 1) while this is a deterministic function of (seed, t, r) in numpy (bit for bit the same on every run of
+the same numpy build), computed on demand. The training run is the dense one and does not depend on P or on the
+method measured: it is the data a sparse method sees, as a recording is; its volume still depends on that method
+through its own error feedback, which the benchmark runs for real.
 """
 
 from __future__ import annotations
@@ -115,3 +124,77 @@ class RecordedGradients:
 
     def grad(self, t, r):
         return self._grads[t, r]
+
+
+class MLPGradients:
+    """Minibatch gradients of a 64-512-512-10 MLP along one training run on the digits (module docstring).
+
+    ``grad(t, r)`` is deterministic in (seed, t, r) and safe to call from many threads; the run's weights are
+    kept for the two latest steps asked for (the virtual ranks of the simulator move in lock step)."""
+
+    SIZES = (64, 512, 512, 10)
+
+    def __init__(self, workers, seed=0, batch_size=16, lr=0.1, train_batch=128):
+        from .digits import load_arrays
+
+        (x, y), _ = load_arrays(seed=42)
+        self.x = np.asarray(x, np.float32).reshape(len(x), -1)
+        self.y = np.asarray(y, np.int64).reshape(-1)
+        self.workers, self.seed, self.batch_size, self.lr, self.train_batch = workers, seed, batch_size, lr, \
+            train_batch
+        rng = np.random.default_rng([seed, 10])
+        w = []
+        for fan_in, fan_out in zip(self.SIZES[:-1], self.SIZES[1:]):
+            bound = np.sqrt(6.0 / fan_in)                      # He-uniform (ReLU)
+            w += [rng.uniform(-bound, bound, (fan_in, fan_out)).astype(np.float32),
+                  np.zeros(fan_out, np.float32)]
+        self.layout = [a.size for a in w]
+        self.n = sum(self.layout)
+        self._weights = {0: w}
+        self._lock = threading.Lock()
+
+    def _grad_at(self, w, idx):
+        """Flat gradient of the mean cross-entropy of samples ``idx`` at weights ``w`` (float32)."""
+        x, y = self.x[idx], self.y[idx]
+        acts, h = [x], x
+        for j in range(0, len(w) - 2, 2):
+            h = np.maximum(h @ w[j] + w[j + 1], 0.0)
+            acts.append(h)
+        z = h @ w[-2] + w[-1]
+        z = z - z.max(axis=1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=1, keepdims=True)
+        p[np.arange(len(y)), y] -= 1.0
+        d = p / len(y)                                          # dL/dz
+        grads = []
+        for j in range(len(w) - 2, -1, -2):
+            a = acts[j // 2]
+            grads = [a.T @ d, d.sum(axis=0)] + grads
+            if j:
+                d = (d @ w[j].T) * (acts[j // 2] > 0)
+        return np.concatenate([g.astype(np.float32).reshape(-1) for g in grads])
+
+    def weights(self, t):
+        """The training run's weights at step t."""
+        with self._lock:
+            if t not in self._weights:
+                last = max(s for s in self._weights if s < t) if any(s < t for s in self._weights) else None
+                if last is None:                                # older than what is kept: run from the start
+                    self._weights = {0: self.__class__(self.workers, self.seed)._weights[0]}
+                    last = 0
+                w = self._weights[last]
+                for s in range(last, t):
+                    idx = np.random.default_rng([self.seed, 11, s]).integers(0, len(self.y), self.train_batch)
+                    g = self._grad_at(w, idx)
+                    off, nw = 0, []
+                    for a in w:
+                        nw.append((a - np.float32(self.lr) * g[off:off + a.size].reshape(a.shape)).astype(np.float32))
+                        off += a.size
+                    w = nw
+                self._weights = {s: v for s, v in self._weights.items() if s >= t - 1}
+                self._weights[t] = w
+            return self._weights[t]
+
+    def grad(self, t, r):
+        idx = np.random.default_rng([self.seed, 12, t, r]).integers(0, len(self.y), self.batch_size)
+        return self._grad_at(self.weights(t), idx)

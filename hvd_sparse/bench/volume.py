@@ -9,8 +9,16 @@ Reported per algorithm:
     recv_words_mean        mean over steps and ranks
     recv_words_max_steady  max over the steps on which the algorithm neither re-evaluates thresholds nor
                            repartitions (== recv_words_max for algorithms without such steps)
+    recv_words_mean_steady mean over those steps (and ranks)
+    steady_over_bound      the steady steps whose busiest rank received more than Table 1's worst case
+    steady_max_phases      the phases (words) of the busiest rank on the step of the steady maximum
+    phase_share            per phase: its words in that maximum / the maximum
     density_mean           achieved density: selected entries / n, mean over steps (and ranks; for
                            partitioned sparsifiers such as ExDyna the ranks' selections add up)
+
+``--oktopk-boundaries periodic,result,load`` runs Ok-Topk once per region-boundary policy (reported as
+``oktopk[periodic]`` ...). ``--numel`` and ``--density`` take one value, or one per P (e.g. a larger density at
+P = 1024 keeps k/P >= 10 with a smaller n). The report gives the process's peak resident memory.
 
 ``--workers 8,16,32`` runs every P on the same gradients (rank r sees the same data whatever P) and writes
 ``{"numel", "density", "steps", "data", "runs": [<one report per P>]}``; one P writes that report itself.
@@ -20,6 +28,7 @@ per algorithm for one P.
 
 from __future__ import annotations
 
+import resource
 import sys
 import time
 
@@ -39,8 +48,21 @@ TABLE1 = {
 }
 
 
+def make_algorithm(algorithm, density):
+    """``make`` for a preset name, or ``oktopk[<boundaries>]`` for Ok-Topk with that boundary policy."""
+    if algorithm.startswith("oktopk[") and algorithm.endswith("]"):
+        from ..compression import Compression
+        return Compression.oktopk(density, boundaries=algorithm[len("oktopk["):-1])
+    return make(algorithm, density)
+
+
+def peak_memory_mb():
+    """Peak resident memory of this process so far, in MB (Linux reports KiB)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 def run_one(algorithm, data, workers, steps, density, progress=None):
-    comp = make(algorithm, density)
+    comp = make_algorithm(algorithm, density)
     world = SimulatedWorld(workers)
     comms = world.communicators()
     engines = [comp.new_engine(c) for c in comms]
@@ -55,7 +77,9 @@ def run_one(algorithm, data, workers, steps, density, progress=None):
         r = comm.rank
         eng = engines[r]
         for t in range(steps):
-            eng.step(data.grad(t, r))
+            g = np.array(data.grad(t, r), np.float32)       # a private copy: the step writes its result into it
+            eng.step(g, out=[g])                             # (no n-sized output per rank: P = 1024 fits)
+            del g
             recv[t, r] = eng.last["recv_words"]
             phases[t][r] = dict(comm.meter.recv_words)
             selected[t, r] = eng.last["selected"]
@@ -70,6 +94,11 @@ def run_one(algorithm, data, workers, steps, density, progress=None):
     mask = ~special if (~special).any() else np.ones(steps, bool)
     steady = recv[mask]
     t_max, r_max = np.unravel_index(np.argmax(np.where(mask[:, None], recv, -1)), recv.shape)
+    k = max(1, int(density * data.n))
+    base = algorithm.split("[")[0]
+    bound = TABLE1[base](n, k, workers)[1] if base in TABLE1 else None
+    top = phases[t_max][r_max]
+    total = max(1, sum(top.values()))
     partitioned = getattr(comp.sparsifier, "partitioned", False)
     dens = selected.sum(axis=1) / n if partitioned else selected.mean(axis=1) / n
     return {
@@ -78,9 +107,13 @@ def run_one(algorithm, data, workers, steps, density, progress=None):
         "recv_words_mean": float(recv.mean()),
         "recv_words_max_steady": int(steady.max()),
         "density_mean": float(dens.mean()),
+        "recv_words_mean_steady": float(steady.mean()),
         "steady_steps": int((~special).sum()),
+        "steady_over_bound": None if bound is None else
+        [int(t) for t in np.flatnonzero(mask & (recv.max(axis=1) > bound))],
         # where the steady maximum comes from: words received per phase by that rank on that step
-        "steady_max_phases": {"step": int(t_max), "rank": int(r_max), **phases[t_max][r_max]},
+        "steady_max_phases": {"step": int(t_max), "rank": int(r_max), **top},
+        "phase_share": {p: round(w / total, 4) for p, w in top.items()},
     }
 
 
@@ -101,22 +134,28 @@ def run(algorithms, data, workers, steps, density, verbose=True):
             print(file=sys.stderr)
         results.append(res)
     return {"workers": workers, "numel": data.n, "k": k, "density": density, "steps": steps,
-            "results": results}
+            "results": results, "peak_memory_mb": peak_memory_mb()}
 
 
 def markdown(report):
     n, k, P = report["numel"], report["k"], report["workers"]
+    unit = k * (P - 1) / P if P > 1 else 1.0
     lines = [f"Words received per rank per step: P = {P}, n = {n:,}, k = {k:,} "
-             f"(density {report['density']}), {report['steps']} steps.", "",
+             f"(density {report['density']}), {report['steps']} steps; u = k(P-1)/P = {unit:,.0f}; "
+             f"peak memory {report.get('peak_memory_mb', 0):,.0f} MB.", "",
              "| algorithm | recv words max | recv words mean | max, steady steps | steady max / k "
-             "| Table 1 (best .. worst) | density |",
-             "|---|---:|---:|---:|---:|---|---:|"]
+             "| Table 1 (best .. worst) | density | steady max / u | steady mean / u | phases of the steady max "
+             "| steady steps over Table 1 |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|---|---:|"]
     for r in sorted(report["results"], key=lambda r: r["recv_words_max_steady"]):
-        t1 = TABLE1.get(r["algorithm"])
+        t1 = TABLE1.get(r["algorithm"].split("[")[0])
         ref = "" if t1 is None else " .. ".join(f"{v:,.0f}" for v in sorted(set(t1(n, k, P))))
         lines.append(f"| {r['algorithm']} | {r['recv_words_max']:,} | {r['recv_words_mean']:,.0f} | "
                      f"{r['recv_words_max_steady']:,} | {r['recv_words_max_steady'] / k:.2f} | {ref} | "
-                     f"{r['density_mean']:.4f} |")
+                     f"{r['density_mean']:.4f} | {r['recv_words_max_steady'] / unit:.2f} | "
+                     f"{r['recv_words_mean_steady'] / unit:.2f} | "
+                     + ", ".join(f"{p} {v:.0%}" for p, v in r["phase_share"].items() if v) + " | "
+                     + ("" if r["steady_over_bound"] is None else str(len(r["steady_over_bound"]))) + " |")
     return "\n".join(lines)
 
 
@@ -205,13 +244,18 @@ def add_arguments(v):
     v.add_argument("--workers", type=cli.positive_ints, required=True,
                    help="number of (simulated) ranks P, or a comma-separated list (e.g. 8,16,32,64): one run "
                         "per P")
-    v.add_argument("--numel", type=cli.positive_int, default=1_000_000,
-                   help="gradient size n for synthetic data (recorded data uses the digits CNN's n)")
-    v.add_argument("--density", type=cli.density, default=0.01, help="k / n (default: 0.01)")
+    v.add_argument("--numel", type=_per_p(cli.positive_int), default=[1_000_000],
+                   help="gradient size n for synthetic data, or one per P (recorded data uses its model's n)")
+    v.add_argument("--density", type=_per_p(cli.density), default=[0.01],
+                   help="k / n (default: 0.01), or one per P")
+    v.add_argument("--oktopk-boundaries", default=None, metavar="LIST",
+                   help="run Ok-Topk once per region-boundary policy (comma-separated: periodic, result, load)")
     v.add_argument("--steps", type=cli.positive_int, default=10, help="steps per algorithm (default: 10)")
     v.add_argument("--algorithms", type=cli.algorithms, default=None,
                    help="comma-separated subset (default: all presets)")
-    v.add_argument("--data", choices=["synthetic", "recorded"], default="synthetic")
+    v.add_argument("--data", choices=["synthetic", "recorded", "recorded-mlp"], default="synthetic",
+                   help="synthetic; recorded: the digits CNN (n = 38,282); recorded-mlp: a 448,778-parameter "
+                        "MLP trained on digits (regenerated deterministically, see bench/data.py)")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--json", metavar="FILE", help="write the report as JSON")
     v.add_argument("--plot", metavar="FILE",
@@ -220,28 +264,54 @@ def add_arguments(v):
     v.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
+def _per_p(kind):
+    def parse(text):
+        return [kind(x) for x in text.split(",") if x.strip()]
+    parse.__name__ = getattr(kind, "__name__", "value")
+    return parse
+
+
+def _for_each_p(values, workers, name):
+    if len(values) == 1:
+        return values * len(workers)
+    if len(values) != len(workers):
+        raise SystemExit(f"hvd_sparse.bench volume: --{name} needs one value or one per P ({len(workers)}), "
+                         f"got {len(values)}")
+    return values
+
+
 def main(args):
     from . import cli, data, presets
 
     workers = args.workers if isinstance(args.workers, list) else [args.workers]
     if not workers:
         raise SystemExit("hvd_sparse.bench volume: --workers needs at least one P")
-    algorithms = args.algorithms or presets.names()
-    shared = None
-    if args.data == "synthetic" and len(workers) > 1:
-        # grad(t, r) depends on (seed, t, r) only: one generator serves every P (the same gradients per rank)
-        shared = data.SyntheticGradients(args.numel, max(workers), seed=args.seed)
+    numels = _for_each_p(args.numel, workers, "numel")
+    densities = _for_each_p(args.density, workers, "density")
+    algorithms = list(args.algorithms or presets.names())
+    if args.oktopk_boundaries:
+        from ..core.reducers.oktopk import BOUNDARY_POLICIES
+        pols = [b.strip() for b in args.oktopk_boundaries.split(",") if b.strip()]
+        bad = [b for b in pols if b not in BOUNDARY_POLICIES]
+        if bad:
+            raise SystemExit(f"hvd_sparse.bench volume: --oktopk-boundaries: unknown {bad}; "
+                             f"choose from {BOUNDARY_POLICIES}")
+        algorithms = [a for a in algorithms if a != "oktopk"] + [f"oktopk[{b}]" for b in pols]
+    shared = {}
     reports = []
-    for P in workers:
+    for P, numel, density in zip(workers, numels, densities):
         if len(workers) > 1 and not args.quiet:
             print(f"P = {P}", file=sys.stderr)
-        if shared is not None:
-            src = shared
-        elif args.data == "synthetic":
-            src = data.SyntheticGradients(args.numel, P, seed=args.seed)
-        else:
+        if args.data == "synthetic":
+            # grad(t, r) depends on (seed, t, r) only: one generator per n serves every P (the same gradients)
+            if numel not in shared:
+                shared = {numel: data.SyntheticGradients(numel, max(workers), seed=args.seed)}
+            src = shared[numel]
+        elif args.data == "recorded":
             src = data.RecordedGradients(P, args.steps, seed=args.seed)
-        report = run(algorithms, src, P, args.steps, args.density, verbose=not args.quiet)
+        else:
+            src = data.MLPGradients(P, seed=args.seed)
+        report = run(algorithms, src, P, args.steps, density, verbose=not args.quiet)
         report["data"] = args.data
         reports.append(report)
     if len(reports) == 1:
@@ -251,7 +321,7 @@ def main(args):
             plot_bars(report, args.plot)
         print(markdown(report))
         return 0
-    cli.write_json(args.json, {"numel": reports[0]["numel"], "density": args.density, "steps": args.steps,
+    cli.write_json(args.json, {"numel": reports[0]["numel"], "density": densities[0], "steps": args.steps,
                                "data": args.data, "runs": reports})
     if args.plot:
         plot_scaling(reports, args.plot)

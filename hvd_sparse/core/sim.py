@@ -167,9 +167,14 @@ class SimulatedCommunicator:
         if len(splits) != self.size or sum(splits) > xp.numel(x) or min(splits) < 0:
             raise ValueError(f"alltoall {phase!r}: bad splits {splits} for {xp.numel(x)} rows on "
                              f"rank {self.rank}")
-        items = self._gather("alltoall", phase, (x, splits))
-        table = np.array([sp for _, sp in items], dtype=np.int64).reshape(self.size, self.size)
-        starts = table[:, :self.rank].sum(axis=1)
+        def combine(xs):            # the P x P split table and its row offsets, once for all ranks
+            table = np.array([sp for _, sp in xs], dtype=np.int64).reshape(self.size, self.size)
+            starts = np.zeros_like(table)
+            np.cumsum(table[:, :-1], axis=1, out=starts[:, 1:])
+            return xs, table, starts
+
+        items, table, starts = self._gather("alltoall", phase, (x, splits), combine=combine)
+        starts = starts[:, self.rank]
         recv_splits = table[:, self.rank].tolist()
         rows = xp.numel(x) and x.shape[0]
         row_words = xp.numel(x) // rows if rows else 1

@@ -2,7 +2,8 @@
 
     oktopk_step(g):                                 # engine: a = eps + g; S = ThresholdReuse.select(a)
       reev  = (t % tau_p == 0)                      # t = 0 is always a re-eval AND repartition step
-      if t % tau == 0: off = repartition(a, L)      # one allreduce
+      if t % tau == 0: off = repartition(a, L)      # one allreduce (boundaries="periodic"; with
+                                                    # "result"/"load": t = 0 only, then off = next_off below)
       rho   = split_and_reduce(a, S, off)           # region r of the sum
       if reev:                                      # global re-evaluation
           C   = allgather( (x+off[r], rho[x]) for x with rho[x] != 0 )    # identical on all ranks
@@ -12,6 +13,9 @@
           G    = balance_and_allgatherv(mine)       # sorted by global index
           Gam  = band_adjust(Gam, |G|, k, lo_G, hi_G, /relax, *tighten)
       I   = S ∩ G.idx;  eps = a;  eps[I] = 0        # Alg.2 line 6 (engine zeroes I)
+      next_off = load_boundaries(off, loads)        # "load": loads[r] = pairs region r received in the split,
+                                                    # one more word in the count allgather; "result": the
+                                                    # P quantiles of G (no word at all); see regions.py
       t += 1
       return SparseSum(G.idx, G.val), I             # the SUM, as out[G.idx] = G.val (the engine divides by P)
 
@@ -30,9 +34,9 @@
 Collectives (phase names, each a distinct, stable collective; none at all when P = 1):
     boundaries     allreduce int64 (P-1)               repartition steps
     split          alltoall  (rel. index, value) pairs every step (sources reduced in rank order)
-    reeval_count   allgather 1 int64                   re-eval steps
+    reeval_count   allgather 1 int64 (+1: the load)    re-eval steps
     reeval_gather  allgather (global index, value)     re-eval steps (skipped when every U_r = 0)
-    count          allgather 1 int64                   other steps
+    count          allgather 1 int64 (ladder: 9) (+1)  other steps
     balance        alltoall  (global index, value)     other steps, when the balance policy triggers
     gather         allgather (global index, value)     other steps (skipped when K = 0, known to all)
 
@@ -57,9 +61,11 @@ from ..errors import check_positive_int
 from ..sparsifiers.threshold_reuse import band_adjust, check_real, check_select_rule, rule_mask
 from ..xp import intersect_sorted, topk_indices
 from .base import Reducer, SparseSum, pack_pairs, unpack_pairs, wire_index_dtype
+from .regions import load_boundaries, result_boundaries
 from .topka import sum_sparse_in_rank_order
 
 BALANCE_POLICIES = ("auto", "always", "never")
+BOUNDARY_POLICIES = ("periodic", "result", "load")
 
 
 # -- index helpers ----------------------------------------------------------------------------------------
@@ -117,6 +123,28 @@ def _allgather_counts(xp, counts, comm, phase, like):
     return [[int(c) for c in flat[r * w:(r + 1) * w]] for r in range(comm.size)]
 
 
+#: the most runs one merge of ``sum_sparse_in_rank_order`` takes (the native kernel's limit)
+MERGE_RUNS = 256
+
+
+def _sum_runs_in_rank_order(xp, idx, val, counts, like):
+    """``sum_sparse_in_rank_order`` for any number of sources: beyond ``MERGE_RUNS`` the runs are merged in
+    chunks, each merge starting from the sums so far as its first run (``0.0 + s`` is ``s`` bit for bit: a
+    rank-order sum is never -0.0), so every sum is still ``0 + v_0 + v_1 + ...`` in rank order."""
+    if len(counts) <= MERGE_RUNS:
+        return sum_sparse_in_rank_order(xp, idx, val, counts, like)
+    head = sum(counts[:MERGE_RUNS])
+    where, sums = sum_sparse_in_rank_order(xp, idx[:head], val[:head], counts[:MERGE_RUNS], like)
+    for s in range(MERGE_RUNS, len(counts), MERGE_RUNS - 1):
+        part = counts[s:s + MERGE_RUNS - 1]
+        end = head + sum(part)
+        where, sums = sum_sparse_in_rank_order(xp, xp.concat([where, idx[head:end]], like=like),
+                                               xp.concat([sums, val[head:end]], like=like),
+                                               [xp.numel(where)] + list(part), like)
+        head = end
+    return where, sums
+
+
 #: exponents j of the Γ ladder Γ·f^j (global_control="ladder")
 LADDER_STEPS = tuple(range(-2, 7))
 
@@ -130,6 +158,21 @@ class OkTopk(Reducer):
         threshold_period (int): τ', re-evaluate the global threshold Γ exactly every τ' sparse steps
             (t % τ' == 0, t = this reducer's own step counter from 0). Default 32.
         repartition_period (int): τ, recompute the region boundaries every τ steps. Default 64.
+        boundaries (str): how the regions follow the selection between repartitions. ``"periodic"``
+            (default, paper): only the allreduce repartition every ``repartition_period`` steps; the
+            selection drifts in between and a region can receive several times its share (measured: 2.3x
+            at P = 256 within 40 steps). ``"result"``: the boundaries of the next step are the P quantiles
+            of this step's global result G (``result_boundaries``), which every rank holds identically: no
+            communication at all; but G is more concentrated than the ranks' selections, so the split
+            load stays uneven (measured: up to 2.3x at P = 256). ``"load"`` (the ``Compression.oktopk``
+            preset): each owner adds one word, the number of pairs its region received in the split phase,
+            to the count allgather the step makes anyway (P-1 more words received per rank, no extra
+            collective); every rank then moves the boundaries so that this measured load is split evenly
+            (``load_boundaries``, O(P)). With ``result`` and ``load`` the boundaries are recomputed when
+            the last step's imbalance (largest share x P / total) exceeds ``boundary_tolerance``, and the
+            allreduce repartition runs only on the first step (and after a change of P or n).
+        boundary_tolerance (float): the recompute trigger of ``result`` and ``load``; 1.0 recomputes on
+            every step. Default 1.0.
         balance (str): data balancing before the final allgatherv: ``"auto"`` (default, paper: iff
             max c_j > balance_factor·Σc/P), ``"always"`` (ref:BERT) or ``"never"`` (ref:LSTM/VGG).
         balance_factor (float): the ``auto`` trigger factor. Default 4.0.
@@ -163,8 +206,14 @@ class OkTopk(Reducer):
 
     def __init__(self, threshold_period=32, repartition_period=64, balance="auto", *, balance_factor=4.0,
                  global_band_lo=0.75, global_band_hi=1.25, global_relax=1.01, global_tighten=1.008,
-                 select_rule="ge_nonzero", max_select_ratio=None, global_control="band", ladder_factor=1.1):
+                 select_rule="ge_nonzero", max_select_ratio=None, global_control="band", ladder_factor=1.1,
+                 boundaries="periodic", boundary_tolerance=1.0):
         api = "hvd_sparse.OkTopk"
+        if boundaries not in BOUNDARY_POLICIES:
+            raise ValueError(f"{api}: boundaries must be one of {BOUNDARY_POLICIES}, got {boundaries!r}")
+        self.boundaries = boundaries
+        self.boundary_tolerance = check_real(boundary_tolerance, "boundary_tolerance", api, 1.0,
+                                             fix="e.g. 1.1 (1.0: every step)")
         if global_control not in ("ladder", "band"):
             raise ValueError(f"{api}: global_control must be 'ladder' or 'band', got {global_control!r}")
         self.global_control = global_control
@@ -211,7 +260,8 @@ class OkTopk(Reducer):
     # -- split and reduce--------------------------------------------------------------------------------------
     @staticmethod
     def _split_and_reduce(xp, acc, idx, offsets, comm):
-        """Region r of the sum of the selections: its nonzeros as (global int64 idx, float32 value)."""
+        """Region r of the sum of the selections: its nonzeros as (global int64 idx, float32 value), and the
+        number of pairs the region received (its load, this rank's own included)."""
         r = comm.rank
         splits, rel = region_split(xp, idx, offsets)
         wire = wire_index_dtype(xp, max(offsets[j + 1] - offsets[j] for j in range(comm.size)))
@@ -220,13 +270,34 @@ class OkTopk(Reducer):
         rel_r, val_r = unpack_pairs(xp, recv)
         # 4. reduction: rho^r = the sum of the P sparse pieces, sources added in rank order 0..P-1, on the
         # support of what arrived (no |R_r|-sized buffer: a region can span most of the model)
-        where, rho = sum_sparse_in_rank_order(xp, rel_r, val_r, [s // 2 for s in recv_splits], acc)
+        where, rho = _sum_runs_in_rank_order(xp, rel_r, val_r, [s // 2 for s in recv_splits], acc)
         nz = xp.nonzero(xp.gt(xp.abs(rho), 0.0))
-        return xp.add(xp.take(where, nz), offsets[r]), xp.take(rho, nz)
+        return xp.add(xp.take(where, nz), offsets[r]), xp.take(rho, nz), sum(recv_splits) // 2
 
     def _gather(self, xp, c_idx, c_val, n, comm, phase, like):
         flat = comm.allgather(pack_pairs(xp, c_idx, c_val, wire_index_dtype(xp, n), like), phase)
         return unpack_pairs(xp, flat)
+
+    def _next_boundaries(self, xp, g_idx, offsets, loads, P, n):
+        """The boundaries of the next step, or None to keep ``offsets``: from this step's result G
+        (``result``) or from the split loads every owner reported (``load``); both are identical on all
+        ranks. Only when the step's imbalance exceeded ``boundary_tolerance``. O(P log k)."""
+        if self.boundaries == "periodic" or P == 1:
+            return None
+        if self.boundaries == "load":
+            if loads is None or max(loads) * P <= self.boundary_tolerance * sum(loads):
+                return None
+            g_pos = [int(p) for p in xp.to_numpy(xp.searchsorted(
+                g_idx, xp.asarray(offsets, xp.index_dtype, like=g_idx)))]
+            return load_boundaries(offsets, loads, g_pos, lambda pos: [int(v) for v in xp.to_numpy(
+                xp.take(g_idx, xp.asarray(pos, xp.index_dtype, like=g_idx)))])
+        m = xp.numel(g_idx)
+        if m:
+            bounds = xp.asarray(offsets, xp.index_dtype, like=g_idx)
+            pos = [int(p) for p in xp.to_numpy(xp.searchsorted(g_idx, bounds))]
+            if max(pos[j + 1] - pos[j] for j in range(P)) * P <= self.boundary_tolerance * m:
+                return None
+        return result_boundaries(xp, g_idx, P, n)
 
     # -- one step ----------------------------------------------------------------------------------------
     def reduce(self, xp, acc, idx, k, comm, state, ctx):
@@ -238,7 +309,10 @@ class OkTopk(Reducer):
         t = state["t"]
         gamma = state["gamma"]
         reev = t % self.threshold_period == 0 or gamma is None or not math.isfinite(gamma)
-        repart = t % self.repartition_period == 0 or offsets is None
+        if self.boundaries == "periodic":
+            repart = t % self.repartition_period == 0 or offsets is None
+        else:                       # boundaries from the last result; the allreduce only to start
+            repart = offsets is None
 
         if repart:                                                  # repartition
             offsets = self._repartition(xp, idx, n, comm)
@@ -247,12 +321,19 @@ class OkTopk(Reducer):
             nz = xp.nonzero(xp.gt(xp.abs(vals), 0.0))
             c_idx, c_val = xp.take(idx, nz), xp.take(vals, nz)
         else:                                                       # split and reduce
-            c_idx, c_val = self._split_and_reduce(xp, acc, idx, offsets, comm)
+            c_idx, c_val, load = self._split_and_reduce(xp, acc, idx, offsets, comm)
+        # "load" boundaries: the owners' split loads ride in the step's count allgather (one more word each)
+        with_load = self.boundaries == "load" and P > 1
+        loads = None
 
         balanced = capped = False
         if reev:                                                    # global re-evaluation
             if P > 1:
-                owner_counts = _allgather_count(xp, xp.numel(c_idx), comm, "reeval_count", acc)
+                if with_load:
+                    owner_counts, loads = map(list, zip(*_allgather_counts(xp, [xp.numel(c_idx), load], comm,
+                                                                           "reeval_count", acc)))
+                else:
+                    owner_counts = _allgather_count(xp, xp.numel(c_idx), comm, "reeval_count", acc)
                 if sum(owner_counts):                               # (skipped when K = 0 everywhere)
                     c_idx, c_val = self._gather(xp, c_idx, c_val, n, comm, "reeval_gather", acc)
             else:
@@ -267,7 +348,10 @@ class OkTopk(Reducer):
                 ladder = [gamma * self.ladder_factor ** j for j in LADDER_STEPS]
                 mine = [xp.sum_int(rule_mask(xp, mag, th, self.select_rule)) if view is None else
                         native.count(view, th, self.select_rule) for th in ladder]
-                table = _allgather_counts(xp, mine, comm, "count", acc) if P > 1 else [mine]
+                table = _allgather_counts(xp, mine + [load] if with_load else mine, comm, "count", acc) \
+                    if P > 1 else [mine]
+                if with_load:
+                    loads = [row.pop() for row in table]
                 totals = [sum(row[j] for row in table) for j in range(len(ladder))]
                 j = next((j for j, tot in enumerate(totals) if tot <= k), len(ladder) - 1)
                 used = ladder[j]
@@ -278,6 +362,9 @@ class OkTopk(Reducer):
             if P > 1:
                 if self.global_control == "ladder":
                     owner_counts = ladder_counts
+                elif with_load:
+                    owner_counts, loads = map(list, zip(*_allgather_counts(xp, [xp.numel(m_idx), load], comm,
+                                                                           "count", acc)))
                 else:
                     owner_counts = _allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
                 T = sum(owner_counts)
@@ -308,23 +395,25 @@ class OkTopk(Reducer):
         # scatters it into the outputs, no n-sized buffer here
         u = SparseSum(g_idx, g_val)
         included = intersect_sorted(xp, idx, g_idx)
-        state.update(t=t + 1, gamma=gamma_next, offsets=list(offsets), size=P)
+        nxt = self._next_boundaries(xp, g_idx, offsets, loads, P, n)
+        state.update(t=t + 1, gamma=gamma_next, offsets=list(offsets if nxt is None else nxt), size=P)
         info = {"K": xp.numel(g_idx), "threshold": used, "next_threshold": gamma_next, "reeval": bool(reev),
                 "repartition": bool(repart), "balanced": balanced, "capped": capped, "offsets": list(offsets),
-                "owner_counts": owner_counts, "t": t}
+                "owner_counts": owner_counts, "t": t, "rebalanced": nxt is not None}
         return u, included, info
 
 
 # -- presets (docs/algorithms.md#oktopk); the authors' dense warm-up steps (128 / 512 / 0) are not reproduced ---
 OKTOPK_PRESETS = {
     # the library's default (Compression.oktopk): the paper's algorithm and balancing, exact-k selection,
-    # controllers that keep |S| <= k and K <= k on reuse steps (the assumptions of the 6k(P-1)/P bound)
+    # controllers that keep |S| <= k and K <= k on reuse steps (the assumptions of the 6k(P-1)/P bound),
+    # region boundaries that follow the measured split load every step (the bound's third assumption)
     "library": {
         "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": 1.15,
                        "guard_factor": 1.03, "guard_iters": 30, "guard_target": 1.05, "band_lo": 0.95,
                        "band_relax": 1.03},
         "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "auto",
-                    "select_rule": "ge_nonzero", "global_control": "ladder"},
+                    "select_rule": "ge_nonzero", "global_control": "ladder", "boundaries": "load"},
     },
     # the paper's algorithm: periodic exact re-evaluation only (no guard, no band controllers: 1.0 = off),
     # balancing iff max c_j > 4·avg, "values above the threshold" with exact k (ge_nonzero)
