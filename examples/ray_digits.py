@@ -46,6 +46,7 @@ def train_elastic(argv):
     import hvd_sparse.torch as hvds
     import pytorch_digits
     from hvd_sparse.bench.digits_torch import Net, load_data
+    from hvd_sparse.bench.loop import accuracy
 
     args = pytorch_digits.parse_args(argv)
     hvd.init()
@@ -69,7 +70,7 @@ def train_elastic(argv):
                 F.cross_entropy(model(x_tr[idx]), y_tr[idx]).backward()
                 optimizer.step()
             stats = optimizer.sparse_stats(average=True)          # a collective: every rank, once per epoch
-            stats.update(epoch=state.epoch + 1, size=hvd.size(), acc=pytorch_digits.evaluate(model, test_set))
+            stats.update(epoch=state.epoch + 1, size=hvd.size(), acc=accuracy(model, test_set))
             state.history.append(stats)
             if hvd.rank() == 0:
                 print(f"[elastic] epoch {state.epoch + 1:2d}  {hvd.size()} workers  test acc {stats['acc'] * 100:6.2f}%"

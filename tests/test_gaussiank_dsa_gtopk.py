@@ -45,7 +45,7 @@ def gaussian_select_ref(a, density, adjust="lstm"):
     def cnt(t):
         return int(((mag > t) & (a != 0)).sum())
 
-    it, k34 = 0, (3 * k) // 4
+    it, k34 = 0, max(1, (3 * k) // 4)          # at least one entry (k = 1), as the library does
     if adjust == "lstm":
         for _ in range(50):
             if cnt(th) < k34:
@@ -55,7 +55,7 @@ def gaussian_select_ref(a, density, adjust="lstm"):
                 break
     elif adjust == "bert":
         if cnt(th) < k34:
-            while it < 20 and cnt(th) < (5 * k) // 6:
+            while it < 20 and cnt(th) < max(1, (5 * k) // 6):
                 th /= 1.012
                 it += 1
     else:
@@ -213,8 +213,8 @@ def test_gaussiank_never_selects_zeros_and_handles_constant_input():
     assert GaussianK(0.1).select(NP, a, 1, {}, None).tolist() == list(range(10))
     one = np.array([3.0], np.float32)                       # n = 1: std undefined -> 0, th = 3
     s = {}
-    assert GaussianK(1.0).select(NP, one, 1, s, None).tolist() == []   # strict: |a| > th
-    assert s["threshold"] == 3.0 and s["iterations"] == 0             # floor(3k/4) = 0: no loop
+    assert GaussianK(1.0).select(NP, one, 1, s, None).tolist() == [0]  # |a| > th after one adjustment:
+    assert s["threshold"] == 3.0 / 1.012 and s["iterations"] == 1      # k = 1 still asks for one entry
 
 
 def test_gaussiank_arguments_are_validated_and_configuration_is_hashable():
