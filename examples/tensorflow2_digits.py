@@ -53,12 +53,14 @@ def tf_variables(variables):
 
 
 def last_step_stats(compression, n):
-    """(density, bytes sent by this rank) of the last exchange. The tape keeps its engine in the compression
-    object (unit "model"); Horovod's dense ring allreduce (``none``) sends 2 n (P-1)/P float32 words."""
-    entry = getattr(compression, "_engines", {}).get("model")
-    if entry is None:
+    """(density, bytes sent by this rank) of the last exchange. The tape keeps its engine in
+    ``compression.states`` (unit "model"); Horovod's dense ring allreduce (``none``) sends 2 n (P-1)/P float32
+    words."""
+    states = getattr(compression, "states", None)
+    engine = None if states is None else states.get("model")
+    if engine is None:
         return 1.0, 2.0 * n * (hvd.size() - 1) / hvd.size() * 4
-    stats = entry[1].last
+    stats = engine.last
     return float(stats["density"]), float(stats["sent_bytes"])
 
 

@@ -6,8 +6,8 @@ choices are combined), usable wherever Horovod takes ``compression=``.
     optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                           compression=compression)
 
-A :class:`SparseCompression` is configuration plus, once bound, the per-rank state of the units it
-serves (residuals, thresholds). It is hashable (by identity) like Horovod's compressors, and it also
+A :class:`SparseCompression` is configuration; its ``states`` (:class:`hvd_sparse.core.state.UnitStates`) own
+this rank's state of the units it serves (residuals, thresholds), bound to one optimizer or model. It is hashable (by identity) like Horovod's compressors, and it also
 speaks Horovod's compressor protocol (``compress``/``decompress``) so that the unmodified
 ``horovod.torch.DistributedOptimizer(..., compression=...)`` runs the same whole-model exchange
 (see ``hvd_sparse/torch/stash.py``).
@@ -15,13 +15,16 @@ speaks Horovod's compressor protocol (``compress``/``decompress``) so that the u
 
 from __future__ import annotations
 
+import copy
 import functools
+import importlib
 import inspect
 
 from .core.engine import Engine
 from .core.reducers import Dense, ExDynaReducer, GTopk, OkTopk, Reducer, SparDL, TopkA, TopkDSA
 from .core.reducers.oktopk import OKTOPK_PRESETS
 from .core.sparsifiers import DCT, ExDyna, GaussianK, Sparsifier, ThresholdReuse, TopK
+from .core.state import UnitStates
 
 #: The SparDL preset's defaults (left out of the preset's name).
 SPARDL_DEFAULTS = {"sag": "bruck", "selection": "lazy", "h_mode": "adaptive", "pack": "bitcast"}
@@ -39,7 +42,7 @@ REDUCERS = {
 
 
 class SparseCompression:
-    """A sparsifier/reducer pair plus the per-rank state of the units it serves.
+    """A sparsifier/reducer pair (configuration); ``states`` holds this rank's state of the units it serves.
 
     Args:
         sparsifier (Sparsifier or None): chooses local entries; ``None`` only for the dense reducer.
@@ -73,7 +76,8 @@ class SparseCompression:
                                           ("momentum_correction", self.momentum_correction)) if v]
         if opts:
             self.preset = f"{self.preset[:-1]}, {', '.join(opts)})" if self.preset.endswith(")") else self.preset
-        self._engines = {}        # bucket -> (owner token, Engine): the state of this rank
+        #: this rank's per-unit state (engines, restored states): see :class:`hvd_sparse.core.state.UnitStates`
+        self.states = UnitStates(self)
         self._horovod_adapter = None
 
     @property
@@ -84,20 +88,11 @@ class SparseCompression:
         """A fresh per-rank :class:`Engine` (state and step) for one unit, over ``comm``."""
         return Engine(self, comm, bucket)
 
-    def engine(self, bucket, owner, make_comm):
-        """The engine of ``bucket`` for ``owner``, created on first use with ``make_comm()``.
-
-        Raises ValueError when a second owner (another optimizer or model) claims the same bucket: its
-        residuals and thresholds would mix with the first one's.
-        """
-        entry = self._engines.get(bucket)
-        if entry is None:
-            entry = self._engines[bucket] = (owner, self.new_engine(make_comm(), bucket))
-        elif entry[0] is not owner:
-            raise ValueError(f"{self!r} is already used by another optimizer or model (unit '{bucket}'); "
-                             "a compression object keeps per-model state: create one per model, e.g. "
-                             f"Compression.{self.preset.split('(')[0]}(...) again")
-        return entry[1]
+    def fresh(self):
+        """A new preset of the same configuration, without state (one per optimizer)."""
+        twin = copy.copy(self)
+        twin.states, twin._horovod_adapter = UnitStates(twin), None
+        return twin
 
     # -- Horovod's compressor protocol (for the unmodified hvd.DistributedOptimizer) -------------------
     def compress(self, tensor):
@@ -107,8 +102,7 @@ class SparseCompression:
                 raise TypeError(f"{self!r}: as a Horovod `compression=` argument a sparse preset works only "
                                 "with horovod.torch.DistributedOptimizer; for TensorFlow use "
                                 "hvd_sparse.tensorflow.DistributedGradientTape / DistributedOptimizer")
-            from .torch.stash import StashAdapter
-            self._horovod_adapter = StashAdapter(self)
+            self._horovod_adapter = _horovod_adapter(mod.split(".")[0])(self)
         return self._horovod_adapter.compress(tensor)
 
     def decompress(self, tensor, ctx):
@@ -118,6 +112,22 @@ class SparseCompression:
 
     def __repr__(self):
         return f"Compression.{self.preset}"
+
+
+#: framework -> class adapting a preset to Horovod's compressor protocol, registered by the framework's package
+_HOROVOD_ADAPTERS = {}
+
+
+def register_horovod_adapter(framework, adapter):
+    """Make ``adapter(compression)`` serve ``compress``/``decompress`` of tensors of ``framework`` (the top-level
+    module of the tensor's type, e.g. ``"torch"``); ``hvd_sparse.torch`` registers its stash adapter."""
+    _HOROVOD_ADAPTERS[framework] = adapter
+
+
+def _horovod_adapter(framework):
+    if framework not in _HOROVOD_ADAPTERS:
+        importlib.import_module(f"hvd_sparse.{framework}")      # the framework's package registers its adapter
+    return _HOROVOD_ADAPTERS[framework]
 
 
 def _reducer(name):

@@ -65,7 +65,7 @@ def test_keras_state_commit_restore_and_reset_of_the_sparse_state(policy):
     committed_w = [w.copy() for w in model.get_weights()]
     committed_r = _residual(opt)
     committed_it = int(opt.iterations.numpy())
-    assert np.abs(committed_r).sum() > 0 and comp._engines["model"][1].steps == 2
+    assert np.abs(committed_r).sum() > 0 and comp.states.get("model").steps == 2
     step(tf.constant(2))
     step(tf.constant(3))
     state.epoch = 4
@@ -73,9 +73,9 @@ def test_keras_state_commit_restore_and_reset_of_the_sparse_state(policy):
     state.restore()                            # after a failure: everything back to the commit
     assert state.epoch == 2 and int(opt.iterations.numpy()) == committed_it
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), committed_w))
-    assert np.array_equal(_residual(opt), committed_r) and comp._engines["model"][1].steps == 2
+    assert np.array_equal(_residual(opt), committed_r) and comp.states.get("model").steps == 2
     state.reset()                              # the reset Horovod runs next: a fresh engine at the next step
-    assert "model" not in comp._engines
+    assert comp.states.get("model") is None
     r = _residual(opt) if policy == "keep" else opt.sparse_state_dict()["units"].get("model", {}).get("residual")
     if policy == "keep":
         assert np.array_equal(r, committed_r)
@@ -85,7 +85,7 @@ def test_keras_state_commit_restore_and_reset_of_the_sparse_state(policy):
     state.sync()                               # size 1: rank 0's values are this rank's
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), committed_w))
     step(tf.constant(2))
-    engine = comp._engines["model"][1]
+    engine = comp.states.get("model")
     assert engine.steps == 1                   # counters start afresh
     state.restore()                            # a failure right after: back to the state after the reset
     units = opt.sparse_state_dict()["units"]
@@ -133,15 +133,15 @@ def test_tensorflow_state_for_the_tape_path_keeps_the_compression_state():
 
     step()
     state.commit()
-    saved_v, saved_r = v.numpy().copy(), comp._engines["model"][1].state_dict()["residual"].copy()
+    saved_v, saved_r = v.numpy().copy(), comp.states.get("model").state_dict()["residual"].copy()
     step()
     state.restore()
     assert np.array_equal(v.numpy(), saved_v)
-    assert np.array_equal(comp._engines["model"][1].state_dict()["residual"], saved_r)
+    assert np.array_equal(comp.states.get("model").state_dict()["residual"], saved_r)
     state.reset()
-    assert comp._engines == {} and np.array_equal(comp._hvds_pending_state["model"]["residual"], saved_r)
+    assert comp.states.get("model") is None and np.array_equal(comp.states.snapshot()["model"]["residual"], saved_r)
     step()
-    assert comp._engines["model"][1].steps == 1
+    assert comp.states.get("model").steps == 1
 
 
 def test_run_turns_peer_failures_into_horovod_internal_errors_and_reraises_the_rest(monkeypatch):

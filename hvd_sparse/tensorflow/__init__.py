@@ -21,7 +21,6 @@ Here: ``DistributedGradientTape``, ``DistributedOptimizer`` (for Keras optimizer
 
 from __future__ import annotations
 
-import copy
 import pickle
 
 import horovod.tensorflow as hvd
@@ -31,8 +30,7 @@ from horovod.tensorflow.compression import Compression as _HorovodCompression
 
 from ..compression import Compression as _SparsePresets
 from ..compression import SparseCompression
-from ..core.errors import (check_nonfinite, check_op, check_same_layout, check_state_origin, scale_factors,
-                           state_signature)
+from ..core.errors import check_nonfinite, check_op, check_same_layout, scale_factors
 from ._consistency import _check_now, _checksum, _run_check, check_consistency, variable_name  # noqa: F401
 from ._xla import refuse_xla
 from .comm import HorovodTFCommunicator
@@ -80,12 +78,8 @@ def _flat_step(compression, bucket, owner, process_set, tensors, average, presca
 
 
 def _engine(compression, bucket, owner, process_set):
-    """The engine of ``bucket`` (created at its first use), with a state restored by :class:`SparseState` loaded."""
-    engine = compression.engine(bucket, owner, lambda: HorovodTFCommunicator(process_set, bucket))
-    pending = getattr(compression, "_hvds_pending_state", None)
-    if pending and bucket in pending:
-        engine.load_state_dict(pending.pop(bucket))
-    return engine
+    """The engine of ``bucket`` (created at its first use, with a state restored by :class:`SparseState` loaded)."""
+    return compression.states.engine(bucket, owner, lambda: HorovodTFCommunicator(process_set, bucket))
 
 
 class _Reduction:
@@ -239,86 +233,24 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense='
                             elastic_residuals=elastic_residuals)
 
 
-# -- checkpoints -----------------------------------------------------------------------------------------------
-_STATE_VERSION = 1
-
-
-_signature = state_signature
-
-
+# -- checkpoints ---------------------------------------------------------------------------------------------
 def sparse_state_dict(compression, process_set=global_process_set):
-    """This rank's sparsification state of every unit of ``compression`` (numpy arrays and Python values).
-
-    ``{"version", "rank", "size", "compression", "units": {bucket: Engine.state_dict()}}``; a state restored
-    but not yet used by a step is included as it was restored."""
-    units = {bucket: engine.state_dict() for bucket, (_, engine) in compression._engines.items()}
-    for bucket, state in (getattr(compression, "_hvds_pending_state", None) or {}).items():
-        units.setdefault(bucket, state)
-    return {"version": _STATE_VERSION, "rank": process_set.rank(), "size": process_set.size(),
-            "compression": _signature(compression), "units": units}
+    """This rank's sparsification state of every unit of ``compression`` (numpy arrays and Python values):
+    ``{"version", "rank", "size", "compression", "units": {bucket: Engine.state_dict()}}`` (see
+    :meth:`hvd_sparse.core.state.UnitStates.state_dict`); a state restored but not yet used by a step is included
+    as it was restored."""
+    return compression.states.state_dict(process_set.rank(), process_set.size())
 
 
 def load_sparse_state_dict(compression, state, process_set=global_process_set, api="hvd_sparse.tensorflow"):
     """Restore :func:`sparse_state_dict` into ``compression``: at once into the units that exist, at their first
     step into the others. Raises ValueError (and restores nothing) for a state of another rank, another
     number of ranks or another compression."""
-    if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or "units" not in state:
-        raise ValueError(f"{api}: not a state saved by hvd_sparse.tensorflow (sparse_state_dict() or SparseState), "
-                         f"got {type(state).__name__}")
-    check_state_origin(state, process_set.rank(), process_set.size(), compression, api)
-    pending = {}
-    for bucket, unit in state["units"].items():
-        entry = compression._engines.get(bucket)
-        if entry is not None:
-            entry[1].load_state_dict(unit)
-        else:
-            pending[bucket] = unit
-    compression._hvds_pending_state = pending
+    compression.states.load_state_dict(state, process_set.rank(), process_set.size(), api)
 
 
-# -- elastic Horovod: this rank's sparse state in memory (hvd_sparse.tensorflow.elastic) -------------------------
-#: ``elastic_residuals=``: what a reset does to this rank's residual
+#: ``elastic_residuals=``: what an elastic reset does to this rank's residual
 ELASTIC_RESIDUALS = ("keep", "drop")
-
-
-def _units_snapshot(compression):
-    """A copy of this rank's state of every unit of ``compression`` (engine ``state_dict()`` s, states restored but
-    not yet used included): what an elastic commit keeps. No collective and no rank/size check, so that it can be
-    restored while Horovod is down (after a failure, before the reset)."""
-    units = {bucket: engine.state_dict() for bucket, (_, engine) in compression._engines.items()}
-    for bucket, state in (getattr(compression, "_hvds_pending_state", None) or {}).items():
-        units.setdefault(bucket, copy.deepcopy(state))
-    return units
-
-
-def _units_restore(compression, units):
-    """Roll every unit back to ``units`` (a :func:`_units_snapshot`): loaded into the engines that exist, applied
-    at their first step for the others; an engine created after the snapshot is dropped (it starts afresh)."""
-    for bucket in [b for b in compression._engines if b not in units]:
-        del compression._engines[bucket]
-    pending = {}
-    for bucket, state in units.items():
-        entry = compression._engines.get(bucket)
-        if entry is not None:
-            entry[1].load_state_dict(copy.deepcopy(state))
-        else:
-            pending[bucket] = copy.deepcopy(state)
-    compression._hvds_pending_state = pending
-
-
-def _units_reset(compression, keep_residuals):
-    """After an elastic reset (ranks left or joined): every unit starts afresh at its next step -- a new engine over
-    the new process set, partitions, thresholds and step counters from scratch, as at step 0 of a run -- with this
-    rank's residual carried over (``keep_residuals``) or zero."""
-    units = _units_snapshot(compression)
-    compression._engines.clear()
-    pending = {}
-    for bucket, state in units.items():
-        if keep_residuals and state.get("residual") is not None:
-            fresh = compression.new_engine(None, bucket).state_dict()       # the state of step 0
-            fresh.update(numel=state["numel"], residual=state["residual"])
-            pending[bucket] = fresh
-    compression._hvds_pending_state = pending
 
 
 def _sparse_target(obj, process_set, api):

@@ -51,7 +51,7 @@ from horovod.tensorflow.functions import broadcast_object
 from horovod.tensorflow.mpi_ops import init, rank, shutdown
 
 from ..compression import SparseCompression
-from . import ELASTIC_RESIDUALS, _units_reset, _units_restore, _units_snapshot
+from . import ELASTIC_RESIDUALS
 from ._variables import broadcast_variables, broadcastable, unique_variables
 
 #: what in a ``tf.errors.OpError``'s message means "another rank failed, Horovod shut down": hvd_sparse's
@@ -121,7 +121,7 @@ class _SparseElasticState(ObjectState):
     def _reset_sparse(self):
         compression, keep = self._sparse()
         if compression is not None:
-            _units_reset(compression, keep)
+            compression.states.reset(keep)
 
     # -- Horovod's State protocol ------------------------------------------------------------------------------
     def save(self):
@@ -134,7 +134,7 @@ class _SparseElasticState(ObjectState):
             var.assign(value)
         compression, _ = self._sparse()
         if compression is not None:
-            _units_restore(compression, self._saved_sparse)
+            compression.states.restore(self._saved_sparse)
         super().restore()
 
     def reset(self):
@@ -155,7 +155,7 @@ class _SparseElasticState(ObjectState):
 
     def _save_sparse(self):
         compression, _ = self._sparse()
-        self._saved_sparse = _units_snapshot(compression) if compression is not None else None
+        self._saved_sparse = compression.states.snapshot() if compression is not None else None
 
 
 class TensorFlowState(_SparseElasticState):

@@ -52,12 +52,12 @@ class SparseOptimizerStateHandler(_state.StateHandler):
 
     def save(self):
         self._saved_optimizer_state = copy.deepcopy(self.value.state_dict())
-        self._saved_sparse_state = self.value.sparse_state_dict() if self.value._hvds_has_engine() else None
+        self._saved_sparse_state = self.value._hvds_snapshot()
 
     def restore(self):
         self.value.load_state_dict(self._saved_optimizer_state)
         if self._saved_sparse_state is not None:
-            self.value._hvds_load(self._saved_sparse_state)
+            self.value._hvds_restore(self._saved_sparse_state)
 
     def sync(self):
         broadcast_optimizer_state(self.value, root_rank=0)

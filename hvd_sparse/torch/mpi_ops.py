@@ -44,7 +44,7 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
                         f"{tensor.dtype}; sparsifying integers would round the average -- use hvd.allreduce")
     bucket = name or "sparse_allreduce"
     # collectives "hvd_sparse.allreduce.<name>.<phase>": never those of an optimizer or of another name
-    engine = compression.engine(bucket, bucket,
+    engine = compression.states.engine(bucket, bucket,
                                 lambda: HorovodTorchCommunicator(process_set, f"allreduce.{bucket}"))
     if engine.comm.process_set is not process_set:
         raise ValueError(f"{_API}: name {bucket!r} was first used with another process_set")

@@ -52,8 +52,8 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
-from ..core.errors import (check_nonfinite, check_op, check_positive_int, check_replicas_agree, check_state_origin,
-                           scale_factors, state_signature)
+from ..core.errors import (check_nonfinite, check_op, check_positive_int, check_replicas_agree,
+                           scale_factors)
 from . import recipes
 from .comm import HorovodTorchCommunicator
 from .compression import Compression, is_sparse
@@ -150,12 +150,11 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         return hook
 
     def _hvds_engine(self):
-        return self._compression.engine(
+        return self._compression.states.engine(
             "model", self, lambda: HorovodTorchCommunicator(self.process_set, self._hvds_owner))
 
     def _hvds_has_engine(self):
-        entry = self._compression._engines.get("model")
-        return entry is not None and entry[0] is self
+        return self._compression.states.get("model", self) is not None
 
     def _hvds_elastic_reset(self):
         """After an elastic reset (hvd_sparse.torch.elastic): a fresh engine over the current process set --
@@ -163,11 +162,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         or dropped by the ``elastic_residuals`` policy."""
         if not self._hvds_has_engine():
             return
-        old = self._hvds_engine()
-        del self._compression._engines["model"]
-        new = self._hvds_engine()
-        if self._hvds_elastic_residuals == "keep":
-            new.memory.residual = old.memory.residual
+        self._compression.states.reset(self._hvds_elastic_residuals == "keep")
         for p in self._hvds_passes:
             self._hvds_passes[p] = 0
         self._synchronized = False
@@ -344,8 +339,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         Per rank: save it next to ``state_dict()`` on *every* rank (not only rank 0) and load each rank's own;
         it is deliberately not part of ``state_dict()``, which Horovod's ``broadcast_optimizer_state`` would
         overwrite with rank 0's residuals."""
-        return {"version": 1, "model": self._hvds_engine().state_dict(), "rank": self.process_set.rank(),
-                "size": self.process_set.size(), "compression": state_signature(self._compression)}
+        self._hvds_engine()                      # the state of step 0 before the first step
+        return self._compression.states.state_dict(self.process_set.rank(), self.process_set.size())
 
     def skipped_steps(self):
         """Steps skipped on this rank (and every other) because a gradient was not finite."""
@@ -355,18 +350,21 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         """Restore :meth:`sparse_state_dict`; the run then continues bit for bit as if never interrupted.
         Raises ValueError (restoring nothing) for a state of another rank, another number of ranks or another
         compression (scheme, density, periods), as ``hvd_sparse.tensorflow.SparseState`` does."""
-        if not isinstance(state, dict) or state.get("version") != 1 or "model" not in state:
-            raise ValueError(f"{_API}.load_sparse_state_dict: not a state from sparse_state_dict(), got "
-                             f"{type(state).__name__} with keys {sorted(state) if isinstance(state, dict) else ''}")
-        if "rank" in state:            # states written before these keys existed are restored unchecked
-            check_state_origin(state, self.process_set.rank(), self.process_set.size(), self._compression,
-                               f"{_API}.load_sparse_state_dict")
-        self._hvds_load(state)
+        self._compression.states.load_state_dict(state, self.process_set.rank(), self.process_set.size(),
+                                                 f"{_API}.load_sparse_state_dict")
+        self._hvds_loaded(state["units"])
 
-    def _hvds_load(self, state):
-        """Restore this rank's own state unchecked (hvd_sparse.torch.elastic's rollback, across a world change)."""
-        self._hvds_engine().load_state_dict(state["model"])
-        self._hvds_exchanges = max(self._hvds_exchanges, 1 if state["model"]["steps"] else 0)
+    def _hvds_snapshot(self):
+        """This rank's units, unchecked (hvd_sparse.torch.elastic's commit); None before the first step."""
+        return self._compression.states.snapshot() or None
+
+    def _hvds_restore(self, units):
+        """Roll back to :meth:`_hvds_snapshot` unchecked (hvd_sparse.torch.elastic, across a world change)."""
+        self._compression.states.restore(units)
+        self._hvds_loaded(units)
+
+    def _hvds_loaded(self, units):
+        self._hvds_exchanges = max(self._hvds_exchanges, 1 if units.get("model", {}).get("steps") else 0)
 
 
 _WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -443,7 +441,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     check_positive_int(num_groups, "num_groups", _API, minimum=0)
     if groups is not None and not isinstance(groups, list):
         check_positive_int(groups, "groups", _API, minimum=0)
-    if compression._engines:
+    if compression.states.in_use():
         raise ValueError(f"{_API}: {compression!r} is already used by another optimizer; a sparse preset "
                          "keeps per-model state (residuals, thresholds): create one per optimizer")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, SparseOptimizer),

@@ -99,7 +99,7 @@ class StashAdapter:
                                f"{missing[:5]} were compressed")
         flat = torch.cat([self.stash[n][1].reshape(-1).to(torch.float32) for n in names])
         prescale, postscale, average = scale_factors(opt.op, opt.gradient_predivide_factor)
-        engine = self.compression.engine(
+        engine = self.compression.states.engine(
             "model", opt, lambda: HorovodTorchCommunicator(opt.process_set, "model"))
         engine.declare([(n, tuple(self.stash[n][1].shape), self.stash[n][1].dtype) for n in names])
         out = engine.step(flat, average=average, prescale=prescale, postscale=postscale)

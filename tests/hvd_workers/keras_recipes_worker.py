@@ -126,8 +126,8 @@ def scenario_subclass(res):
     m = fit(mlp(), opt, x, y)
     res["weights"] = flat(m)
     res["iterations"] = int(opt.iterations.numpy())
-    entry = opt._hvds_reduce.compression._engines.get("model")
-    res["exchanges"] = entry[1].steps if entry else 0
+    engine = opt._hvds_reduce.compression.states.get("model")
+    res["exchanges"] = engine.steps if engine else 0
 
 
 def scenario_from_config(res):

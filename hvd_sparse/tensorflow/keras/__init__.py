@@ -29,16 +29,12 @@ in a ``tf.function`` and in ``model.fit``; elastic Horovod: :mod:`hvd_sparse.ten
 
 from __future__ import annotations
 
-import copy
-import weakref
-
-import numpy as np
 import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 
 from ...compression import SparseCompression
 from ...core.errors import check_op, check_positive_int
-from .. import (ELASTIC_RESIDUALS, Compression, SparseState, _check_now, _Reduction, _run_check, _units_reset,
+from .. import (ELASTIC_RESIDUALS, Compression, SparseState, _check_now, _Reduction, _run_check,
                 load_sparse_state_dict, sparse_state_dict, variable_name)
 from .._variables import keras_flavour, same_variable
 from ._aggregation import LocalAggregation, reduce_with_locals
@@ -228,7 +224,7 @@ class _CommonMethods:
         the last reduction are dropped; the consistency guard counts from 0 again."""
         comp = self._hvds_reduce.compression
         if isinstance(comp, SparseCompression):
-            _units_reset(comp, self._hvds_elastic_residuals == "keep")
+            comp.states.reset(self._hvds_elastic_residuals == "keep")
         if self._hvds_agg is not None and self._hvds_agg.sums is not None:
             self._hvds_agg.clear()
         self._hvds_guard.steps = 0         # as on a joining process: every rank checks at the same steps again
@@ -256,21 +252,16 @@ class _CommonMethods:
     def sparse_stats(self):
         """Statistics of this rank's last sparse step: ``n, k, selected, density, sent_bytes, recv_bytes,
         sent_words, recv_words, collectives``; empty with a dense compression or before the first step."""
-        comp = self._hvds_reduce.compression
-        entry = getattr(comp, "_engines", {}).get("model")
-        if entry is None or not entry[1].steps:
+        states = getattr(self._hvds_reduce.compression, "states", None)
+        engine = None if states is None else states.get("model")
+        if engine is None or not engine.steps:
             return {}
-        return {k: v for k, v in entry[1].last.items() if k != "info"}
+        return {k: v for k, v in engine.last.items() if k != "info"}
 
     def residual_norm(self):
         """L2 norm of this rank's error-feedback residual (0.0 with a dense compression)."""
-        comp = self._hvds_reduce.compression
-        entry = getattr(comp, "_engines", {}).get("model")
-        if entry is not None:
-            return entry[1].residual_norm()
-        pending = (getattr(comp, "_hvds_pending_state", None) or {}).get("model")   # restored / kept on reset,
-        r = None if pending is None else pending.get("residual")                     # applied at the next step
-        return 0.0 if r is None else float((np.asarray(r, dtype=np.float64) ** 2).sum() ** 0.5)
+        states = getattr(self._hvds_reduce.compression, "states", None)
+        return 0.0 if states is None else states.residual_norm("model")     # restored / kept: the next step's
 
     def sparse_state_dict(self):
         """This rank's sparsification state (residual, thresholds, partitions, counters) for a checkpoint: a dict
@@ -355,8 +346,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          "hvd_sparse or Horovod); wrap the plain Keras optimizer once")
     refuse_wrapped(optimizer, _API)
     check_op(op, gradient_predivide_factor, _API)
-    owner = getattr(compression, "_hvds_keras_owner", None)
-    if owner is not None and owner() is not None:
+    if isinstance(compression, SparseCompression) and compression.states.owner() is not None:
         raise ValueError(f"{_API}: {compression!r} is already used by another optimizer; a sparse preset keeps "
                          "per-model state (residuals, thresholds): create one per optimizer")
     passes = check_positive_int(backward_passes_per_step, "backward_passes_per_step", _API)
@@ -385,12 +375,9 @@ def _setup(opt, settings):
     compression = settings["compression"]
     if isinstance(compression, SparseCompression):
         if settings["claimed"]:                  # a rebuilt copy: a fresh preset of the same configuration
-            compression = copy.copy(compression)
-            compression.__dict__.update(_engines={}, _horovod_adapter=None)
-            for key in ("_hvds_pending_state", "_hvds_keras_owner"):
-                compression.__dict__.pop(key, None)
+            compression = compression.fresh()
         settings["claimed"] = True
-        compression._hvds_keras_owner = weakref.ref(opt)
+        compression.states.claim(opt)
     opt._hvds_reduce = _Reduction(compression, *settings["reduction"])
     passes = settings["passes"]
     opt._hvds_agg = LocalAggregation(passes, settings["average"]) if passes > 1 else None
