@@ -46,6 +46,10 @@ class _Indexing:
         return x > th
 
     @staticmethod
+    def ge(x, th):
+        return x >= th
+
+    @staticmethod
     def eq(x, th):
         return x == th
 
@@ -56,6 +60,29 @@ class _Indexing:
     @staticmethod
     def sum_int(x):
         return int(x.sum())
+
+    @staticmethod
+    def reshape(x, shape):
+        return x.reshape(*shape)
+
+    @staticmethod
+    def set_slice_(x, lo, hi, value):
+        """``x[lo:hi] = value``; returns x."""
+        x[lo:hi] = value
+        return x
+
+    @staticmethod
+    def add_slice_(x, lo, hi, y):
+        """``x[lo:hi] += y``; returns x."""
+        x[lo:hi] += y
+        return x
+
+    def interleave(self, a, b, like=None):
+        """``a[0], b[0], a[1], b[1], ...`` (``a`` and ``b`` of one dtype and length; ``like``: device)."""
+        out = self.zeros(2 * self.numel(a), self.dtype_of(a), like=like)
+        out[0::2] = a
+        out[1::2] = b
+        return out
 
 
 class NumpyBackend(_Indexing):
@@ -213,6 +240,50 @@ class NumpyBackend(_Indexing):
         return np.ascontiguousarray(x).view(dtype)
 
 
+    @staticmethod
+    def nan_to_zero(x):
+        """A copy of ``x`` with NaN and ±Inf replaced by 0."""
+        return np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+    @staticmethod
+    def mean_std(x):
+        """(mean, unbiased std) of a float array as Python floats, computed in float64."""
+        a64 = x.astype(np.float64)
+        return float(a64.mean()), (float(a64.std(ddof=1)) if x.size > 1 else 0.0)
+
+    @staticmethod
+    def argsort_stable(x):
+        """Stable ascending argsort of a 1-D array (int64)."""
+        return np.argsort(x, kind="stable")
+
+    @staticmethod
+    def topk_rows(X, k):
+        """Exact top-k of every row of the 2-D float32 ``X`` (m, c): column indices (m, k), int64, ascending.
+
+        Larger |x| first, ties broken by the lower index, NaN counts as +inf, zeros may be chosen: every row
+        yields exactly min(k, c) columns (SparDL's block-wise selection). A partial sort picks k candidates
+        per row; only rows whose k-th magnitude is tied beyond the slots left are redone with an exact mask
+        (lower index wins)."""
+        m, c = X.shape
+        if k >= c:
+            return np.broadcast_to(np.arange(c, dtype=np.int64), (m, c))
+        mag = np.abs(X)
+        nan = np.isnan(mag)
+        if nan.any():
+            mag[nan] = np.inf
+        part = np.argpartition(mag, c - k, axis=1)
+        cols = part[:, c - k:]
+        th = np.take_along_axis(mag, cols[:, :1], axis=1)                 # k-th largest per row
+        above = (mag > th).sum(axis=1)
+        bad = np.flatnonzero((mag == th).sum(axis=1) != k - above)        # ties cut by the k-th slot
+        if bad.size:
+            sub, tb = mag[bad], th[bad]
+            tied = sub == tb
+            tied &= np.cumsum(tied, axis=1) <= (k - above[bad])[:, None]
+            cols[bad] = np.nonzero((sub > tb) | tied)[1].reshape(bad.size, k)
+        return np.sort(cols, axis=1).astype(np.int64, copy=False)
+
+
 class TorchBackend(_Indexing):
     """torch tensors, CPU or CUDA (the PyTorch adapter's backend)."""
 
@@ -332,6 +403,43 @@ class TorchBackend(_Indexing):
     @staticmethod
     def bitcast(x, dtype):
         return x.contiguous().view(dtype)
+
+
+    def nan_to_zero(self, x):
+        """A copy of ``x`` with NaN and ±Inf replaced by 0."""
+        return self.torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+    @staticmethod
+    def mean_std(x):
+        """(mean, unbiased std) of a float tensor as Python floats, computed in float64."""
+        a64 = x.double()
+        return float(a64.mean()), (float(a64.std(correction=1)) if x.numel() > 1 else 0.0)
+
+    def argsort_stable(self, x):
+        """Stable ascending argsort of a 1-D tensor (int64)."""
+        return self.torch.sort(x, stable=True).indices
+
+    def topk_rows(self, X, k):
+        """Exact top-k of every row of the 2-D float32 ``X`` (m, c): column indices (m, k), int64, ascending
+        (the rule of :meth:`NumpyBackend.topk_rows`)."""
+        torch = self.torch
+        m, c = X.shape
+        if k >= c:
+            return torch.arange(c, dtype=torch.int64, device=X.device).expand(m, c)
+        mag = X.abs()
+        nan = torch.isnan(mag)
+        if bool(nan.any()):
+            mag = torch.where(nan, torch.full_like(mag, float("inf")), mag)
+        vals, cols = torch.topk(mag, k, dim=1, largest=True, sorted=False)  # values exact, tie order not
+        th = vals.min(dim=1, keepdim=True).values
+        above = (mag > th).sum(dim=1)
+        bad = torch.nonzero((mag == th).sum(dim=1) != k - above).reshape(-1)
+        if bad.numel():
+            sub, tb = mag[bad], th[bad]
+            tied = sub == tb
+            tied = tied & (tied.cumsum(dim=1) <= (k - above[bad])[:, None])
+            cols[bad] = ((sub > tb) | tied).nonzero()[:, 1].reshape(bad.numel(), k)
+        return cols.sort(dim=1).values
 
 
 class TFBackend:
@@ -507,7 +615,7 @@ class TFBackend:
     def maximum(self, x, y):
         return self.tf.maximum(x, y)
 
-    def interleave(self, a, b):
+    def interleave(self, a, b, like=None):
         """``a[0], b[0], a[1], b[1], ...`` (numpy: ``out[0::2] = a; out[1::2] = b``)."""
         tf = self.tf
         return tf.reshape(tf.stack([a, b], axis=1), [-1])

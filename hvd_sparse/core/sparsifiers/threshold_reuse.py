@@ -49,14 +49,6 @@ from .base import Sparsifier
 SELECT_RULES = ("ge_nonzero", "gt")
 
 
-# -- local xp helpers (numpy / torch) -------------------------------------------------------------------
-def _ge(xp, x, th):
-    """Elementwise ``x >= th`` for a Python scalar ``th`` (numpy and torch share the operator)."""
-    if xp.name in ("numpy", "torch"):
-        return x >= th
-    return xp.ge(x, th)
-
-
 def f32(x):
     """``x`` rounded to float32, as a Python float: what thresholds are compared with."""
     return float(np.float32(x))
@@ -71,7 +63,7 @@ def rule_mask(xp, mag, th, rule):
     if rule == "gt":
         return xp.gt(mag, t)
     if t > 0.0:
-        return _ge(xp, mag, t)          # mag >= t > 0 implies nonzero
+        return xp.ge(mag, t)          # mag >= t > 0 implies nonzero
     return xp.gt(mag, 0.0)
 
 
