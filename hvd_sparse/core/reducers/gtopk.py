@@ -26,7 +26,7 @@ subtree where j was pruned, yet those ranks clear eps[j] because j is in G.
 
 from __future__ import annotations
 
-from ..xp import intersect_sorted, topk_indices
+from ..selection import intersect_sorted, topk_indices
 from .base import Reducer, pack_pairs, unpack_pairs, wire_index_dtype
 
 

@@ -43,7 +43,7 @@ import numpy as np
 
 from .. import native
 from ..errors import check_positive_int
-from ..xp import topk_indices
+from ..selection import topk_indices
 from .base import Sparsifier
 
 SELECT_RULES = ("ge_nonzero", "gt")
