@@ -6,7 +6,8 @@ import pytest
 
 import hvd_sparse
 from hvd_sparse.core.sim import CollectiveMismatchError, SimulatedWorld
-from hvd_sparse.core.xp import backend_of, topk_indices
+from hvd_sparse.core.selection import topk_indices
+from hvd_sparse.core.xp import backend_of
 from hvd_sparse.testing import simulate
 
 from conftest import int_grads, ref_topk

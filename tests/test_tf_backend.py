@@ -20,7 +20,8 @@ from hvd_sparse import Compression  # noqa: E402
 from hvd_sparse.bench import presets  # noqa: E402
 from hvd_sparse.core.sparsifiers import GaussianK, ThresholdReuse, TopK  # noqa: E402
 from hvd_sparse.core.sim import SimulatedWorld  # noqa: E402
-from hvd_sparse.core.xp import TFBackend, backend_of, topk_indices  # noqa: E402
+from hvd_sparse.core.selection import topk_indices  # noqa: E402
+from hvd_sparse.core.xp import TFBackend, backend_of  # noqa: E402
 from hvd_sparse.core.reducers import OkTopk, SparDL  # noqa: E402
 from hvd_sparse.compression import SparseCompression  # noqa: E402
 from hvd_sparse.testing import simulate  # noqa: E402
@@ -170,11 +171,9 @@ def test_bitcast_interleave_and_search_match_numpy():
 
 
 def test_topk_rows_matches_numpy_helper():
-    from hvd_sparse.core.reducers.spardl import _topk_rows
-
     rng = np.random.default_rng(0)
     X = rng.integers(-3, 4, size=(7, 13)).astype(np.float32)      # many ties
     X[2, 5] = np.nan
     npx, xp = backend_of(X), backend_of(tf.constant(X))
     for k in (1, 3, 6, 13, 20):
-        assert _topk_rows(xp, tf.constant(X), k).numpy().tolist() == _topk_rows(npx, X, k).tolist(), k
+        assert xp.topk_rows(tf.constant(X), k).numpy().tolist() == npx.topk_rows(X, k).tolist(), k

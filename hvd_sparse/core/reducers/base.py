@@ -51,16 +51,10 @@ def pack_pairs(xp, idx, vals, wire, like):
     One collective moves indices and values together (half the collectives of sending them apart).
     ``vals`` are float32; their bits travel as int32 (sign-extended into int64 words when ``wire`` is
     int64). Indexes are cast to ``wire`` (the caller checks they fit, see :func:`wire_index_dtype`)."""
-    m = xp.numel(idx)
     bits = xp.bitcast(xp.astype(vals, xp.float32), xp.int32)
     if wire != xp.int32:
         bits = xp.astype(bits, wire)
-    if xp.name not in ("numpy", "torch"):          # immutable tensors (TensorFlow)
-        return xp.interleave(xp.astype(idx, wire), bits)
-    out = xp.zeros(2 * m, wire, like=like)
-    out[0::2] = xp.astype(idx, wire)
-    out[1::2] = bits
-    return out
+    return xp.interleave(xp.astype(idx, wire), bits, like=like)
 
 
 def unpack_pairs(xp, flat):

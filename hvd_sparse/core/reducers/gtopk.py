@@ -26,19 +26,8 @@ subtree where j was pruned, yet those ranks clear eps[j] because j is in G.
 
 from __future__ import annotations
 
-from ..xp import intersect_sorted, topk_indices
+from ..selection import intersect_sorted, topk_indices
 from .base import Reducer, pack_pairs, unpack_pairs, wire_index_dtype
-
-
-def _argsort_stable(xp, x):
-    """Stable ascending argsort of a 1-D array (local xp helper)."""
-    if xp.name == "numpy":
-        import numpy as np
-
-        return np.argsort(x, kind="stable")
-    if xp.name == "torch":
-        return xp.torch.sort(x, stable=True).indices
-    return xp.argsort_stable(x)
 
 
 def top_k_list(xp, idx, vals, k):
@@ -66,7 +55,7 @@ def merge(xp, ia, va, ib, vb, k):
     m = xp.numel(idx)
     if m == 0:
         return idx, val
-    order = _argsort_stable(xp, idx)
+    order = xp.argsort_stable(idx)
     idx = xp.take(idx, order)
     val = xp.take(val, order)
     dup = xp.nonzero(idx[1:] == idx[:-1])         # position p: idx[p] == idx[p + 1]

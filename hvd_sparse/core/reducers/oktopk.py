@@ -59,7 +59,7 @@ from .. import native
 from ..comm import SUM
 from ..errors import check_positive_int
 from ..sparsifiers.threshold_reuse import band_adjust, check_real, check_select_rule, rule_mask
-from ..xp import intersect_sorted, topk_indices
+from ..selection import intersect_sorted, topk_indices
 from .base import Reducer, SparseSum, pack_pairs, unpack_pairs, wire_index_dtype
 from .regions import load_boundaries, result_boundaries
 from .topka import sum_sparse_in_rank_order

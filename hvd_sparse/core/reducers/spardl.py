@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import warnings
 
-import numpy as np
-
 from ..errors import check_positive_int
 from .base import Reducer, wire_index_dtype
 
@@ -84,81 +82,11 @@ def _segments(start, m, Q):
     return [(start, Q), (0, start + m - Q)]
 
 
-# -- private array helpers (ops xp lacks; dispatch on xp.name) ----------------------------------------------
-def _topk_rows(xp, X, k):
-    """Exact top-k of every row of the 2-D float32 ``X`` (m, c): column indices (m, k), int64, ascending.
-
-    Larger |x| first, ties broken by the lower index, NaN counts as +inf, zeros may be chosen: every row
-    yields exactly min(k, c) columns (step 5.3: "every message block carries exactly k_b pairs").
-    A partial sort picks k candidates per row; only rows whose k-th magnitude is tied beyond the slots left
-    are redone with an exact mask (lower index wins).
-    """
-    m, c = X.shape
-    if xp.name == "numpy":
-        if k >= c:
-            return np.broadcast_to(np.arange(c, dtype=np.int64), (m, c))
-        mag = np.abs(X)
-        nan = np.isnan(mag)
-        if nan.any():
-            mag[nan] = np.inf
-        part = np.argpartition(mag, c - k, axis=1)
-        cols = part[:, c - k:]
-        th = np.take_along_axis(mag, cols[:, :1], axis=1)                 # k-th largest per row
-        above = (mag > th).sum(axis=1)
-        bad = np.flatnonzero((mag == th).sum(axis=1) != k - above)        # ties cut by the k-th slot
-        if bad.size:
-            sub, tb = mag[bad], th[bad]
-            tied = sub == tb
-            tied &= np.cumsum(tied, axis=1) <= (k - above[bad])[:, None]
-            cols[bad] = np.nonzero((sub > tb) | tied)[1].reshape(bad.size, k)
-        return np.sort(cols, axis=1).astype(np.int64, copy=False)
-    if xp.name != "torch":                           # TensorFlow: the backend's own helper
-        return xp.topk_rows(X, k)
-    torch = xp.torch
-    if k >= c:
-        return torch.arange(c, dtype=torch.int64, device=X.device).expand(m, c)
-    mag = X.abs()
-    nan = torch.isnan(mag)
-    if bool(nan.any()):
-        mag = torch.where(nan, torch.full_like(mag, float("inf")), mag)
-    vals, cols = torch.topk(mag, k, dim=1, largest=True, sorted=False)  # values exact, tie order not
-    th = vals.min(dim=1, keepdim=True).values
-    above = (mag > th).sum(dim=1)
-    bad = torch.nonzero((mag == th).sum(dim=1) != k - above).reshape(-1)
-    if bad.numel():
-        sub, tb = mag[bad], th[bad]
-        tied = sub == tb
-        tied = tied & (tied.cumsum(dim=1) <= (k - above[bad])[:, None])
-        cols[bad] = ((sub > tb) | tied).nonzero()[:, 1].reshape(bad.numel(), k)
-    return cols.sort(dim=1).values
-
-
-def _reshape(xp, x, *shape):
-    """``x.reshape(*shape)`` (TensorFlow tensors have no reshape method)."""
-    return x.reshape(*shape) if xp.name in ("numpy", "torch") else xp.reshape(x, shape)
-
-
-def _set_slice_(xp, x, lo, hi, value):
-    """``x[lo:hi] = value``; returns x (a new tensor for immutable TensorFlow tensors)."""
-    if xp.name not in ("numpy", "torch"):
-        return xp.set_slice_(x, lo, hi, value)
-    x[lo:hi] = value
-    return x
-
-
-def _add_slice_(xp, x, lo, hi, y):
-    """``x[lo:hi] += y``; returns x (a new tensor for immutable TensorFlow tensors)."""
-    if xp.name not in ("numpy", "torch"):
-        return xp.add_slice_(x, lo, hi, y)
-    x[lo:hi] += y
-    return x
-
-
 def _flat_index(xp, cols, lo, c, like):
     """Flat indices (row-major) of the columns ``cols`` (m, k) of blocks lo..lo+m-1."""
     m = cols.shape[0]
     rows = (xp.arange(m, xp.index_dtype, like=like) + lo) * c
-    return _reshape(xp, rows[:, None] + cols, -1)
+    return xp.reshape(rows[:, None] + cols, (-1,))
 
 
 def _choice(value, name, allowed):
@@ -243,9 +171,9 @@ class SparDL(Reducer):
         w = xp.itemsize(ints) // 4
         kk = xp.numel(vals)
         y = comm.allgather(xp.concat([xp.bitcast(ints, xp.float32), vals], like=vals), phase)
-        y2 = _reshape(xp, y, comm.size, (w + 1) * kk)
-        return (xp.bitcast(_reshape(xp, y2[:, :w * kk], -1), xp.dtype_of(ints)),
-                _reshape(xp, y2[:, w * kk:], -1))
+        y2 = xp.reshape(y, (comm.size, (w + 1) * kk))
+        return (xp.bitcast(xp.reshape(y2[:, :w * kk], (-1,)), xp.dtype_of(ints)),
+                xp.reshape(y2[:, w * kk:], (-1,)))
 
     # -- one step -----------------------------------------------------------------------------------------
     def reduce(self, xp, acc, idx, k, comm, state, ctx):
@@ -289,13 +217,13 @@ class SparDL(Reducer):
             """5.3 select(b, kk) for the blocks lo..hi-1: (flat int64 indices in block order, values)."""
             nonlocal A, D
             seg = A[lo * c:hi * c]
-            cols = _topk_rows(xp, _reshape(xp, seg, hi - lo, c), kk)
+            cols = xp.topk_rows(xp.reshape(seg, (hi - lo, c)), kk)
             flat = _flat_index(xp, cols, lo, c, acc)
             vals = xp.take(A, flat)
             if eager:
                 dropped = xp.put_(xp.copy(seg), flat - lo * c, 0.0)
-                D = _add_slice_(xp, D, lo * c, hi * c, dropped)
-                A = _set_slice_(xp, A, lo * c, hi * c, 0.0)
+                D = xp.add_slice_(D, lo * c, hi * c, dropped)
+                A = xp.set_slice_(A, lo * c, hi * c, 0.0)
                 A = xp.put_(A, flat, vals)
                 for i in range(hi - lo):
                     last[lo + i] = flat[i * kk:(i + 1) * kk]
@@ -346,8 +274,7 @@ class SparDL(Reducer):
             U = xp.nonzero(xp.gt(mark, 0))
             u = xp.numel(U)
             if u > kb:                                               # the trim, identical on all d ranks
-                keep = xp.take(U, _reshape(xp, _topk_rows(xp, _reshape(xp, xp.take(S, U), 1, u), kb),
-                                               -1))
+                keep = xp.take(U, xp.reshape(xp.topk_rows(xp.reshape(xp.take(S, U), (1, u)), kb), (-1,)))
             else:
                 keep = U
             F_idx, F_vals = keep + r * c, xp.take(S, keep)
@@ -369,8 +296,7 @@ class SparDL(Reducer):
                 U = xp.nonzero(xp.gt(mark, 0))
                 u = xp.numel(U)
                 if u > kb:
-                    keep = xp.take(U, _reshape(xp, _topk_rows(xp, _reshape(xp, xp.take(S, U), 1, u), kb),
-                                                   -1))
+                    keep = xp.take(U, xp.reshape(xp.topk_rows(xp.reshape(xp.take(S, U), (1, u)), kb), (-1,)))
                     mark = xp.put_(mark, keep, 0.0)
                     drop = xp.nonzero(xp.gt(mark, 0))
                     D = xp.scatter_add_(D, drop + r * c, xp.mul(xp.take(S, drop), 0.5 ** (s + 1)))
@@ -407,7 +333,7 @@ class SparDL(Reducer):
 
         # 5.4 Global Residual Collection: own value outside F, what this rank dropped inside F
         kept = xp.take(D, all_idx)
-        D = xp.put_(_set_slice_(xp, D, 0, n, acc), all_idx, kept)
+        D = xp.put_(xp.set_slice_(D, 0, n, acc), all_idx, kept)
         included = xp.sort(xp.take(all_idx, xp.nonzero(xp.gt(xp.abs(all_vals), 0))))   # support of u
         info.update(K=xp.numel(included), final_entries=xp.numel(all_idx), residual=D[:n])
         return u, included, info

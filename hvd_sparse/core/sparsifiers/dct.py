@@ -36,21 +36,7 @@ K_ROUNDINGS = ("ceil", "paper")
 DRAIN_MODES = ("flush",)
 
 
-# -- local xp helpers (candidates for xp.py) ------------------------------------------------------------
-def _ge(xp, x, th):
-    """``x >= th`` elementwise (th a Python float; compared in x's dtype by both numpy and torch)."""
-    return x >= th
-
-
-def _nan_to_zero(xp, x):
-    """A copy of ``x`` with NaN and ±Inf replaced by 0 (only called when ``x`` is not all finite)."""
-    if xp.name == "numpy":
-        return np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-    if xp.name == "torch":
-        return xp.torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-    return xp.nan_to_zero(x)
-
-
+# -- the size K of a tensor ------------------------------------------------------------------------------
 def _snap(x):
     """``x`` rounded to the nearest integer when it is within float noise of it (0.07*100 -> 7), else None."""
     r = round(x)
@@ -146,7 +132,7 @@ class DCT(Sparsifier):
                     continue
                 a = mag[offsets[l]:offsets[l + 1]]
                 if not xp.all_finite(a):
-                    a = _nan_to_zero(xp, a)
+                    a = xp.nan_to_zero(a)
                 taus.append(float(xp.kth_largest(a, dct_k(nl, self.density, self.k_rounding))))
             if self.sync_threshold and ctx.size > 1 and taus:
                 s = xp.to_numpy(ctx.comm.allreduce(xp.asarray(taus, xp.float32, like=acc), SUM, "dct_tau"))
@@ -164,7 +150,7 @@ class DCT(Sparsifier):
                 continue
             a = mag[offsets[l]:offsets[l + 1]]
             tau = taus[l]
-            mask = xp.gt(a, 0.0) if (tau == 0.0 and self.zero_tau_guard) else _ge(xp, a, tau)
+            mask = xp.gt(a, 0.0) if (tau == 0.0 and self.zero_tau_guard) else xp.ge(a, tau)
             sel = xp.nonzero(mask)
             c = xp.numel(sel)
             nnz.append(c)

@@ -54,12 +54,6 @@ _API = "hvd_sparse.ExDyna"
 THRESHOLD_RULES = ("reference", "symmetric", "proportional")
 
 
-# -- local xp helpers (candidates for xp.py) ------------------------------------------------------------
-def _ge(xp, x, th):
-    """``x >= th`` elementwise (th a Python float; compared in x's dtype by both numpy and torch)."""
-    return x >= th
-
-
 # -- pure bookkeeping (size-P lists; unit-tested directly) -------------------------------------------------
 def exdyna_geometry(n, P, num_blk=1024, align=32, min_blk_div=4):
     """Step 5.2 with the edge-case fixes. Returns a dict: num_blk_eff, sz_blk, num_rem, blk_part, blk_pos, min_blk."""
@@ -286,7 +280,7 @@ class ExDyna(Sparsifier):
             idx = native.wrap(xp, native.select(part, state["tau"], "ge", base=st, expect=k // P)[0])
         else:
             mag = xp.abs(acc[st:en])
-            idx = xp.nonzero(_ge(xp, mag, state["tau"]))              # 5.6 ascending, >= tau
+            idx = xp.nonzero(xp.ge(mag, state["tau"]))              # 5.6 ascending, >= tau
             if st and xp.numel(idx):
                 idx = xp.add(idx, st)
         if xp.numel(idx) == 0:                                        # 5.6 fallback (rotating dummy)

@@ -50,24 +50,6 @@ def gaussian_z(density):
     return float(ndtri(1.0 - float(density) / 2.0))
 
 
-def _mean_std(xp, a):
-    """(mean, unbiased std) of float32 ``a`` as Python floats, computed in float64 (local xp helper)."""
-    n = xp.numel(a)
-    if n == 0:
-        return 0.0, 0.0
-    if xp.name == "numpy":
-        a64 = a.astype(np.float64)
-        mu = float(a64.mean())
-        sd = float(a64.std(ddof=1)) if n > 1 else 0.0
-    elif xp.name == "torch":
-        a64 = a.double()
-        mu = float(a64.mean())
-        sd = float(a64.std(correction=1)) if n > 1 else 0.0
-    else:                                      # TensorFlow: the backend's own helper
-        mu, sd = xp.mean_std(a)
-    return mu, sd
-
-
 def _f32_floor(th):
     """The largest float32 <= ``th`` (as a Python float): ``|a| > it`` equals ``|a| > th`` for float32 a."""
     t = np.float32(th)
@@ -120,7 +102,7 @@ class GaussianK(Sparsifier):
                 return xp.sum_int(xp.gt(mag, _f32_floor(max(th, 0.0))))
 
         # 1-2. Gaussian prediction of the k-th largest |a|
-        mu, sd = _mean_std(xp, acc)
+        mu, sd = (0.0, 0.0) if xp.numel(acc) == 0 else xp.mean_std(acc)
         th = mu + gaussian_z(self.density) * sd
         th0 = th
         # 3. adjustment loop (a threshold <= 0 already selects every nonzero: nothing left to change)

@@ -43,18 +43,10 @@ import numpy as np
 
 from .. import native
 from ..errors import check_positive_int
-from ..xp import topk_indices
+from ..selection import topk_indices
 from .base import Sparsifier
 
 SELECT_RULES = ("ge_nonzero", "gt")
-
-
-# -- local xp helpers (numpy / torch) -------------------------------------------------------------------
-def _ge(xp, x, th):
-    """Elementwise ``x >= th`` for a Python scalar ``th`` (numpy and torch share the operator)."""
-    if xp.name in ("numpy", "torch"):
-        return x >= th
-    return xp.ge(x, th)
 
 
 def f32(x):
@@ -71,7 +63,7 @@ def rule_mask(xp, mag, th, rule):
     if rule == "gt":
         return xp.gt(mag, t)
     if t > 0.0:
-        return _ge(xp, mag, t)          # mag >= t > 0 implies nonzero
+        return xp.ge(mag, t)          # mag >= t > 0 implies nonzero
     return xp.gt(mag, 0.0)
 
 

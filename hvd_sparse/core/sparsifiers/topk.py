@@ -9,7 +9,7 @@ the sparse reducers equal the dense allreduce.
 
 from __future__ import annotations
 
-from ..xp import topk_indices
+from ..selection import topk_indices
 from .base import Sparsifier
 
 

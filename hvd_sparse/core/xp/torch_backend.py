@@ -1,0 +1,164 @@
+"""The torch backend (CPU or CUDA tensors; torch is imported when the first tensor arrives)."""
+
+from __future__ import annotations
+
+from .common import _Indexing
+from .numpy_backend import NumpyBackend
+
+
+class TorchBackend(_Indexing):
+    """torch tensors, CPU or CUDA (the PyTorch adapter's backend)."""
+
+    name = "torch"
+    mutable = True
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        self.float32 = torch.float32
+        self.index_dtype = torch.int64
+        self.int32 = torch.int32
+
+    def zeros(self, n, dtype, like=None):
+        return self.torch.zeros(n, dtype=dtype, device=None if like is None else like.device)
+
+    def empty(self, n, dtype, like=None):
+        return self.torch.empty(n, dtype=dtype, device=None if like is None else like.device)
+
+    def arange(self, n, dtype, like=None):
+        return self.torch.arange(n, dtype=dtype, device=None if like is None else like.device)
+
+    def full(self, n, value, dtype, like=None):
+        return self.torch.full((n,), value, dtype=dtype, device=None if like is None else like.device)
+
+    def asarray(self, values, dtype, like=None):
+        return self.torch.as_tensor(values, dtype=dtype, device=None if like is None else like.device)
+
+    @staticmethod
+    def astype(x, dtype):
+        return x.to(dtype)
+
+    @staticmethod
+    def dtype_of(x):
+        return x.dtype
+
+    @staticmethod
+    def to_numpy(x):
+        return x.detach().cpu().numpy()
+
+    @staticmethod
+    def numel(x):
+        return int(x.numel())
+
+    @staticmethod
+    def itemsize(x):
+        return int(x.element_size())
+
+    @staticmethod
+    def copy(x):
+        return x.clone()
+
+    def concat(self, xs, like=None):
+        return self.torch.cat(list(xs))
+
+    def abs(self, x):
+        return x.abs()
+
+    @staticmethod
+    def mul(x, s):
+        return x * s
+
+    def add_into(self, a, b, out):
+        """``out[:] = a + b`` (``a`` None: ``out[:] = b``), cast to ``out``'s dtype; one pass, returns ``out``."""
+        if a is None:
+            return out.copy_(b)
+        return self.torch.add(a, b, out=out)
+
+    def mul_into(self, x, s, out):
+        """``out[:] = x * s`` (``s`` a Python scalar, computed in ``x``'s dtype, then cast to ``out``'s)."""
+        if out.dtype == x.dtype:
+            return self.torch.mul(x, s, out=out)
+        return out.copy_(x * s)
+
+    @staticmethod
+    def fill_(x, value):
+        return x.fill_(value)
+
+    def all_finite(self, x):
+        # as NumpyBackend.all_finite: the sum first, the elementwise pass only after an overflow
+        return bool(self.torch.isfinite(x.sum())) or bool(self.torch.isfinite(x).all())
+
+    def kth_largest(self, x, k):
+        # topk's *values* are exact; only the order of tied indices is unspecified, and we do not use it.
+        return self.torch.topk(x, k, sorted=False).values.min()
+
+    def nonzero(self, mask):
+        return self.torch.nonzero(mask, as_tuple=False).reshape(-1)
+
+    @staticmethod
+    def scatter_add_(dst, idx, values):
+        return dst.index_add_(0, idx, values)
+
+    @staticmethod
+    def add_unique_(dst, idx, values):
+        return dst.index_add_(0, idx, values)
+
+
+    @staticmethod
+    def sort(x):
+        return x.sort().values
+
+    def unique_inverse(self, x):
+        if x.device.type == "cpu":          # numpy's stable sort merges the sorted runs (torch's sort does not)
+            u, slot = NumpyBackend.unique_inverse(x.numpy())
+            return self.torch.from_numpy(u), self.torch.from_numpy(slot)
+        return x.unique(sorted=True, return_inverse=True)
+
+    def searchsorted(self, sorted_x, values, right=False):
+        return self.torch.searchsorted(sorted_x.contiguous(), values.contiguous(), side="right" if right else "left")
+
+    @staticmethod
+    def clamp_max(x, c):
+        return x.clamp(max=c)
+
+    @staticmethod
+    def bitcast(x, dtype):
+        return x.contiguous().view(dtype)
+
+
+    def nan_to_zero(self, x):
+        """A copy of ``x`` with NaN and ±Inf replaced by 0."""
+        return self.torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+    @staticmethod
+    def mean_std(x):
+        """(mean, unbiased std) of a float tensor as Python floats, computed in float64."""
+        a64 = x.double()
+        return float(a64.mean()), (float(a64.std(correction=1)) if x.numel() > 1 else 0.0)
+
+    def argsort_stable(self, x):
+        """Stable ascending argsort of a 1-D tensor (int64)."""
+        return self.torch.sort(x, stable=True).indices
+
+    def topk_rows(self, X, k):
+        """Exact top-k of every row of the 2-D float32 ``X`` (m, c): column indices (m, k), int64, ascending
+        (the rule of :meth:`NumpyBackend.topk_rows`)."""
+        torch = self.torch
+        m, c = X.shape
+        if k >= c:
+            return torch.arange(c, dtype=torch.int64, device=X.device).expand(m, c)
+        mag = X.abs()
+        nan = torch.isnan(mag)
+        if bool(nan.any()):
+            mag = torch.where(nan, torch.full_like(mag, float("inf")), mag)
+        vals, cols = torch.topk(mag, k, dim=1, largest=True, sorted=False)  # values exact, tie order not
+        th = vals.min(dim=1, keepdim=True).values
+        above = (mag > th).sum(dim=1)
+        bad = torch.nonzero((mag == th).sum(dim=1) != k - above).reshape(-1)
+        if bad.numel():
+            sub, tb = mag[bad], th[bad]
+            tied = sub == tb
+            tied = tied & (tied.cumsum(dim=1) <= (k - above[bad])[:, None])
+            cols[bad] = ((sub > tb) | tied).nonzero()[:, 1].reshape(bad.numel(), k)
+        return cols.sort(dim=1).values
