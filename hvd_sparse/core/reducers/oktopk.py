@@ -13,7 +13,7 @@
           G    = balance_and_allgatherv(mine)       # sorted by global index
           Gam  = band_adjust(Gam, |G|, k, lo_G, hi_G, /relax, *tighten)
       I   = S ∩ G.idx;  eps = a;  eps[I] = 0        # Alg.2 line 6 (engine zeroes I)
-      next_off = load_boundaries(off, loads)        # "load": loads[r] = pairs region r received in the split,
+      next_off = even split of avg(load CDF)        # "load": loads[r] = pairs region r received in the split,
                                                     # one more word in the count allgather; "result": the
                                                     # P quantiles of G (no word at all); see regions.py
       t += 1
