@@ -294,8 +294,8 @@ class OkTopk(Reducer):
         if self.boundaries == "load":
             if loads is None or max(loads) * P <= self.boundary_tolerance * sum(loads):
                 return None
-            if self.load_smoothing:                                 # O(|G| log |G|), the average in state
-                out, state["cdf"] = smoothed_load_boundaries(offsets, loads, [int(v) for v in xp.to_numpy(g_idx)],
+            if self.load_smoothing:                                 # O(P) numpy work, the average in state
+                out, state["cdf"] = smoothed_load_boundaries(offsets, loads, xp.to_numpy(g_idx),
                                                              state.get("cdf"), self.load_smoothing, 4 * P)
                 return out
             g_pos = [int(p) for p in xp.to_numpy(xp.searchsorted(

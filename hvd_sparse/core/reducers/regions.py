@@ -10,7 +10,7 @@ result G (``result_boundaries``), or the loads the owners report in the step's c
 
 from __future__ import annotations
 
-import bisect
+import numpy as np
 
 
 def result_boundaries(xp, g_idx, P, n):
@@ -62,61 +62,81 @@ def load_boundaries(offsets, loads, g_pos=None, g_at=None):
     return out
 
 
-def _cdf(xs, Fs, x):
-    j = bisect.bisect_right(xs, x) - 1
-    if j < 0:
-        return 0.0
-    if j >= len(xs) - 1:
-        return Fs[-1]
-    return Fs[j] + (Fs[j + 1] - Fs[j]) * (x - xs[j]) / (xs[j + 1] - xs[j])
-
-
-def _inverse(xs, Fs, y):
-    j = bisect.bisect_left(Fs, y)
-    if j <= 0:
-        return xs[0]
-    if j >= len(Fs):
-        return xs[-1]
-    d = Fs[j] - Fs[j - 1]
-    return xs[j - 1] + (xs[j] - xs[j - 1]) * ((y - Fs[j - 1]) / d if d > 0 else 1.0)
+#: The smoothed load CDF reads at most this many points of G per region on average (every s-th point of G
+#: beyond): its cost per step is O(P), whatever k is, and below it (k <= 1024·P) every point is used.
+CDF_POINTS_PER_REGION = 1024
 
 
 def load_cdf(offsets, loads, g):
-    """This step's load CDF (points xs, values Fs, normalized to 1), piecewise linear: region j's load
-    spread like the global result G (``g``, sorted ints) inside it: F(g_m) = C_j + L_j·m/c_j at its c_j points
-    of G (m = 0..c_j-1), uniform over the region when it holds no point of G. O(P + |G|)."""
-    W = sum(loads)
-    xs, Fs, cum = [float(offsets[0])], [0.0], 0
-    pos = [bisect.bisect_left(g, o) for o in offsets]
-    for j, L in enumerate(loads):
-        c = pos[j + 1] - pos[j]
-        for m in range(c):
-            xs.append(float(g[pos[j] + m]))
-            Fs.append((cum + L * m / c) / W)
-        cum += L
-        xs.append(float(offsets[j + 1]))
-        Fs.append(cum / W)
+    """This step's load CDF (points xs, values Fs, float64 arrays normalized to 1), piecewise linear: region j's
+    load spread like the global result G (``g``, sorted integers) inside it: F(g_m) = C_j + L_j·m/c_j at its
+    c_j points of G (m = 0..c_j-1), uniform over the region when it holds no point of G. O(P + |G|)."""
+    g = np.asarray(g, dtype=np.int64)
+    off = np.asarray(offsets, dtype=np.int64)
+    L = np.asarray(loads, dtype=np.int64)
+    P, W = len(L), int(L.sum())
+    pos = np.searchsorted(g, off, side="left")
+    cum = np.concatenate(([0], np.cumsum(L)))                   # load of regions 0..j-1
+    counts = np.diff(pos)
+    r = np.repeat(np.arange(P), counts)                         # region of each point of G
+    i = np.arange(len(g))
+    m, c = i - pos[r], counts[r]
+    xs = np.empty(1 + len(g) + P, np.float64)
+    Fs = np.empty_like(xs)
+    xs[0], Fs[0] = float(off[0]), 0.0
+    at = 1 + i + r                                              # each region: its points, then its end
+    xs[at] = g
+    Fs[at] = (cum[r] + (L[r] * m) / c) / W
+    ends = 1 + pos[1:] + np.arange(P)
+    xs[ends] = off[1:]
+    Fs[ends] = cum[1:] / W
     return xs, Fs
+
+
+def _cdf(xs, Fs, x):
+    """The piecewise-linear CDF (xs, Fs) at every point of ``x``."""
+    j = np.searchsorted(xs, x, side="right") - 1
+    out = np.where(j < 0, 0.0, Fs[-1])
+    mid = (j >= 0) & (j < len(xs) - 1)
+    jm, xm = j[mid], x[mid]
+    out[mid] = Fs[jm] + (Fs[jm + 1] - Fs[jm]) * (xm - xs[jm]) / (xs[jm + 1] - xs[jm])
+    return out
+
+
+def _inverse(xs, Fs, y):
+    """Where the non-decreasing piecewise-linear CDF (xs, Fs) reaches every level of ``y``."""
+    j = np.searchsorted(Fs, y, side="left")
+    out = np.where(j <= 0, xs[0], xs[-1])
+    mid = (j > 0) & (j < len(Fs))
+    jm, ym = j[mid], y[mid]
+    d = Fs[jm] - Fs[jm - 1]
+    frac = np.divide(ym - Fs[jm - 1], d, out=np.ones_like(d), where=d > 0)
+    out[mid] = xs[jm - 1] + (xs[jm] - xs[jm - 1]) * frac
+    return out
 
 
 def smoothed_load_boundaries(offsets, loads, g, prev, beta, M):
     """Region boundaries from an exponential average of the measured load CDFs over steps: ``prev`` (the
     average so far, as M+1 points x_0..x_M with CDF j/M, or None) is blended as beta·prev + (1-beta)·this
-    step's CDF (``load_cdf``) and resampled at M+1 quantiles; boundary i is the average's quantile i/P.
-    Returns (boundaries, new state), or (None, prev) when nothing was received. Python floats, the same
-    operations on identical inputs: identical on every rank. O((M + |G|) log(M + |G|))."""
+    step's CDF (``load_cdf``; G thinned to every s-th point beyond ``CDF_POINTS_PER_REGION``·P points) and
+    resampled at M+1 quantiles; boundary i is the average's quantile i/P. Returns (boundaries, new state), or
+    (None, prev) when nothing was received. Elementwise float64 operations on identical inputs: identical on
+    every rank. O(P) numpy work per step (O((M + |G|) log) below the thinning)."""
     P, W = len(loads), sum(loads)
     if P == 1 or W == 0:
         return None, prev
+    g = np.asarray(g, dtype=np.int64)
+    cap = CDF_POINTS_PER_REGION * P
+    if len(g) > cap:
+        g = g[::-(-len(g) // cap)]
     xs, Fs = load_cdf(offsets, loads, g)
     if prev is not None:
-        pF = [j / M for j in range(M + 1)]
-        grid = sorted(set(xs) | set(prev))
-        H = [beta * _cdf(prev, pF, x) + (1 - beta) * _cdf(xs, Fs, x) for x in grid]
-        for i in range(1, len(H)):
-            H[i] = max(H[i], H[i - 1])
-        xs, Fs = grid, H
-    state = [_inverse(xs, Fs, j / M) for j in range(M + 1)]
+        pv = np.asarray(prev, np.float64)
+        grid = np.sort(np.concatenate((xs, pv)), kind="stable")
+        grid = grid[np.append(True, grid[1:] != grid[:-1])]
+        H = beta * _cdf(pv, np.arange(M + 1) / M, grid) + (1 - beta) * _cdf(xs, Fs, grid)
+        xs, Fs = grid, np.maximum.accumulate(H)
+    state = _inverse(xs, Fs, np.arange(M + 1) / M).tolist()
     n = offsets[-1]
     out = [0] + [int(round(state[(i * M) // P])) for i in range(1, P)] + [n]
     for i in range(1, P):
