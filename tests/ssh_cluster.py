@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from hvd_sparse.bench.netns import Network, Rate, _run, list_names, missing_requirements, remove_stale
+from hvd_sparse.bench.netns import Network, Rate, _run, cannot_build, list_names, remove_stale
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 PRIVSEP_DIR = Path("/run/sshd")          # sshd refuses to start without its privilege-separation directory
@@ -45,17 +45,12 @@ PRIVSEP_DIR = Path("/run/sshd")          # sshd refuses to start without its pri
 
 def why_not():
     """None if this machine can build the cluster, else the reason (for ``pytest.mark.skipif``)."""
-    missing = missing_requirements()
-    if missing:
-        return "needs " + "; ".join(missing)
+    why = cannot_build()
+    if why:
+        return why
     for tool, pkg in ((SSHD, "openssh-server"), ("ssh", "openssh-client"), ("ssh-keygen", "openssh-client")):
         if not (os.path.exists(tool) or shutil.which(tool)):
             return f"needs `{tool}` (Debian package {pkg}; scripts/setup_env.sh installs it)"
-    name = f"hvds{os.getpid()}n98"
-    proc = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if proc.returncode != 0:
-        return f"`ip netns add` fails here: {proc.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
 
 

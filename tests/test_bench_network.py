@@ -23,18 +23,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _can_build_namespaces():
-    if netns.missing_requirements():
-        return "needs root and the ip/tc commands: " + "; ".join(netns.missing_requirements())
-    name = f"hvds{os.getpid()}n99"
-    proc = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
-    if proc.returncode != 0:
-        return f"`ip netns add` fails in this sandbox: {proc.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", name], capture_output=True)
-    return None
-
-
-_WHY_NOT = _can_build_namespaces()
+_WHY_NOT = netns.cannot_build()
 requires_netns = pytest.mark.skipif(_WHY_NOT is not None, reason=str(_WHY_NOT))
 
 

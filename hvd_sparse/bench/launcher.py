@@ -163,6 +163,17 @@ def missing_message(prog):
     return None
 
 
+def add_run_arguments(p, timeout, plot_help):
+    """The flags every namespace benchmark has, read by :func:`run_cli` and ``run``: ``--timeout`` (default
+    ``timeout`` seconds), ``--no-link-check``, ``--json``, ``--plot`` (``plot_help``) and ``--quiet``."""
+    p.add_argument("--timeout", type=float, default=timeout,
+                   help=f"seconds before the whole run is stopped (default: {timeout:g})")
+    p.add_argument("--no-link-check", action="store_true", help="skip the TCP throughput check of one link")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    p.add_argument("--plot", metavar="FILE", help=plot_help)
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
 def run_cli(prog, args, run, plot, markdown):
     """The end of a namespace benchmark's ``main``: ``run()`` (SIGTERM and SIGHUP stop it as an interrupt, which
     stops the workers and removes the network), its errors as exit codes (2: the network could not be built, 1: a

@@ -155,6 +155,20 @@ def missing_requirements():
     return missing
 
 
+def cannot_build():
+    """None when this machine can build the benchmark's namespaces, else the reason: what
+    :func:`missing_requirements` lists, or the error of a trial ``ip netns add`` (a sandbox may forbid it)."""
+    missing = missing_requirements()
+    if missing:
+        return "needs " + "; ".join(missing)
+    name = f"hvds{os.getpid()}n99"
+    proc = _run(["ip", "netns", "add", name], check=False)
+    if proc.returncode != 0:
+        return f"`ip netns add` fails here: {(proc.stderr or proc.stdout).strip()}"
+    _run(["ip", "netns", "del", name], check=False)
+    return None
+
+
 def list_names():
     """Network namespaces and links of this machine whose names match :data:`NAME`."""
     ns = []

@@ -52,7 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .launcher import WorkerFailed, launch, missing_message, run_cli, tail
+from .launcher import WorkerFailed, add_run_arguments, launch, missing_message, run_cli, tail
 from .layouts import MODELS, model_choice, model_layout
 from .netns import MAX_WORKERS, Network, Rate, bandwidth, link_check, \
     remove_stale, workers
@@ -168,14 +168,9 @@ def add_arguments(p):
                         "Horovod's spinning wait replaced by hvd_sparse's polling one (default: all presets)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic gradients (default: 0)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default: 0.01)")
-    p.add_argument("--timeout", type=float, default=3600.0,
-                   help="seconds before the whole run is stopped (default: 3600)")
-    p.add_argument("--no-link-check", action="store_true", help="skip the TCP throughput check of one link")
     p.add_argument("--profile", action="store_true",
                    help="cProfile every rank's measured steps; the top functions go into the JSON")
-    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
-    p.add_argument("--plot", metavar="FILE", help="save a PNG bar chart of the seconds per step")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_run_arguments(p, 3600.0, "save a PNG bar chart of the seconds per step")
 
 
 def main(args):

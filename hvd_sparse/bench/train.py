@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .launcher import WorkerFailed, launch, missing_message, run_cli, tail
+from .launcher import WorkerFailed, add_run_arguments, launch, missing_message, run_cli, tail
 from .netns import Network, Rate, bandwidth, link_check, remove_stale, workers
 from .train_report import markdown, plot, summarize
 
@@ -135,11 +135,7 @@ def add_arguments(p):
                    help="PowerSGD's start_powerSGD_iter (default: 10%% of the steps, at least 2)")
     p.add_argument("--targets", type=targets, default=[0.9, 0.95],
                    help="test accuracies whose time to reach is reported (default: 0.9,0.95)")
-    p.add_argument("--timeout", type=float, default=7200.0, help="seconds before the run is stopped (default: 7200)")
-    p.add_argument("--no-link-check", action="store_true", help="skip the TCP throughput check of one link")
-    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
-    p.add_argument("--plot", metavar="FILE", help="save test accuracy against wall time as a PNG")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_run_arguments(p, 7200.0, "save test accuracy against wall time as a PNG")
 
 
 def main(args):
