@@ -126,7 +126,13 @@ def _build(args, cfg, steps_total):
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     net = model
     if kind == "ddp":
-        net = torch.nn.parallel.DistributedDataParallel(model)      # broadcasts rank 0's weights
+        # broadcasts rank 0's weights. PowerSGD's hook issues its second and third allreduce of a bucket from the
+        # completion callback of the one before, so with several buckets the order in which a rank issues them
+        # depends on timing; gloo matches collectives by issue order, and ranks that differ fail ("Received data
+        # size doesn't match expected size"). One bucket holding every gradient keeps the order fixed.
+        one_bucket = cfg.get("powersgd_rank") is not None
+        cap = {"bucket_cap_mb": n * 4 / 2 ** 20 + 1} if one_bucket else {}
+        net = torch.nn.parallel.DistributedDataParallel(model, **cap)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum)
     if kind == "compute":
         return net, model, optimizer, None, lambda: 0.0, None

@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from .launcher import WorkerFailed, add_run_arguments, launch, missing_message, run_cli, tail
@@ -87,25 +88,41 @@ def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=
         link = link_check(net, link_check_seconds) if link_check_seconds else None
         if link is not None:
             say(f"  link check: {link / 1e6:.1f} MB/s payload, one TCP stream (line rate {rate / 8e6:.1f} MB/s)")
-        out = Path(tmp) / "result.json"
-        args = ["--configs", ",".join(config_names), "--epochs", epochs, "--density", density, "--batch-size",
-                batch_size, "--lr", lr, "--seed", seed, "--image-size", image_size, "--hidden", hidden,
-                "--eval-every", eval_every, "--floor-epochs", floor_epochs, "--out", out]
-        if powersgd_warmup is not None:
-            args += ["--powersgd-warmup", powersgd_warmup]
-        launch(net, worker_cmd or [sys.executable, "-m", WORKER], args, tmp, timeout, PROGRESS, verbose=verbose)
-        if not out.exists():
-            raise WorkerFailed(f"the workers exited normally but rank 0 wrote no result; rank 0's output:\n"
-                               f"{tail(Path(tmp) / 'rank0.log')}")
-        raw = json.loads(out.read_text())
+        runs, failed, raw = [], [], None
+        deadline = time.monotonic() + timeout
+        for name in config_names:            # a job per configuration: a failure stops only that configuration
+            logdir = Path(tmp) / f"{len(runs) + len(failed)}"
+            logdir.mkdir()
+            out = logdir / "result.json"
+            args = ["--configs", name, "--epochs", epochs, "--density", density, "--batch-size", batch_size,
+                    "--lr", lr, "--seed", seed, "--image-size", image_size, "--hidden", hidden, "--eval-every",
+                    eval_every, "--floor-epochs", floor_epochs, "--out", out]
+            if powersgd_warmup is not None:
+                args += ["--powersgd-warmup", powersgd_warmup]
+            try:
+                launch(net, worker_cmd or [sys.executable, "-m", WORKER], args, logdir,
+                       max(1.0, deadline - time.monotonic()), PROGRESS, verbose=verbose)
+                if not out.exists():
+                    raise WorkerFailed(f"the workers exited normally but rank 0 wrote no result; rank 0's "
+                                       f"output:\n{tail(logdir / 'rank0.log')}")
+            except WorkerFailed as e:
+                say(f"  [{name}] failed: {e}")
+                failed.append({"config": name, "error": str(e)})
+                continue
+            raw = json.loads(out.read_text())
+            runs += raw["runs"]
+        if raw is None:
+            raise WorkerFailed("every configuration failed:\n" + "\n".join(f"[{f['config']}] {f['error']}"
+                                                                            for f in failed))
     report = {"workers": workers, "bandwidth": str(rate), "bandwidth_bits_per_s": int(rate), "epochs": epochs,
               "density": density, "batch_size": batch_size, "lr": lr, "seed": seed, "image_size": image_size,
               "hidden": hidden, "eval_every": eval_every, "targets": list(accuracy_targets),
-              "numel": raw["runs"][0]["numel"], "train_images": raw["train_images"],
+              "numel": runs[0]["numel"], "train_images": raw["train_images"],
               "test_images": raw["test_images"], "torch_threads": raw["torch_threads"],
               "link_check_bytes_per_s": link, "cpus": os.cpu_count(), "load_average_before": load_before,
               "load_average_after": list(os.getloadavg())}
-    report["results"] = summarize(raw["runs"], accuracy_targets)
+    report["results"] = summarize(runs, accuracy_targets)
+    report["failed"] = failed
     return report
 
 
@@ -151,9 +168,20 @@ def main(args):
     if not args.quiet:
         print(f"train: {', '.join(names)} on {args.workers} workers, {args.bandwidth} per worker, {args.epochs} "
               "epochs each", file=sys.stderr, flush=True)
-    return run_cli(prog, args, lambda: run(
-        names, args.workers, args.bandwidth, epochs=args.epochs, density=args.density, batch_size=args.batch_size,
-        lr=args.lr, seed=args.seed, image_size=args.image_size, hidden=args.hidden, eval_every=args.eval_every,
-        floor_epochs=args.floor_epochs, powersgd_warmup=args.powersgd_warmup, accuracy_targets=args.targets,
-        timeout=args.timeout, link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet),
-        plot, markdown)
+    reports = []
+
+    def job():
+        reports.append(run(
+            names, args.workers, args.bandwidth, epochs=args.epochs, density=args.density,
+            batch_size=args.batch_size, lr=args.lr, seed=args.seed, image_size=args.image_size, hidden=args.hidden,
+            eval_every=args.eval_every, floor_epochs=args.floor_epochs, powersgd_warmup=args.powersgd_warmup,
+            accuracy_targets=args.targets, timeout=args.timeout,
+            link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet))
+        return reports[-1]
+
+    code = run_cli(prog, args, job, plot, markdown)
+    if code == 0 and reports[-1]["failed"]:
+        names = ", ".join(f["config"] for f in reports[-1]["failed"])
+        print(f"{prog}: error: configuration(s) failed: {names} (the report has the others)", file=sys.stderr)
+        return 1
+    return code

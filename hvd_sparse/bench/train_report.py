@@ -81,6 +81,8 @@ def markdown(report):
                      f"{r['forward']:.3f} | {r['backward']:.3f} | {r['exchange']:.3f} | {r['update']:.3f} | {ab} | "
                      f"{xf} | {_mb(r['sent_bytes_per_step'])} | "
                      + " | ".join(_s(r[f"time_to_{x:g}"]) for x in t) + f" | {acc} |")
+    for f in report.get("failed", []):
+        lines.append(f"| {f['config']} | failed: {f['error'].splitlines()[0]} |" + " |" * (10 + len(t)))
     lines += ["", "forward, backward, exchange wait, update: the mean step's split (seconds). after backward: median "
               "seconds from the end of backward to the end of the exchange (DDP: its backward minus the floor's, "
               "since it waits inside backward). compute = the floor: the same steps without communication."]
