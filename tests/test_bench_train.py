@@ -19,12 +19,26 @@ from test_bench_network import PNG_MAGIC, leftovers, requires_netns
 
 ROOT = Path(__file__).resolve().parents[1]
 
+#: a stand-in for the train worker: fails on configuration "topka", else rank 0 writes one step's records
+FAILING_WORKER = r"""
+import json, os, sys
+args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
+if args["--configs"] == "topka":
+    sys.exit("topka broke on purpose")
+if os.environ["HOROVOD_RANK"] == "0":
+    run = {"config": args["--configs"], "kind": "compute" if args["--configs"] == "compute" else "horovod",
+           "numel": 10, "evals": [[1, 0.5]], "sent_bytes": [[1.0]] * 2,
+           **{p: [[0.1]] * 2 for p in ("forward", "backward", "exchange", "update")}}
+    json.dump({"torch_threads": 1, "train_images": 1, "test_images": 1, "runs": [run]}, open(args["--out"], "w"))
+"""
+
 
 @pytest.mark.parametrize("argv, where, what", [
     (["--configs", "horovod,topk"], "--configs", "'topk'"),
     (["--configs", "oktopk+x"], "--configs", "unknown option 'x'"),
     (["--configs", "ddp_powersgd_r0"], "--configs", "ddp_powersgd_r<rank>"),
     (["--configs", "spardl+mc"], "--configs", "does not apply to spardl"),
+    (["--configs", "oktopk+d1.5"], "--configs", "unknown option 'd1.5'"),
     (["--targets", "0.9,1.5"], "--targets", "(0, 1]"),
     (["--bandwidth", "fast"], "--bandwidth", "1gbit"),
     (["--workers", "1"], "--workers", "between 2 and 64"),
@@ -49,6 +63,7 @@ def test_configuration_names():
     assert parse_config("ddp_powersgd_r4") == {"kind": "ddp", "name": "ddp_powersgd_r4", "powersgd_rank": 4}
     assert parse_config("oktopk+w20+mc") == {"kind": "sparse", "name": "oktopk+w20+mc", "preset": "oktopk",
                                              "warmup_dense_steps": 20, "momentum_correction": True}
+    assert parse_config("oktopk+d0.03")["density"] == 0.03 and "density" not in parse_config("oktopk")
     with pytest.raises(ValueError, match="unknown configuration 'dense'"):
         parse_config("dense")                  # the engine's dense reducer is not a baseline users have
 
@@ -88,6 +103,20 @@ def test_summary_takes_the_slowest_rank_per_step_and_times_the_targets_on_the_wa
     header, sep, *body = text.split("\n")[2:6]
     assert header.count("|") == sep.count("|") == body[0].count("|")             # a well-formed table
     assert "| horovod | 9.000 |" in text and "| 23.0 | 33.0 | 96.00% |" in text
+
+
+@requires_netns
+def test_a_failed_configuration_is_reported_and_the_others_still_run(tmp_path):
+    from hvd_sparse.bench import train
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(FAILING_WORKER)
+    report = train.run(["compute", "topka", "horovod"], 2, train.Rate("1gbit"), link_check_seconds=0,
+                       verbose=False, worker_cmd=[sys.executable, str(worker)], timeout=120)
+    assert [r["config"] for r in report["results"]] == ["compute", "horovod"]
+    (failed,) = report["failed"]
+    assert failed["config"] == "topka" and "topka broke on purpose" in failed["error"]
+    assert "| topka | failed: " in train_report.markdown(report)
 
 
 @pytest.mark.horovod

@@ -14,7 +14,8 @@ timed steps. Configurations (:func:`parse_config`):
     horovod_fp16      the same with Compression.fp16
     <preset>[+opt..]  hvd_sparse.torch.DistributedOptimizer with Compression.<preset>(density), e.g. oktopk;
                       options: +w<N> (warmup_dense_steps=N), +mc (momentum correction: the velocity is kept by
-                      error feedback and the SGD optimizer runs without momentum)
+                      error feedback and the SGD optimizer runs without momentum), +d<density> (this
+                      configuration's density instead of ``--density``, e.g. oktopk+d0.03)
     ddp               torch.nn.parallel.DistributedDataParallel over the gloo process group, no hook
     ddp_powersgd_r<R> the same with the PowerSGD hook, matrix_approximation_rank R, vanilla allreduce for the
                       first ``--powersgd-warmup`` steps (``start_powerSGD_iter``)
@@ -58,9 +59,11 @@ def parse_config(name, presets=None):
             cfg["warmup_dense_steps"] = int(o[1:])
         elif o == "mc":
             cfg["momentum_correction"] = True
+        elif re.fullmatch(r"d(0?\.\d+|1(\.0*)?)", o) and 0 < float(o[1:]) <= 1:
+            cfg["density"] = float(o[1:])
         else:
             raise ValueError(f"configuration {name!r}: unknown option {o!r} (+w<steps>: dense warm-up steps, "
-                             "+mc: momentum correction)")
+                             "+mc: momentum correction, +d<density>: density in (0, 1])")
     if cfg["momentum_correction"] and base == "spardl":
         raise ValueError(f"configuration {name!r}: momentum correction does not apply to spardl")
     return cfg
@@ -78,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--image-size", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--eval-every", type=int, default=4)
-    p.add_argument("--floor-epochs", type=int, default=2)
+    p.add_argument("--floor-epochs", type=int, required=True)
     p.add_argument("--powersgd-warmup", type=int, default=None, help="start_powerSGD_iter (default: 10%% of the "
                                                                      "steps, at least 2)")
     p.add_argument("--out", required=True, help="JSON file written by rank 0")
@@ -148,7 +151,7 @@ def _build(args, cfg, steps_total):
             options["warmup_dense_steps"] = cfg["warmup_dense_steps"]
         if cfg["momentum_correction"]:
             options["momentum_correction"] = args.momentum
-        compression = make(cfg["preset"], args.density, **options)
+        compression = make(cfg["preset"], cfg.get("density", args.density), **options)
         optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                               compression=compression)
         return net, model, optimizer, optimizer.synchronize, lambda: exchange_stats(optimizer, n, P)[1], None

@@ -71,7 +71,7 @@ def targets(text):
 
 
 def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=0.05, seed=42, image_size=16,
-        hidden=1024, eval_every=4, floor_epochs=2, powersgd_warmup=None, accuracy_targets=(0.9, 0.95),
+        hidden=1024, eval_every=4, floor_epochs=None, powersgd_warmup=None, accuracy_targets=(0.9, 0.95),
         timeout=7200.0, link_check_seconds=0.5, verbose=True, worker_cmd=None):
     """Build the network, run the job, tear everything down; return the report (see the module docstring)."""
     from ._train_worker import PROGRESS
@@ -96,7 +96,7 @@ def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=
             out = logdir / "result.json"
             args = ["--configs", name, "--epochs", epochs, "--density", density, "--batch-size", batch_size,
                     "--lr", lr, "--seed", seed, "--image-size", image_size, "--hidden", hidden, "--eval-every",
-                    eval_every, "--floor-epochs", floor_epochs, "--out", out]
+                    eval_every, "--floor-epochs", floor_epochs or epochs, "--out", out]
             if powersgd_warmup is not None:
                 args += ["--powersgd-warmup", powersgd_warmup]
             try:
@@ -134,7 +134,8 @@ def add_arguments(p):
                    help="each worker's link rate, each direction: 1gbit, 100mbit, ... (default: 1gbit)")
     p.add_argument("--configs", type=configs, default=None,
                    help=f"comma-separated configurations (default: {','.join(DEFAULT_CONFIGS)}); a sparse preset "
-                        "takes options: oktopk+w<N> (N dense warm-up steps), oktopk+mc (momentum correction)")
+                        "takes options: oktopk+w<N> (N dense warm-up steps), oktopk+mc (momentum correction), "
+                        "oktopk+d<density> (its own density)")
     p.add_argument("--epochs", type=cli.positive_int, default=20, help="epochs per configuration (default: 20)")
     p.add_argument("--density", type=cli.density, default=0.01, help="k / n of the sparse presets (default: 0.01)")
     p.add_argument("--batch-size", type=cli.positive_int, default=32, help="per-worker batch size (default: 32)")
@@ -146,8 +147,8 @@ def add_arguments(p):
                    help="width of the hidden dense layer (default: 1024; 4.2M parameters at --image-size 16)")
     p.add_argument("--eval-every", type=cli.positive_int, default=4,
                    help="steps between test evaluations (default: 4; not timed)")
-    p.add_argument("--floor-epochs", type=cli.positive_int, default=2,
-                   help="epochs of the compute-only floor (default: 2; timing only)")
+    p.add_argument("--floor-epochs", type=cli.positive_int, default=None,
+                   help="epochs of the compute-only floor (default: --epochs; timing only)")
     p.add_argument("--powersgd-warmup", type=cli.positive_int, default=None,
                    help="PowerSGD's start_powerSGD_iter (default: 10%% of the steps, at least 2)")
     p.add_argument("--targets", type=targets, default=[0.9, 0.95],
