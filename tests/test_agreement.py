@@ -145,6 +145,35 @@ def test_layout_change_carries_the_momentum_correction_velocity_by_name_and_the_
         assert after[:20].tobytes() == before[10:].tobytes() and not after[20:].any()
 
 
+def test_a_fixed_layout_refuses_other_entries_on_every_rank_and_keeps_the_state():
+    """declare(..., fixed=True) (TensorFlow: the preset owns the state): other entries at a later step -- here the
+    same number of entries in other shapes -- are another model: RankDisagreementError on every rank, nothing
+    changed; the first entries then step on."""
+    g = _grads(2, n=30)
+    first = [("a", (10,), "float32"), ("b", (20,), "float32")]
+
+    def fn(r, comm):
+        e = Compression.topka(0.2).new_engine(comm)
+        e.declare(first, fixed=True)
+        e.step(g[r])
+        residual = np.array(e.memory.residual)
+        e.declare([("a", (20,), "float32"), ("b", (10,), "float32")], fixed=True)
+        try:
+            e.step(g[r])
+            error = None
+        except ValueError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        same = e.steps == 1 and np.array(e.memory.residual).tobytes() == residual.tobytes()
+        e.declare(first, fixed=True)
+        e.step(g[r])
+        return error, same, e.steps
+
+    (e0, same0, steps0), (e1, same1, steps1) = run_ranks(fn, 2)
+    assert e0 == e1 and e0.startswith("RankDisagreementError: ") and "cannot serve two models" in e0, e0
+    assert "position 0 is 'a' (20,) float32 now but was 'a' (10,) float32" in e0
+    assert same0 and same1 and steps0 == steps1 == 2
+
+
 def test_ranks_that_disagree_on_the_training_options_raise():
     out = engines_of([Compression.topka(0.1, warmup_dense_steps=2), Compression.topka(0.1)])
     assert all(isinstance(o, str) and "ranks disagree on the compression" in o for o in out), out

@@ -14,7 +14,7 @@ hvd = pytest.importorskip("horovod.tensorflow")
 
 import hvd_sparse.tensorflow as hvds  # noqa: E402
 import hvd_sparse.tensorflow.keras as hvdk  # noqa: E402
-from hvd_sparse.tensorflow import _checksum  # noqa: E402
+from hvd_sparse.core.errors import checksums  # noqa: E402
 
 from horovod_helpers import horovodrun, load_ranks, requires_horovod  # noqa: E402
 
@@ -57,10 +57,18 @@ def test_checksums_see_one_bit_and_swapped_words():
     b = a.copy()
     b.view(np.int32)[3] ^= 1                    # one bit
     c = a[[1, 0, 2, 3, 4, 5]]                   # two words swapped
-    assert _checksum(a) == _checksum(a.copy())
-    assert _checksum(a)[0] != _checksum(b)[0]
-    assert _checksum(a)[0] == _checksum(c)[0] and _checksum(a)[1] != _checksum(c)[1]
-    assert _checksum(np.zeros(3, np.float64)) == [0, 0] and len(_checksum(np.ones(2, np.float16))) == 2
+    assert checksums(a) == checksums(a.copy())
+    assert checksums(a)[0] != checksums(b)[0]
+    assert checksums(a)[0] == checksums(c)[0] and checksums(a)[1] != checksums(c)[1]
+    assert checksums(np.zeros(3, np.float64)) == [0, 0] and len(checksums(np.ones(2, np.float16))) == 2
+
+
+def test_checksums_of_raw_bytes_are_those_of_the_words():
+    """The torch optimizer hands its parameters' raw bytes (bfloat16 has no numpy dtype): the same checksums."""
+    a = np.random.default_rng(0).standard_normal(7).astype(np.float32)
+    assert checksums(a.view(np.uint8), itemsize=4) == checksums(a)
+    h = a.astype(np.float16)
+    assert checksums(h.view(np.uint8), itemsize=2) == checksums(h) != checksums(a)
 
 
 @pytest.fixture(scope="module")

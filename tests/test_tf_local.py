@@ -163,3 +163,42 @@ def test_indexed_slices_need_sparse_as_dense():
         grads()
     g = grads(sparse_as_dense=True)[0].numpy()
     assert g.shape == (6, 2) and np.isfinite(g).all() and g[[1, 4]].any()
+
+
+def test_the_tape_declares_its_layout_to_the_engine_and_refuses_another_model():
+    """What the tape exchanges is declared to the engine's agreement -- ("variable #<position>", shape, dtype) per
+    source, its only layout check -- and fixed: the preset owns the state, so a second model with other shapes
+    (here the same number of entries) raises instead of mixing the two models' residuals, and the first model
+    steps on. sparse_allreduce declares its tensor under its name."""
+    comp = hvds.Compression.topka(0.5)
+
+    def grads(*shapes):
+        ws = [tf.Variable(tf.ones(s)) for s in shapes]
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(tf.square(w)) for w in ws])
+        return hvds.DistributedGradientTape(tape, compression=comp).gradient(loss, ws)
+
+    grads((2, 3), (3,))
+    engine = comp.states.get("model")
+    assert engine.entries == (("variable #0", (2, 3), "float32"), ("variable #1", (3,), "float32"))
+    with pytest.raises((ValueError, tf.errors.OpError), match="cannot serve two models") as err:
+        grads((3, 2), (3,))
+    assert "position 0 is 'variable #0' (3, 2) float32 now but was 'variable #0' (2, 3) float32" in str(err.value)
+    assert engine.steps == 1
+    grads((2, 3), (3,))
+    assert engine.steps == 2
+    hvds.sparse_allreduce(tf.ones((2, 2)), comp, name="op.x")
+    assert comp.states.get("op.x").entries == (("op.x", (2, 2), "float32"),)
+
+
+def test_keras_imports_no_private_name_of_the_tensorflow_package():
+    """hvd_sparse.tensorflow.keras uses public names of hvd_sparse.tensorflow, or the package's role modules."""
+    import ast
+    from pathlib import Path
+
+    for path in sorted((Path(hvds.__file__).parent / "keras").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and ((node.level == 2 and node.module is None)
+                                                     or node.module == "hvd_sparse.tensorflow"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"keras/{path.name} imports {private} from hvd_sparse.tensorflow"

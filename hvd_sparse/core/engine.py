@@ -29,7 +29,9 @@ and the layout (:meth:`Engine.declare`). A difference raises
 Layout changes (:meth:`Engine.declare` with other entries: a parameter group added, a parameter frozen or
 unfrozen): the engine starts afresh -- thresholds, partitions and the step counter as at step 0 of a run, on
 every rank alike -- and the residual follows the tensors by name: a tensor that stays keeps its residual, a new
-one starts from zeros, the residual of one that left is dropped.
+one starts from zeros, the residual of one that left is dropped. A unit declared ``fixed`` (TensorFlow, whose tape
+is created anew every step, so the preset owns the state) refuses a change instead: another layout is another
+model, reported on every rank.
 
 Non-finite gradients (``nonfinite=``): the agreement tells every rank which ranks hold a NaN or Inf. Then, on
 every rank alike,
@@ -91,6 +93,16 @@ def _carry_by_name(flat, old, entries):
     return xp.concat(parts, like=flat) if parts else None
 
 
+def _first_change(old, new):
+    """How declared ``new`` entries differ from ``old`` ones: the first position that differs, or the count."""
+    for i, (a, b) in enumerate(zip(old, new)):
+        if a != b:
+            return (f"the tensors exchanged differ from those its state was built for: position {i} is {b[0]!r} "
+                    f"{b[1]} {b[2]} now but was {a[0]!r} {a[1]} {a[2]}")
+    return (f"the tensors exchanged differ from those its state was built for: {len(new)} tensors now but "
+            f"{len(old)} then")
+
+
 @dataclasses.dataclass(frozen=True)
 class StepContext:
     """What a sparsifier or reducer may know about the step besides the data.
@@ -150,17 +162,28 @@ class Engine:
         self.skipped_steps = 0  # steps skipped for non-finite gradients (not counted in ``steps``)
         self.notes = ()         # declared (key, value) pairs the ranks must also agree on
         self.entries = None     # declared layout: ((name, shape, dtype), ...) in exchange order, or None
+        self.refused = None     # why the last declare(fixed=True) was refused, reported by the next step
         self._agree = (None, None, None)     # (key, description, fingerprint) of the last agreement
 
-    def declare(self, entries, notes=()):
+    def declare(self, entries, notes=(), fixed=False):
         """Declare what the next steps exchange: ``entries``, a tuple of ``(name, shape, dtype)`` in the order of
         the flat gradient, and ``notes``, ``(key, value)`` pairs that every rank must also agree on (e.g. which
         parameters an adapter exchanges elsewhere). Cheap when unchanged. A change of ``entries`` after the first
         declaration starts the unit afresh and carries the residual by name (module docstring); every rank must
-        declare the same (the agreement checks)."""
+        declare the same (the agreement checks).
+
+        ``fixed=True``, for a unit whose state belongs to the preset itself rather than to an optimizer (TensorFlow's
+        tape, which is created anew every step): the entries first declared (or restored) stay, and other entries
+        mean another model -- a problem the next step reports on every rank (``RankDisagreementError``; P = 1:
+        ValueError) instead of starting afresh."""
         self.notes = tuple(notes)
         entries = tuple((str(n), tuple(int(d) for d in s), str(t)) for n, s, t in entries)
+        self.refused = None
         if entries == self.entries:
+            return
+        if fixed and self.entries is not None:
+            self.refused = (f"hvd_sparse engine '{self.bucket}': {_first_change(self.entries, entries)}; one "
+                            "compression object cannot serve two models (create one per model/optimizer)")
             return
         old, self.entries = self.entries, entries
         self.layout = [int(np.prod(s)) for _, s, _ in entries]
@@ -205,10 +228,10 @@ class Engine:
             raise ValueError(f"hvd_sparse engine '{self.bucket}': out must hold one array per gradient piece, "
                              f"of sizes {sizes}")
         check_nonfinite(nonfinite, "hvd_sparse")
-        local_error = None
-        if self.entries is not None and sum(self.layout) != n:
+        local_error = self.refused
+        if local_error is None and self.entries is not None and sum(self.layout) != n:
             local_error = (f"the gradient has {n} entries, but the declared layout holds {sum(self.layout)}")
-        elif self.numel is not None and n != self.numel:
+        elif local_error is None and self.numel is not None and n != self.numel:
             local_error = (f"hvd_sparse engine '{self.bucket}': the gradient has {n} entries, but this "
                            f"compression state was built for {self.numel}; one compression object "
                            "cannot serve two models (create one per model/optimizer)")

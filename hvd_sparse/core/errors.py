@@ -1,4 +1,5 @@
-"""Shared argument checks and exceptions (one place, so every API words its errors the same way).
+"""Shared argument checks and exceptions (one place, so every API words its errors the same way), and the
+checksums the consistency guard of every adapter compares.
 
 Message shape: ``<public api>: <argument> <rule>, got <value>; <fix>``.
 """
@@ -7,6 +8,8 @@ from __future__ import annotations
 
 import math
 import numbers
+
+import numpy as np
 
 
 def check_density(density, api):
@@ -53,24 +56,29 @@ def scale_factors(op, gradient_predivide_factor):
     return 1.0, 1.0, False
 
 
-def check_same_layout(per_rank, api):
-    """Raise on every rank when the ranks' parameter layouts differ.
+def check_sparse_allreduce(sparse, op, nonfinite, floating, dtype, compression, api):
+    """The argument checks of every framework's ``sparse_allreduce``, before it touches the engine: ``sparse``
+    (``compression`` is a sparse preset), ``op``, ``nonfinite`` and ``floating`` (the tensor's dtype ``dtype`` is
+    a floating-point one)."""
+    if not sparse:
+        raise TypeError(f"{api}: compression must be a sparse preset such as Compression.topka(0.01), got "
+                        f"{compression!r}; for dense tensors use hvd.allreduce")
+    check_op(op, 1.0, api)
+    check_nonfinite(nonfinite, api)
+    if not floating:
+        raise TypeError(f"{api}: tensor must be floating point (float16, bfloat16, float32, float64), got {dtype}; "
+                        "sparsifying integers would round the average -- use hvd.allreduce")
 
-    ``per_rank``: one list of ``(name, shape)`` per rank (gathered with ``allgather_object``), in each rank's
-    exchange order. The exchange concatenates gradients in that order, so any difference in names, shapes, count
-    or order would pair different entries across ranks -- silently, or with a hang -- instead of averaging.
-    """
-    ref = per_rank[0]
-    for r, mine in enumerate(per_rank[1:], start=1):
-        if mine == ref:
-            continue
-        for i, (a, b) in enumerate(zip(ref, mine)):
-            if a != b:
-                raise ValueError(f"{api}: the parameters differ across ranks: position {i} is {a[0]!r} "
-                                 f"{tuple(a[1])} on rank 0 but {b[0]!r} {tuple(b[1])} on rank {r}; every rank "
-                                 "must build the same model (same names, shapes and order)")
-        raise ValueError(f"{api}: the parameters differ across ranks: rank 0 has {len(ref)}, rank {r} has "
-                         f"{len(mine)}; every rank must build the same model")
+
+#: ``elastic_residuals=``: what an elastic reset (ranks left or joined) does to this rank's residual
+ELASTIC_RESIDUALS = ("keep", "drop")
+
+
+def check_elastic_residuals(policy, api):
+    """``elastic_residuals=``: ``"keep"`` or ``"drop"``."""
+    if policy not in ELASTIC_RESIDUALS:
+        raise ValueError(f"{api}: elastic_residuals must be 'keep' or 'drop', got {policy!r}")
+    return policy
 
 
 NONFINITE_POLICIES = ("skip", "raise")
@@ -90,6 +98,23 @@ def check_nonfinite(policy, api):
 
 class ReplicaDivergenceError(RuntimeError):
     """The consistency guard found parameters that differ across ranks (raised on every rank alike)."""
+
+
+_WORD = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def checksums(values, itemsize=None):
+    """The consistency guard's two int64 checksums of an array's bits: the sum of its words and a position-weighted
+    sum (any single changed bit changes the first; swapped words change the second). Deterministic, wraps on
+    overflow; the same for every framework.
+
+    ``values``: a numpy array (its words are its items viewed as signed integers of their size), or its raw bytes
+    (uint8) with ``itemsize`` the size of its items -- for a dtype numpy lacks, e.g. torch's bfloat16."""
+    a = np.ascontiguousarray(values).reshape(-1)
+    w = a.view(_WORD[itemsize or a.dtype.itemsize]).astype(np.int64)
+    weights = np.arange(w.size, dtype=np.int64) % 65521 + 1
+    with np.errstate(over="ignore"):
+        return [int(w.sum()), int((w * weights).sum())]
 
 
 def check_replicas_agree(names, per_rank, step, api):

@@ -9,20 +9,7 @@ import numpy as np
 import tensorflow as tf
 from horovod.tensorflow import global_process_set
 
-from ..core.errors import check_replicas_agree
-
-_WORD = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
-
-
-def _checksum(value):
-    """Two int64 checksums of an array's bits: the sum of its words and a position-weighted sum (any single changed
-    bit changes the first; swapped words change the second). Deterministic, wraps on overflow; the same definition
-    as hvd_sparse.torch's."""
-    a = np.ascontiguousarray(value).reshape(-1)
-    w = a.view(_WORD[a.dtype.itemsize]).astype(np.int64)
-    weights = np.arange(w.size, dtype=np.int64) % 65521 + 1
-    with np.errstate(over="ignore"):
-        return [int(w.sum()), int((w * weights).sum())]
+from ..core.errors import check_replicas_agree, checksums
 
 
 def variable_name(variable):
@@ -30,17 +17,17 @@ def variable_name(variable):
     return getattr(variable, "path", None) or variable.name
 
 
-def _check_now(names, values, process_set, step, name, api):
+def check_now(names, values, process_set, step, name, api):
     """The check, eagerly, on ``values`` (arrays) of the variables called ``names``."""
     if not process_set.included() or process_set.size() == 1:
         return
-    sums = np.array([_checksum(np.asarray(v)) for v in values], dtype=np.int64).reshape(1, -1, 2)
+    sums = np.array([checksums(np.asarray(v)) for v in values], dtype=np.int64).reshape(1, -1, 2)
     gathered = hvd.allgather(tf.constant(sums), name=name, ignore_name_scope=True, process_set=process_set)
     per_rank = [[tuple(c) for c in row] for row in gathered.numpy().tolist()]
     check_replicas_agree(list(names), per_rank, step, api)
 
 
-def _run_check(variables, check, extra_inputs=()):
+def run_check(variables, check, extra_inputs=()):
     """Run ``check(values, *extra)`` on the current values of ``variables``: at once eagerly; inside a ``tf.function``
     in a ``tf.py_function`` (returned) that takes the values as inputs -- reads of the variables, which TensorFlow's
     automatic control dependencies order after every earlier write to them (a py_function without those inputs
@@ -82,7 +69,7 @@ def check_consistency(variables, process_set=global_process_set, name="hvd_spars
     extra = [tf.convert_to_tensor(step)] if step is not None and not isinstance(step, (int, np.integer)) else []
 
     def check(values, *at):
-        _check_now(names, values, process_set, int(at[0]) if at else ("?" if step is None else int(step)), name,
+        check_now(names, values, process_set, int(at[0]) if at else ("?" if step is None else int(step)), name,
                    api)
 
-    return _run_check(variables, check, extra)
+    return run_check(variables, check, extra)

@@ -51,7 +51,7 @@ from horovod.tensorflow.functions import broadcast_object
 from horovod.tensorflow.mpi_ops import init, rank, shutdown
 
 from ..compression import SparseCompression
-from . import ELASTIC_RESIDUALS
+from ..core.errors import ELASTIC_RESIDUALS, check_elastic_residuals
 from ._variables import broadcast_variables, broadcastable, unique_variables
 
 #: what in a ``tf.errors.OpError``'s message means "another rank failed, Horovod shut down": hvd_sparse's
@@ -90,12 +90,6 @@ def run(func):
             raise
 
     return run_fn(wrapper, _reset)
-
-
-def _check_policy(elastic_residuals, api):
-    if elastic_residuals not in ELASTIC_RESIDUALS:
-        raise ValueError(f"{api}: elastic_residuals must be 'keep' or 'drop', got {elastic_residuals!r}")
-    return elastic_residuals
 
 
 class _SparseElasticState(ObjectState):
@@ -179,7 +173,7 @@ class TensorFlowState(_SparseElasticState):
                             f"None, got {compression!r}")
         self.variables = unique_variables(variables)
         self.compression = compression
-        self._keep = _check_policy(elastic_residuals, self._api) == "keep"
+        self._keep = check_elastic_residuals(elastic_residuals, self._api) == "keep"
         super().__init__(**kwargs)
 
     def _tracked(self):

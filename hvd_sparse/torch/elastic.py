@@ -35,7 +35,7 @@ import copy
 from horovod.torch.elastic import state as _state
 from horovod.torch.functions import broadcast_optimizer_state
 
-ELASTIC_RESIDUALS = ("keep", "drop")
+from ..core.errors import ELASTIC_RESIDUALS  # noqa: F401  (the policies of elastic_residuals=)
 
 
 class SparseOptimizer:

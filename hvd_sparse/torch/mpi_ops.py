@@ -6,7 +6,7 @@ from horovod.torch.mpi_ops import Average, global_process_set
 
 from .comm import HorovodTorchCommunicator
 from .compression import is_sparse
-from ..core.errors import check_nonfinite, check_op, scale_factors
+from ..core.errors import check_sparse_allreduce, scale_factors
 
 _API = "hvd_sparse.torch.sparse_allreduce"
 
@@ -32,16 +32,10 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
     Returns:
         torch.Tensor: same shape and dtype as ``tensor``, bit-identical on every rank.
     """
-    if not is_sparse(compression):
-        raise TypeError(f"{_API}: compression must be a sparse preset such as Compression.topka(0.01), "
-                        f"got {compression!r}; for dense tensors use hvd.allreduce")
-    check_op(op, 1.0, _API)
-    check_nonfinite(nonfinite, _API)
     if tensor.is_sparse:
         raise TypeError(f"{_API}: tensor must be dense, got a torch.sparse tensor")
-    if not tensor.is_floating_point():
-        raise TypeError(f"{_API}: tensor must be floating point (float32, float16, bfloat16, float64), got "
-                        f"{tensor.dtype}; sparsifying integers would round the average -- use hvd.allreduce")
+    check_sparse_allreduce(is_sparse(compression), op, nonfinite, tensor.is_floating_point(), tensor.dtype,
+                           compression, _API)
     bucket = name or "sparse_allreduce"
     # collectives "hvd_sparse.allreduce.<name>.<phase>": never those of an optimizer or of another name
     engine = compression.states.engine(bucket, bucket,

@@ -52,12 +52,12 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
-from ..core.errors import (check_nonfinite, check_op, check_positive_int, check_replicas_agree,
-                           scale_factors)
+from ..core.errors import (check_elastic_residuals, check_nonfinite, check_op, check_positive_int,
+                           check_replicas_agree, checksums, scale_factors)
 from . import recipes
 from .comm import HorovodTorchCommunicator
 from .compression import Compression, is_sparse
-from .elastic import ELASTIC_RESIDUALS, SparseOptimizer
+from .elastic import SparseOptimizer
 from .stats import averaged_stats, record
 
 _API = "hvd_sparse.torch.DistributedOptimizer"
@@ -292,7 +292,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         if not self.process_set.included() or self.process_set.size() == 1:
             return
         params = self._hvds_params()            # what is trained now
-        sums = torch.stack([_checksum(p) for _, p in params]) if params else torch.zeros((0, 2), dtype=torch.int64)
+        # the same checksums as every adapter's, of the raw bytes (bfloat16 has no numpy dtype)
+        sums = torch.tensor([checksums(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy(),
+                                       p.element_size()) for _, p in params], dtype=torch.int64).reshape(-1, 2)
         gathered = hvd.allgather(sums.unsqueeze(0), name=f"hvd_sparse.{self._hvds_owner}.consistency",
                                  process_set=self.process_set)
         per_rank = [[tuple(c) for c in row] for row in gathered.tolist()]
@@ -367,17 +369,6 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hvds_exchanges = max(self._hvds_exchanges, 1 if units.get("model", {}).get("steps") else 0)
 
 
-_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _checksum(p):
-    """Two int64 checksums of a tensor's bits: the sum of its words and a position-weighted sum (any single
-    changed bit changes the first; swapped words change the second). Deterministic, wraps on overflow."""
-    w = p.detach().reshape(-1).contiguous().view(_WORD[p.element_size()]).to(torch.int64)
-    weights = torch.arange(w.numel(), dtype=torch.int64, device=w.device) % 65521 + 1
-    return torch.stack([w.sum(), (w * weights).sum()]).cpu()
-
-
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
@@ -425,8 +416,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          "by DistributedOptimizer); wrap the original torch optimizer once")
     check_nonfinite(nonfinite, _API)
     check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
-    if elastic_residuals not in ELASTIC_RESIDUALS:
-        raise ValueError(f"{_API}: elastic_residuals must be 'keep' or 'drop', got {elastic_residuals!r}")
+    check_elastic_residuals(elastic_residuals, _API)
     if not is_sparse(compression):
         if consistency_check_every:
             raise ValueError(f"{_API}: consistency_check_every works with hvd_sparse's sparse optimizer; with "

@@ -33,10 +33,12 @@ import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 
 from ...compression import SparseCompression
-from ...core.errors import check_op, check_positive_int
-from .. import (ELASTIC_RESIDUALS, Compression, SparseState, _check_now, _Reduction, _run_check,
-                load_sparse_state_dict, sparse_state_dict, variable_name)
+from ...core.errors import check_elastic_residuals, check_op, check_positive_int
+from .. import Compression, SparseState
+from .._consistency import check_now, run_check, variable_name
 from .._variables import keras_flavour, same_variable
+from ..checkpoint import load_sparse_state_dict, sparse_state_dict, sparse_target
+from ..reduction import Reduction
 from ._aggregation import LocalAggregation, reduce_with_locals
 from ._loss_scale import install as install_loss_scale_agreement
 from ._loss_scale import refuse_wrapped
@@ -211,11 +213,11 @@ class _CommonMethods:
             if guard.steps % guard.every == 0:
                 self._hvds_check(names, values)
 
-        _run_check(variables, count_and_check)
+        run_check(variables, count_and_check)
 
     def _hvds_check(self, names, values):
-        _check_now(names, values, self._hvds_reduce.process_set, self._hvds_guard.steps,
-                   "hvd_sparse.model.consistency", _API)
+        check_now(names, values, self._hvds_reduce.process_set, self._hvds_guard.steps,
+                  "hvd_sparse.model.consistency", _API)
 
     def _hvds_elastic_reset(self):
         """After an elastic reset (:mod:`hvd_sparse.tensorflow.keras.elastic`): the sparse engine starts afresh over
@@ -247,7 +249,7 @@ class _CommonMethods:
                                  "to check; pass variables=model.trainable_variables")
         variables = list(variables)
         names = [variable_name(v) for v in variables]
-        return _run_check(variables, lambda values: self._hvds_check(names, values))
+        return run_check(variables, lambda values: self._hvds_check(names, values))
 
     def sparse_stats(self):
         """Statistics of this rank's last sparse step: ``n, k, selected, density, sent_bytes, recv_bytes,
@@ -271,18 +273,14 @@ class _CommonMethods:
         among the optimizer's variables (``BroadcastGlobalVariablesCallback`` would overwrite it with rank 0's);
         :class:`hvd_sparse.tensorflow.SparseState` (``SparseState(optimizer)``) puts it into a
         ``tf.train.Checkpoint``. Raises TypeError with a dense compression (nothing to save)."""
-        from .. import _sparse_target
-
-        comp, ps = _sparse_target(self, None, f"{_API}.sparse_state_dict")
+        comp, ps = sparse_target(self, None, f"{_API}.sparse_state_dict")
         return sparse_state_dict(comp, ps)
 
     def load_sparse_state_dict(self, state):
         """Restore :meth:`sparse_state_dict` (of this rank); the run then continues bit for bit as if never
         interrupted. Works before the first step too (the state is applied at that step). Raises ValueError for
         a state of another rank, another number of ranks or another compression."""
-        from .. import _sparse_target
-
-        comp, ps = _sparse_target(self, None, f"{_API}.load_sparse_state_dict")
+        comp, ps = sparse_target(self, None, f"{_API}.load_sparse_state_dict")
         load_sparse_state_dict(comp, state, ps, f"{_API}.load_sparse_state_dict")
 
 
@@ -351,8 +349,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          "per-model state (residuals, thresholds): create one per optimizer")
     passes = check_positive_int(backward_passes_per_step, "backward_passes_per_step", _API)
     every = check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
-    if elastic_residuals not in ELASTIC_RESIDUALS:
-        raise ValueError(f"{_API}: elastic_residuals must be 'keep' or 'drop', got {elastic_residuals!r}")
+    check_elastic_residuals(elastic_residuals, _API)
     # The flavour from the class's bases (a user's `class MySGD(tf.keras.optimizers.SGD)` lives in __main__)
     tf_keras = keras_flavour(optimizer) == "tf_keras"
     if not tf_keras:
@@ -378,7 +375,7 @@ def _setup(opt, settings):
             compression = compression.fresh()
         settings["claimed"] = True
         compression.states.claim(opt)
-    opt._hvds_reduce = _Reduction(compression, *settings["reduction"])
+    opt._hvds_reduce = Reduction(compression, *settings["reduction"])
     passes = settings["passes"]
     opt._hvds_agg = LocalAggregation(passes, settings["average"]) if passes > 1 else None
     opt._hvds_guard = _Guard(settings["every"], settings["scale_local_gradients"])

@@ -1,0 +1,121 @@
+"""Where TensorFlow hands gradients to the engine: :func:`engine_step`, one engine step over a list of dense
+tensors inside a ``tf.py_function``, and :class:`Reduction`, grads -> reduced grads, which the tape
+(:mod:`hvd_sparse.tensorflow.tape`) and the Keras optimizer (:mod:`hvd_sparse.tensorflow.keras`) call;
+``sparse_allreduce`` (:mod:`hvd_sparse.tensorflow.mpi_ops`) calls :func:`engine_step` directly.
+
+The tensors are concatenated (in the order given, the same on every rank) into one float32 buffer, and one engine
+step -- the same engine code as PyTorch and the simulator: agreement, error feedback, sparsifier, sparse
+allreduce -- runs on it, eagerly and inside ``tf.function`` alike. The engine computes on the TensorFlow eager tensor
+itself (the TensorFlow backend of ``hvd_sparse.core.xp``; no numpy copy), and its collectives are Horovod's
+TensorFlow ops (:mod:`hvd_sparse.tensorflow.comm`). The engine's state (residuals, thresholds) lives in the
+preset's ``states`` (:mod:`hvd_sparse.core.state`), in Python, so it survives retracing.
+"""
+
+from __future__ import annotations
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+from horovod.tensorflow import Average
+
+from ..compression import SparseCompression
+from ..core.errors import check_nonfinite, scale_factors
+from ._xla import refuse_xla
+from .comm import HorovodTFCommunicator
+
+
+def engine_step(compression, unit, owner, process_set, tensors, average, prescale, postscale, nonfinite="skip",
+                names=None):
+    """One engine step of ``unit`` over ``tensors`` (a list of dense tf tensors) inside a ``tf.py_function``.
+
+    What is exchanged is declared to the engine (:meth:`hvd_sparse.core.engine.Engine.declare`): ``(name, shape,
+    dtype)`` per tensor, the name ``"variable #<position>"`` unless ``names`` are given -- positions, not variable
+    names, because Keras names layers from a process-wide counter (a rank that built one more model earlier names the
+    same variables differently). The engine's agreement, its first collective, proves every rank declared the same,
+    or raises ``RankDisagreementError`` on every rank naming the first differing tensor. The layout is ``fixed``: the
+    preset owns the state, so other tensors at a later step are another model, an error on every rank.
+
+    Returns ``(reduced tensors, skipped)``: ``skipped`` is a boolean tensor, True on every rank when a NaN or Inf
+    on some rank skipped the step (``nonfinite="skip"``; the reduced tensors are then all NaN)."""
+    sizes = [int(t.shape.num_elements()) for t in tensors]
+    names = names or [f"variable #{i}" for i in range(len(tensors))]
+    entries = [(name, tuple(t.shape.as_list()), t.dtype.name) for name, t in zip(names, tensors)]
+    flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], axis=0)
+
+    def step(x):                                               # x: an EagerTensor, the engine runs on it
+        engine = compression.states.engine(unit, owner, lambda: HorovodTFCommunicator(process_set, unit))
+        engine.declare(entries, fixed=True)
+        out = engine.step(x, average=average, prescale=prescale, postscale=postscale, nonfinite=nonfinite)
+        return out, tf.constant(bool(engine.last["skipped"]))
+
+    out, skipped = tf.py_function(step, [flat], [tf.float32, tf.bool])
+    out.set_shape(flat.shape)
+    skipped.set_shape(())
+    pieces = tf.split(out, sizes) if len(sizes) > 1 else [out]
+    return [tf.cast(tf.reshape(p, t.shape), t.dtype) for p, t in zip(pieces, tensors)], skipped
+
+
+class Reduction:
+    """grads, variables -> reduced grads: Horovod's dense allreduce per tensor (``Compression.none``/``fp16``)
+    or one whole-model engine step (a sparse preset). Shared by the tape and the Keras optimizer.
+
+    No ``.ref()`` on variables (Keras 3 variables have none), no Keras-2 internals: works with tf.Variables,
+    Keras 3 and tf_keras variables alike.
+
+    Attributes:
+        compression, process_set: as given; ``sparse``: whether ``compression`` is a sparse preset.
+    """
+
+    def __init__(self, compression, op, gradient_predivide_factor, sparse_as_dense, process_set, api,
+                 nonfinite="skip"):
+        self.nonfinite = check_nonfinite(nonfinite, api)
+        self.compression = compression
+        self.sparse = isinstance(compression, SparseCompression)
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.prescale, self.postscale, self.average = scale_factors(op, gradient_predivide_factor)
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self.api = api
+
+    def densify(self, grads, variables):
+        """Dense gradients: zeros for ``None`` (unused on this rank, as in Horovod), ``tf.IndexedSlices``
+        converted with ``sparse_as_dense=True`` (an error otherwise)."""
+        dense = []
+        for g, v in zip(grads, variables):
+            if g is None:
+                g = tf.zeros_like(v)
+            elif isinstance(g, tf.IndexedSlices):
+                if not self.sparse_as_dense:
+                    raise ValueError(f"{self.api}: the gradient of {v.name} is a tf.IndexedSlices (an embedding "
+                                     "lookup); pass sparse_as_dense=True")
+                g = tf.convert_to_tensor(g)
+            dense.append(g)
+        return dense
+
+    def __call__(self, grads, variables):
+        return self.reduce_flagged(grads, variables)[0]
+
+    def reduce_flagged(self, grads, variables):
+        """``(reduced grads, skipped)``; ``skipped`` is a boolean tensor (True on every rank when a non-finite
+        gradient skipped a sparse step) or ``None`` on the dense path (a dense allreduce spreads a NaN to every
+        rank by itself)."""
+        dense = self.densify(grads, variables)
+        if not dense or not self.process_set.included():
+            return dense, None
+        if self.sparse:
+            refuse_xla(self.api)
+            # The state's owner is the preset itself (a tape is created anew every step); a preset shared by
+            # two models is caught by the engine's fixed layout.
+            return engine_step(self.compression, "model", self.compression, self.process_set, dense,
+                               self.average, self.prescale, self.postscale, self.nonfinite)
+        if self.process_set.size() == 1:
+            return dense, None
+        refuse_xla(self.api, sparse=False)
+        # Horovod's own dense path: one named allreduce per tensor, in the (rank-consistent) order of sources
+        if self.op == Average:
+            pre, post = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        else:
+            pre = post = 1.0
+        return [hvd.allreduce(g, op=self.op, compression=self.compression, prescale_factor=pre,
+                              postscale_factor=post, name=f"hvd_sparse.dense.{i}", ignore_name_scope=True,
+                              process_set=self.process_set) for i, g in enumerate(dense)], None
