@@ -52,9 +52,8 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
-from ..core.errors import (check_nonfinite, check_op, check_positive_int, check_replicas_agree,
-                           scale_factors)
-from . import recipes
+from ..core.errors import check_nonfinite, check_op, check_positive_int, scale_factors
+from . import consistency, recipes
 from .comm import HorovodTorchCommunicator
 from .compression import Compression, is_sparse
 from .elastic import ELASTIC_RESIDUALS, SparseOptimizer
@@ -289,14 +288,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         """Collective: raise :class:`~hvd_sparse.core.errors.ReplicaDivergenceError` on every rank unless all
         ranks hold bit-identical parameters (two 64-bit checksums of each parameter's bits, one allgather).
         Runs every ``consistency_check_every`` steps by itself; callable at any point every rank reaches."""
-        if not self.process_set.included() or self.process_set.size() == 1:
-            return
-        params = self._hvds_params()            # what is trained now
-        sums = torch.stack([_checksum(p) for _, p in params]) if params else torch.zeros((0, 2), dtype=torch.int64)
-        gathered = hvd.allgather(sums.unsqueeze(0), name=f"hvd_sparse.{self._hvds_owner}.consistency",
-                                 process_set=self.process_set)
-        per_rank = [[tuple(c) for c in row] for row in gathered.tolist()]
-        check_replicas_agree([n for n, _ in params], per_rank, self._hvds_steps, _API)
+        consistency.check_consistency(self._hvds_params(), self.process_set,         # what is trained now
+                                      f"hvd_sparse.{self._hvds_owner}.consistency", self._hvds_steps, _API)
 
     def zero_grad(self, *args, **kwargs):
         if any(self._hvds_passes.values()):
@@ -365,17 +358,6 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     def _hvds_loaded(self, units):
         self._hvds_exchanges = max(self._hvds_exchanges, 1 if units.get("model", {}).get("steps") else 0)
-
-
-_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _checksum(p):
-    """Two int64 checksums of a tensor's bits: the sum of its words and a position-weighted sum (any single
-    changed bit changes the first; swapped words change the second). Deterministic, wraps on overflow."""
-    w = p.detach().reshape(-1).contiguous().view(_WORD[p.element_size()]).to(torch.int64)
-    weights = torch.arange(w.numel(), dtype=torch.int64, device=w.device) % 65521 + 1
-    return torch.stack([w.sum(), (w * weights).sum()]).cpu()
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
