@@ -34,7 +34,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .launcher import WorkerFailed, add_run_arguments, launch, missing_message, run_cli, tail
+from .launcher import WorkerFailed, add_run_arguments, launch, run_cli, tail
 from .netns import Network, Rate, bandwidth, link_check, remove_stale, workers
 from .train_report import markdown, plot, summarize
 
@@ -139,21 +139,16 @@ def add_arguments(p):
 
 
 def main(args):
-    prog = "python -m hvd_sparse.bench train"
-    missing = missing_message(prog)
-    if missing:
-        print(missing, file=sys.stderr)
-        return 2
-    if args.image_size % 2:
-        print(f"{prog}: error: --image-size must be even, got {args.image_size}", file=sys.stderr)
-        return 2
     names = args.configs or list(DEFAULT_CONFIGS)
-    if not args.quiet:
-        print(f"train: {', '.join(names)} on {args.workers} workers, {args.bandwidth} per worker, {args.epochs} "
-              "epochs each", file=sys.stderr, flush=True)
-    return run_cli(prog, args, lambda: run(
+
+    def check():
+        return f"--image-size must be even, got {args.image_size}" if args.image_size % 2 else None
+
+    return run_cli("python -m hvd_sparse.bench train", args, lambda: run(
         names, args.workers, args.bandwidth, epochs=args.epochs, density=args.density, batch_size=args.batch_size,
         lr=args.lr, seed=args.seed, image_size=args.image_size, hidden=args.hidden, eval_every=args.eval_every,
         floor_epochs=args.floor_epochs, powersgd_warmup=args.powersgd_warmup, accuracy_targets=args.targets,
         timeout=args.timeout, link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet),
-        plot, markdown)
+        plot, markdown, check=check,
+        banner=f"train: {', '.join(names)} on {args.workers} workers, {args.bandwidth} per worker, {args.epochs} "
+               "epochs each")
