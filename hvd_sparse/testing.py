@@ -14,20 +14,39 @@
 
 Each virtual rank runs the same engine code as a Horovod rank, over a
 :class:`~hvd_sparse.core.sim.SimulatedCommunicator` (sums in rank order, so results are deterministic).
-Test your own sparsifier with ``simulate(Compression.sparse(MySparsifier(0.01), allreduce=...), grads)``.
+Test your own sparsifier with ``simulate(Compression.sparse(MySparsifier(0.01), allreduce=...), grads)``, or any
+sparsifier and reducer objects with ``simulate(SparseCompression(sparsifier, reducer), grads)``.
+
+What a test needs per step, it asks for by keyword:
+
+    res = simulate(comp, grads, record=RECORDS)           # also each rank's algorithm state after each step:
+    res.sparsifier_states[t][r], res.reducer_states[t][r] #   thresholds, boundaries, counters (deep copies)
+    res = simulate(comp, grads, record=("selected",))     # only the counts: no (steps, P, n) arrays
+    res = simulate(comp, lambda t, rank: source.grad(t, rank), steps=200, size=8)   # gradients made on demand
+    res = simulate(comp, grads, before_step=force, after_step=look)   # your code on each rank around each step;
+    res.observed[t][r]                                                #   what look(t, rank, engine) returned
+    res = simulate(comp, grads, communicator=Logger)      # the engines talk to Logger(comm) (e.g. to log calls)
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
 
 from .core.sim import SimulatedWorld
 
+#: every field ``simulate(record=...)`` can fill; "states" fills ``sparsifier_states`` and ``reducer_states``
+RECORDS = ("updates", "residuals", "volume", "selected", "phases", "info", "velocities", "states")
+#: what ``simulate`` records by default: everything but the algorithm states
+DEFAULT_RECORD = RECORDS[:-1]
+
 
 @dataclasses.dataclass
 class SimulationResult:
+    """What :func:`simulate` recorded; a field that was not asked for (``record=``) is None."""
+
     updates: np.ndarray
     residuals: np.ndarray
     volume: list
@@ -36,15 +55,25 @@ class SimulationResult:
     info: list
     #: (steps, P, n): each rank's momentum-correction velocity after each step (None without momentum correction)
     velocities: np.ndarray = None
+    #: [t][r]: a deep copy of rank r's sparsifier state after step t (``record`` with "states")
+    sparsifier_states: list = None
+    #: [t][r]: a deep copy of rank r's reducer state after step t (``record`` with "states")
+    reducer_states: list = None
+    #: [t][r]: what ``after_step(t, r, engine)`` returned (with ``after_step``)
+    observed: list = None
 
 
-def simulate(compression, gradients, shapes=None, average=True, backend="numpy", nonfinite="skip"):
+def simulate(compression, gradients, shapes=None, average=True, backend="numpy", nonfinite="skip", *, steps=None,
+             size=None, record=DEFAULT_RECORD, before_step=None, after_step=None, communicator=None):
     """Run ``compression`` on ``gradients`` of shape (steps, P, n); see the module docstring.
 
     Args:
-        compression (SparseCompression): a preset; its configuration is used, its own state is not
-            touched (every virtual rank gets a fresh engine).
-        gradients (array-like): float array (steps, P, n).
+        compression (SparseCompression): a preset, or ``SparseCompression(sparsifier, reducer)`` of any
+            sparsifier and reducer objects; its configuration is used, its own state is not touched (every
+            virtual rank gets a fresh engine).
+        gradients (array-like or callable): float array (steps, P, n), or a function ``(t, rank) -> gradient``
+            (a 1-D array of n values) called once per step on each rank, in step order, for data too large to
+            hold at once; then ``steps`` and ``size`` are required.
         shapes (list of tuples, optional): split of n into parameter tensors (for per-tensor schemes).
         average (bool): divide by P (``op=hvd.Average``) or not (``hvd.Sum``).
         backend (str): ``"numpy"`` (default), ``"torch"`` or ``"tensorflow"``: the array type the engines
@@ -53,15 +82,55 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
             oracle of a PyTorch run and ``"tensorflow"`` as the oracle of a TensorFlow run.
         nonfinite (str): the engines' non-finite policy, ``"skip"`` (default) or ``"raise"``
             (:meth:`hvd_sparse.core.engine.Engine.step`).
+        steps (int, keyword-only): the number of steps, with ``gradients`` a function.
+        size (int, keyword-only): the number of virtual ranks P, with ``gradients`` a function.
+        record (iterable of str, keyword-only): the fields to fill, from :data:`RECORDS`; default
+            :data:`DEFAULT_RECORD` (all but ``"states"``). Leave out ``"updates"`` and ``"residuals"`` for long
+            runs: they take 2 x steps x P x n values.
+        before_step (callable, keyword-only): ``before_step(t, rank, engine)``, run on each virtual rank before
+            its step t (e.g. to set a state the test wants to force).
+        after_step (callable, keyword-only): ``after_step(t, rank, engine)``, run on each virtual rank after its
+            step t; its results are ``observed[t][rank]``.
+        communicator (callable, keyword-only): ``communicator(comm) -> comm``: each engine talks to what it
+            returns for its rank's :class:`~hvd_sparse.core.sim.SimulatedCommunicator` (a wrapper that logs or
+            checks the collectives and delegates them).
     """
-    g = np.asarray(gradients)
-    if g.ndim != 3:
-        raise ValueError(f"hvd_sparse.testing.simulate: gradients must have shape (steps, P, n), got {g.shape}")
-    if shapes is not None and sum(int(np.prod(s)) for s in shapes) != g.shape[2]:
-        raise ValueError(f"hvd_sparse.testing.simulate: shapes {shapes} do not add up to n={g.shape[2]}")
+    api = "hvd_sparse.testing.simulate"
+    record = (record,) if isinstance(record, str) else tuple(record)
+    unknown = [f for f in record if f not in RECORDS]
+    if unknown:
+        raise ValueError(f"{api}: record takes fields of {RECORDS}, got unknown {unknown}")
+    for name, hook in (("before_step", before_step), ("after_step", after_step), ("communicator", communicator)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{api}: {name} must be callable, got {hook!r}")
+    if callable(gradients):
+        if steps is None or size is None or int(steps) < 1 or int(size) < 1:
+            raise ValueError(f"{api}: gradients given as a function (t, rank) -> gradient need steps >= 1 and "
+                             f"size >= 1, got steps={steps!r}, size={size!r}")
+        steps, P = int(steps), int(size)
+        first = [gradients(0, 0)]           # its length and dtype size the records; it is step 0 of rank 0
+        if len(np.shape(first[0])) != 1:
+            raise ValueError(f"{api}: gradients(t, rank) must return a 1-D gradient, got shape "
+                             f"{tuple(np.shape(first[0]))} at t=0, rank=0")
+        n, dtype = int(np.shape(first[0])[0]), np.asarray(first[0]).dtype
+
+        def grad(t, r):
+            return first.pop() if first and t == 0 and r == 0 else gradients(t, r)
+    else:
+        g = np.asarray(gradients)
+        if g.ndim != 3:
+            raise ValueError(f"{api}: gradients must have shape (steps, P, n), got {g.shape}")
+        if (steps is not None and steps != g.shape[0]) or (size is not None and size != g.shape[1]):
+            raise ValueError(f"{api}: steps={steps!r}, size={size!r} contradict the gradients' shape {g.shape}")
+        steps, P, n = g.shape
+        dtype = g.dtype
+
+        def grad(t, r):
+            return g[t, r]
+    if shapes is not None and sum(int(np.prod(s)) for s in shapes) != n:
+        raise ValueError(f"{api}: shapes {shapes} do not add up to n={n}")
     if backend not in ("numpy", "torch", "tensorflow"):
-        raise ValueError("hvd_sparse.testing.simulate: backend must be 'numpy', 'torch' or 'tensorflow', "
-                         f"got {backend!r}")
+        raise ValueError(f"{api}: backend must be 'numpy', 'torch' or 'tensorflow', got {backend!r}")
     if backend == "torch":
         import torch
 
@@ -79,36 +148,55 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
     def to_numpy(x):
         return np.asarray(x) if backend == "numpy" else x.numpy()
 
-    steps, P, n = g.shape
     world = SimulatedWorld(P)
     comms = world.communicators()
-    engines = [compression.new_engine(c) for c in comms]
+    engines = [compression.new_engine(communicator(c) if communicator is not None else c) for c in comms]
     if shapes is not None:
         for e in engines:
             e.layout = [int(np.prod(s)) for s in shapes]
-    updates = np.zeros((steps, P, n), dtype=g.dtype)
-    residuals = np.zeros((steps, P, n), dtype=np.float32)
-    volume = [[None] * P for _ in range(steps)]
-    phases = [[None] * P for _ in range(steps)]
-    infos = [[None] * P for _ in range(steps)]
-    selected = np.zeros((steps, P), dtype=np.int64)
-    velocities = np.zeros((steps, P, n), np.float32) if getattr(compression, "momentum_correction", 0) else None
+
+    def per_step(field):
+        return [[None] * P for _ in range(steps)] if field in record else None
+
+    updates = np.zeros((steps, P, n), dtype=dtype) if "updates" in record else None
+    residuals = np.zeros((steps, P, n), dtype=np.float32) if "residuals" in record else None
+    selected = np.zeros((steps, P), dtype=np.int64) if "selected" in record else None
+    velocities = (np.zeros((steps, P, n), np.float32)
+                  if "velocities" in record and getattr(compression, "momentum_correction", 0) else None)
+    volume, phases, infos = per_step("volume"), per_step("phases"), per_step("info")
+    sp_states, rd_states = per_step("states"), per_step("states")
+    observed = [[None] * P for _ in range(steps)] if after_step is not None else None
 
     def run_rank(comm):
         r = comm.rank
         eng = engines[r]
         for t in range(steps):
-            updates[t, r] = to_numpy(eng.step(convert(g[t, r]), average=average, nonfinite=nonfinite))
-            res = eng.memory.residual
-            residuals[t, r] = 0.0 if res is None else to_numpy(res)
+            if before_step is not None:
+                before_step(t, r, eng)
+            u = eng.step(convert(grad(t, r)), average=average, nonfinite=nonfinite)
+            last = eng.last
+            if updates is not None:
+                updates[t, r] = to_numpy(u)
+            if residuals is not None:
+                res = eng.memory.residual
+                residuals[t, r] = 0.0 if res is None else to_numpy(res)
             if velocities is not None and eng.memory.velocity is not None:
                 velocities[t, r] = to_numpy(eng.memory.velocity)
-            last = eng.last
-            volume[t][r] = {k: last[k] for k in ("sent_words", "recv_words", "sent_bytes", "recv_bytes",
-                                                 "collectives")}
-            phases[t][r] = comm.meter.stats()
-            selected[t, r] = last["selected"]
-            infos[t][r] = {k: v for k, v in last["info"].items() if k != "residual"}
+            if volume is not None:
+                volume[t][r] = {k: last[k] for k in ("sent_words", "recv_words", "sent_bytes", "recv_bytes",
+                                                     "collectives")}
+            if phases is not None:
+                phases[t][r] = comm.meter.stats()
+            if selected is not None:
+                selected[t, r] = last["selected"]
+            if infos is not None:
+                infos[t][r] = {k: v for k, v in last["info"].items() if k != "residual"}
+            if sp_states is not None:
+                sp_states[t][r] = copy.deepcopy(eng.sparsifier_state)
+                rd_states[t][r] = copy.deepcopy(eng.reducer_state)
+            if observed is not None:
+                observed[t][r] = after_step(t, r, eng)
 
     world.run(run_rank, comms)
-    return SimulationResult(updates, residuals, volume, selected, phases, infos, velocities)
+    return SimulationResult(updates, residuals, volume, selected, phases, infos, velocities, sp_states, rd_states,
+                            observed)

@@ -29,19 +29,8 @@ def mean_density_ratio(compression, data, steps, partitioned=False):
     """Run ``compression`` on ``data.grad(t, r)`` (a benchmark gradient source) for ``steps`` steps on its
     P virtual ranks; returns the achieved density over the target, averaged over steps (and ranks, or summed
     over ranks for partitioned sparsifiers such as ExDyna)."""
-    from hvd_sparse.core.sim import SimulatedWorld
+    from hvd_sparse.testing import simulate
 
-    P = data.workers
-    world = SimulatedWorld(P)
-    comms = world.communicators()
-    engines = [compression.new_engine(c) for c in comms]
-    sel = np.zeros((steps, P))
-
-    def body(comm):
-        for t in range(steps):
-            engines[comm.rank].step(data.grad(t, comm.rank))
-            sel[t, comm.rank] = engines[comm.rank].last["selected"]
-
-    world.run(body, comms)
+    sel = simulate(compression, data.grad, steps=steps, size=data.workers, record=("selected",)).selected
     per_step = sel.sum(axis=1) if partitioned else sel.mean(axis=1)
     return per_step.mean() / int(0.01 * data.n)

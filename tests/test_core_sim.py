@@ -205,6 +205,102 @@ def test_simulate_validates_shapes():
         simulate(hvd_sparse.Compression.topka(0.1), np.zeros((2, 3)))
 
 
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_simulate_gradients_made_on_demand_equal_the_array_run(backend):
+    """``gradients`` as a function (t, rank) is called once per step and rank, each rank in step order, and gives
+    the same bits as the (steps, P, n) array."""
+    P, steps = 3, 5
+    g = int_grads(steps, P, 300, seed=7)
+    calls = [[] for _ in range(P)]
+
+    def grad(t, r):
+        calls[r].append(t)
+        return g[t, r]
+
+    comp = hvd_sparse.Compression.oktopk(0.05)
+    a = simulate(comp, g, backend=backend, average=False)
+    b = simulate(comp, grad, steps=steps, size=P, backend=backend, average=False)
+    assert calls == [list(range(steps))] * P
+    assert a.updates.tobytes() == b.updates.tobytes() and a.residuals.tobytes() == b.residuals.tobytes()
+    assert a.volume == b.volume and a.info == b.info and (a.selected == b.selected).all()
+
+
+def test_simulate_records_what_is_asked_and_the_states_as_they_were():
+    """``record`` leaves out what is not asked for; "states" keeps each step's states (copies, not the live
+    dicts), equal to what the engine held right after that step."""
+    import copy
+
+    g = int_grads(6, 2, 400, seed=3)
+    comp = hvd_sparse.Compression.oktopk(0.05, threshold_period=2)
+    full = simulate(comp, g)
+    assert full.sparsifier_states is None and full.reducer_states is None and full.observed is None
+    few = simulate(comp, g, record=("selected",))
+    assert few.updates is None and few.residuals is None and few.info is None and few.volume is None
+    assert (few.selected == full.selected).all()
+    seen = simulate(comp, g, record=("states",),
+                    after_step=lambda t, r, e: copy.deepcopy((e.sparsifier_state, e.reducer_state)))
+    for t in range(6):
+        for r in range(2):
+            sp, rd = seen.observed[t][r]
+            assert seen.sparsifier_states[t][r] == sp and seen.reducer_states[t][r]["offsets"] == rd["offsets"]
+    assert len({seen.sparsifier_states[t][0]["threshold"] for t in range(6)}) > 1   # not one aliased dict
+
+
+def test_simulate_hooks_run_on_every_rank_around_every_step_over_the_given_communicator():
+    """``before_step`` runs before each step, ``after_step`` after it (its result kept), and the engines talk to
+    what ``communicator`` returns."""
+    class Counting:
+        """Counts this rank's collectives and delegates them."""
+
+        def __init__(self, comm):
+            self.comm, self.rank, self.size, self.meter, self.calls = comm, comm.rank, comm.size, comm.meter, 0
+
+        def allreduce(self, x, op, phase):
+            self.calls += 1
+            return self.comm.allreduce(x, op, phase)
+
+        def allgather(self, x, phase):
+            self.calls += 1
+            return self.comm.allgather(x, phase)
+
+        def alltoall(self, x, splits, phase):
+            self.calls += 1
+            return self.comm.alltoall(x, splits, phase)
+
+        def broadcast(self, x, root, phase):
+            self.calls += 1
+            return self.comm.broadcast(x, root, phase)
+
+    P, steps = 3, 4
+    g = int_grads(steps, P, 200, seed=1)
+    order = [[] for _ in range(P)]
+    res = simulate(hvd_sparse.Compression.topka(0.05), g, communicator=Counting,
+                   before_step=lambda t, r, e: order[r].append(("before", t, e.steps)),
+                   after_step=lambda t, r, e: (order[r].append(("after", t, e.steps)), e.comm.calls)[1])
+    assert order == [[(w, t, t + (w == "after")) for t in range(steps) for w in ("before", "after")]] * P
+    for r in range(P):
+        calls = [0] + [res.observed[t][r] for t in range(steps)]
+        assert all(calls[t + 1] - calls[t] >= res.volume[t][r]["collectives"] > 0 for t in range(steps))
+    np.testing.assert_array_equal(res.updates, simulate(hvd_sparse.Compression.topka(0.05), g).updates)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(record=("updates", "thresholds")), "thresholds"),
+    (dict(after_step=3), "after_step must be callable"),
+    (dict(steps=3), "contradict"),
+])
+def test_simulate_rejects_bad_options_naming_them(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        simulate(hvd_sparse.Compression.topka(0.1), np.zeros((2, 3, 10), np.float32), **kwargs)
+
+
+def test_simulate_needs_steps_and_size_with_a_gradient_function():
+    with pytest.raises(ValueError, match="steps >= 1 and size >= 1"):
+        simulate(hvd_sparse.Compression.topka(0.1), lambda t, r: np.zeros(10, np.float32), steps=3)
+    with pytest.raises(ValueError, match="1-D"):
+        simulate(hvd_sparse.Compression.topka(0.1), lambda t, r: np.zeros((2, 5), np.float32), steps=1, size=2)
+
+
 def test_public_sparsifiers_module():
     import hvd_sparse.sparsifiers as sp
 

@@ -5,7 +5,6 @@ with ``shapes=`` (per-tensor thresholds). Exact checks use integer-valued float3
 or rank-order float32 sums reproduced by the independent references below.
 """
 
-import copy
 import math
 
 import numpy as np
@@ -17,12 +16,11 @@ from hvd_sparse.compression import SparseCompression
 from hvd_sparse.core.engine import StepContext
 from hvd_sparse.core.reducers.exdyna import ExDynaReducer
 from hvd_sparse.core.reducers.topka import TopkA
-from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.core.sparsifiers.dct import DCT, dct_k
 from hvd_sparse.core.sparsifiers.exdyna import (ExDyna, adjust_topology, exdyna_geometry, partition_range,
                                                 threshold_factor)
 from hvd_sparse.core.xp import backend_of
-from hvd_sparse.testing import simulate
+from hvd_sparse.testing import RECORDS, simulate
 
 from conftest import int_grads, ref_topk, mean_density_ratio
 
@@ -62,38 +60,12 @@ class TopkANoCounts(TopkA):
 
 
 def run_world(comp, g, shapes=None, backend="numpy", average=False):
-    """Run ``comp`` on g (steps, P, n); per step and rank: u, residual, state copy, info, phases."""
-    steps, P, n = g.shape
-    world = SimulatedWorld(P)
-    comms = world.communicators()
-    engines = [comp.new_engine(c) for c in comms]
-    if shapes is not None:
-        for e in engines:
-            e.layout = [int(np.prod(s)) for s in shapes]
-    recs = [[None] * P for _ in range(steps)]
-    if backend == "torch":
-        import torch
-
-    def body(comm):
-        r = comm.rank
-        e = engines[r]
-        for t in range(steps):
-            x = np.ascontiguousarray(g[t, r]).copy()
-            if backend == "torch":
-                x = torch.from_numpy(x)
-            u = e.step(x, average=average)
-            res = e.memory.residual
-            recs[t][r] = {
-                "u": np.array(backend_of(u).to_numpy(u), copy=True),
-                "res": np.zeros(n, np.float32) if res is None else np.array(backend_of(res).to_numpy(res), copy=True),
-                "state": copy.deepcopy(e.sparsifier_state),
-                "info": dict(e.last["info"]),
-                "phases": comm.meter.stats(),
-                "collectives": e.last["collectives"],
-            }
-
-    world.run(body, comms)
-    return recs
+    """``simulate`` ``comp`` on g (steps, P, n); per step and rank: u, residual, sparsifier state, info, phases."""
+    steps, P, _ = g.shape
+    res = simulate(comp, g, shapes=shapes, average=average, backend=backend, record=RECORDS)
+    return [[{"u": res.updates[t, r], "res": res.residuals[t, r], "state": res.sparsifier_states[t][r],
+              "info": res.info[t][r], "phases": res.phases[t][r], "collectives": res.volume[t][r]["collectives"]}
+             for r in range(P)] for t in range(steps)]
 
 
 def ctx_of(rank=0, size=1, step=0, layout=None, comm=None):
@@ -556,21 +528,10 @@ def test_exdyna_statistical_symmetric_rule_meets_the_density():
     rng = np.random.default_rng(0)
     sig = np.repeat(0.01 * np.exp(rng.uniform(-3, 0, L)), n // L).astype(np.float32)
     comp = SparseCompression(ExDyna(0.01, threshold_rule="symmetric", init_threshold=0.07), ExDynaReducer())
-    world = SimulatedWorld(P)
-    comms = world.communicators()
-    engines = [comp.new_engine(c) for c in comms]
-    K = np.zeros(steps)
-
-    def body(comm):
-        r = comm.rank
-        e = engines[r]
-        gen = np.random.default_rng(100 + r)
-        for t in range(steps):
-            e.step(gen.standard_normal(n, dtype=np.float32) * sig)
-            if r == 0:
-                K[t] = e.last["info"]["K"]
-
-    world.run(body, comms)
+    gens = [np.random.default_rng(100 + r) for r in range(P)]          # each rank's own noise, drawn step by step
+    res = simulate(comp, lambda t, r: gens[r].standard_normal(n, dtype=np.float32) * sig, steps=steps, size=P,
+                   record=("info",))
+    K = np.array([res.info[t][0]["K"] for t in range(steps)])
     ratio = K / 81
     assert 0.95 <= ratio[100:].mean() <= 1.05, ratio[100:].mean()
     assert 0.5 <= ratio[100:].min() and ratio[100:].max() <= 1.6
@@ -930,7 +891,6 @@ def test_exdyna_preset_density_within_10_percent_over_200_steps(data):
     0.01, 200 steps)."""
     import hvd_sparse
     from hvd_sparse.bench.data import RecordedGradients, SyntheticGradients
-    from hvd_sparse.core.sim import SimulatedWorld
 
     P, steps = 8, 200
     src = SyntheticGradients(30000, P, seed=3) if data == "synthetic" else RecordedGradients(P, steps)

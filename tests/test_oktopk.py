@@ -22,7 +22,7 @@ from hvd_sparse.core.reducers.topka import TopkA
 from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.core.sparsifiers.threshold_reuse import ThresholdReuse
 from hvd_sparse.core.xp import backend_of
-from hvd_sparse.testing import simulate
+from hvd_sparse.testing import RECORDS, simulate
 
 from conftest import int_grads, ref_topk, mean_density_ratio
 
@@ -47,38 +47,13 @@ def make(density, tp=32, rp=64, balance="auto", sp=None, rd=None, record=True):
 
 
 def run(comp, g, average=False, torch_backend=False, before_step=None):
-    """Run ``comp`` on g (steps, P, n) with the simulator, recording everything per step and rank."""
-    steps, P, n = g.shape
-    world = SimulatedWorld(P)
-    comms = world.communicators()
-    engines = [comp.new_engine(c) for c in comms]
-    out = {"updates": np.zeros((steps, P, n), np.float32), "residuals": np.zeros((steps, P, n), np.float32),
-           "info": [[None] * P for _ in range(steps)], "sp": [[None] * P for _ in range(steps)],
-           "rd": [[None] * P for _ in range(steps)], "phases": [[None] * P for _ in range(steps)],
-           "sel": [[None] * P for _ in range(steps)], "engines": engines}
-    if torch_backend:
-        import torch
-
-    def body(comm):
-        r = comm.rank
-        eng = engines[r]
-        for t in range(steps):
-            if before_step is not None:
-                before_step(t, r, eng)
-            x = np.ascontiguousarray(g[t, r])
-            u = eng.step(torch.from_numpy(x.copy()) if torch_backend else x, average=average)
-            out["updates"][t, r] = backend_of(u).to_numpy(u)
-            res = eng.memory.residual
-            out["residuals"][t, r] = backend_of(res).to_numpy(res)
-            sp = dict(eng.sparsifier_state)
-            out["sel"][t][r] = sp.pop("_sel", None)
-            out["sp"][t][r] = sp
-            out["rd"][t][r] = dict(eng.reducer_state)
-            out["info"][t][r] = dict(eng.last["info"])
-            out["phases"][t][r] = comm.meter.stats()
-
-    world.run(body, comms)
-    return out
+    """``simulate`` ``comp`` on g (steps, P, n) with every record, as a dict of per-step, per-rank tables: the
+    sparsifier's state ("sp"), its selection ("sel", left there by ``Recording``) and the reducer's state ("rd")."""
+    res = simulate(comp, g, average=average, backend="torch" if torch_backend else "numpy", record=RECORDS,
+                   before_step=before_step)
+    sel = [[sp.pop("_sel", None) for sp in row] for row in res.sparsifier_states]
+    return {"updates": res.updates, "residuals": res.residuals, "info": res.info, "sp": res.sparsifier_states,
+            "rd": res.reducer_states, "phases": res.phases, "sel": sel}
 
 
 # -- the algorithm, centrally (no regions) ------------------------------------------------------------------

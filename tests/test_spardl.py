@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 
 from hvd_sparse.compression import SparseCompression
 from hvd_sparse.core.reducers.spardl import SparDL, h_controller_step, srs_schedule
-from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.core.sparsifiers import TopK
 from hvd_sparse.testing import simulate
 
@@ -229,27 +228,18 @@ class Spy:
 
 
 def run(compression, g, backend="numpy", average=False):
-    steps, P, n = g.shape
-    world = SimulatedWorld(P)
-    comms = [Spy(c) for c in world.communicators()]
-    engines = [compression.new_engine(c) for c in comms]
+    """``simulate`` ``compression`` on g (steps, P, n) over ``Spy`` communicators; per rank and step: u, res, info,
+    meter, the collectives' log and their count."""
+    steps, P, _ = g.shape
 
-    def body(comm):
-        eng, rows = engines[comm.rank], []
-        for t in range(steps):
-            comm.log = []
-            x = np.ascontiguousarray(g[t, comm.rank])
-            if backend == "torch":
-                import torch
-                x = torch.from_numpy(x.copy())
-            u = eng.step(x, average=average)
-            r = eng.memory.residual
-            to_np = (lambda a: a.numpy().copy()) if backend == "torch" else (lambda a: np.array(a))
-            rows.append(dict(u=to_np(u), res=to_np(r), info=dict(eng.last["info"]), meter=comm.meter.stats(),
-                             log=list(comm.log), collectives=eng.last["collectives"]))
-        return rows
+    def take_log(t, r, engine):
+        log, engine.comm.log = engine.comm.log, []
+        return log
 
-    return world.run(body, comms)
+    res = simulate(compression, g, average=average, backend=backend, communicator=Spy, after_step=take_log)
+    return [[dict(u=res.updates[t, r], res=res.residuals[t, r], info=res.info[t][r], meter=res.phases[t][r],
+                  log=res.observed[t][r], collectives=res.volume[t][r]["collectives"]) for t in range(steps)]
+            for r in range(P)]
 
 
 def assert_matches_reference(out, ref, P):

@@ -16,10 +16,9 @@ writes the per-epoch records of every run to ``--out`` as JSON.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import time
+
+from .cli import worker_parser, write_json
 
 #: prefix of rank 0's per-epoch progress lines on stdout
 PROGRESS = "hvd_sparse.convergence:"
@@ -27,14 +26,9 @@ PROGRESS = "hvd_sparse.convergence:"
 
 def parser(description):
     """The arguments of both workers (this one and the Keras one)."""
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument("--algorithms", required=True, help="comma-separated preset names; dense = Horovod's")
+    p = worker_parser(description, seed=42, lr=0.05)
     p.add_argument("--epochs", type=int, required=True)
-    p.add_argument("--density", type=float, required=True)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--out", required=True, help="JSON file written by rank 0")
     return p
 
 
@@ -47,21 +41,8 @@ def run_all(args, train, train_set, test_set, rank, size, **extra):
         n, history = train(args, name, train_set, test_set)
         runs.append({"algorithm": name, "epochs": history})
     if rank == 0:
-        report = {"workers": size, "numel": n, "train_images": len(train_set[0]), "test_images": len(test_set[0]),
-                  **extra, "runs": runs}
-        tmp = f"{args.out}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f)
-        os.replace(tmp, args.out)
-
-
-def _compression(name, density):
-    import hvd_sparse.torch as hvds
-
-    from .presets import make
-
-    # the baseline is Horovod's own optimizer and ring allreduce, not the engine's Dense reducer
-    return hvds.Compression.none if name == "dense" else make(name, density)
+        write_json(args.out, {"workers": size, "numel": n, "train_images": len(train_set[0]),
+                              "test_images": len(test_set[0]), **extra, "runs": runs})
 
 
 def train(args, name, train_set, test_set):
@@ -73,8 +54,9 @@ def train(args, name, train_set, test_set):
 
     from .digits_torch import Net
     from .loop import accuracy, epoch_order, exchange_stats, run_epoch, steps_per_epoch
+    from .presets import torch_compression
 
-    compression = _compression(name, args.density)
+    compression = torch_compression(name, args.density)
     partitioned = getattr(getattr(compression, "sparsifier", None), "partitioned", False)
     torch.manual_seed(args.seed)
     model = Net()

@@ -23,46 +23,31 @@ Rank 0 gathers every rank's records and writes them to ``--out`` (JSON); the par
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
-import json
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 
+from .cli import worker_parser, write_json
 from .layouts import model_layout, synthetic_layout
 from .network import PROGRESS
 from .network_report import DENSE_POLL
+from .presets import torch_compression
 from .shm import SharedGradients
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--algorithms", required=True, help="comma-separated preset names; dense = Horovod's")
+    p = worker_parser(__doc__, seed=0, lr=0.01)
     size = p.add_mutually_exclusive_group(required=True)
     size.add_argument("--numel", type=int)
     size.add_argument("--model")
-    p.add_argument("--density", type=float, required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--data", required=True, help="directory written by shm.write_gradient_data")
-    p.add_argument("--out", required=True, help="JSON file written by rank 0")
     p.add_argument("--profile", default=None, help="write cProfile top functions to <PROFILE>.rank<r>.txt")
     return p.parse_args(argv)
-
-
-def _compression(name, density):
-    import hvd_sparse.torch as hvds
-
-    from .presets import make
-
-    # the baseline is Horovod's own optimizer and fused ring allreduce, not the engine's Dense reducer
-    return hvds.Compression.none if name in ("dense", DENSE_POLL) else make(name, density)
 
 
 @contextlib.contextmanager
@@ -93,7 +78,7 @@ def measure(args, name, layout, data):
     from hvd_sparse.torch.comm import wait
 
     rank = hvd.rank()
-    compression = _compression(name, args.density)
+    compression = torch_compression(name, args.density, horovod=("dense", DENSE_POLL))
     partitioned = bool(getattr(getattr(compression, "sparsifier", None), "partitioned", False))
     params = [(pname, torch.nn.Parameter(torch.zeros(shape))) for pname, shape in layout]
     optimizer = torch.optim.SGD([p for _, p in params], lr=args.lr)
@@ -188,12 +173,8 @@ def main(argv=None):
     peak = hvd.allgather(torch.tensor([private_peak_bytes()], dtype=torch.int64),
                          name="hvd_sparse.bench.network.memory").tolist()
     if hvd.rank() == 0:
-        report = {"workers": hvd.size(), "numel": n, "torch_threads": torch.get_num_threads(), "runs": runs,
-                  "private_peak_bytes": peak}
-        tmp = f"{args.out}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f)
-        os.replace(tmp, args.out)
+        write_json(args.out, {"workers": hvd.size(), "numel": n, "torch_threads": torch.get_num_threads(),
+                              "runs": runs, "private_peak_bytes": peak})
     hvd.shutdown()
     return 0
 

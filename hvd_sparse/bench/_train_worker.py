@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import re
+
+from .cli import write_json
 
 #: prefix of rank 0's progress lines (the parent forwards them to stderr)
 PROGRESS = "hvd_sparse.train:"
@@ -246,12 +246,8 @@ def main(argv=None):
     test_shard = (x_te[hvd.rank()::hvd.size()], y_te[hvd.rank()::hvd.size()])
     runs = [train(args, cfg, train_set, test_shard) for cfg in configs]
     if hvd.rank() == 0:
-        report = {"workers": hvd.size(), "torch_threads": torch.get_num_threads(), "train_images": len(train_set[0]),
-                  "test_images": len(y_te), "runs": runs}
-        tmp = f"{args.out}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(report, f)
-        os.replace(tmp, args.out)
+        write_json(args.out, {"workers": hvd.size(), "torch_threads": torch.get_num_threads(),
+                              "train_images": len(train_set[0]), "test_images": len(y_te), "runs": runs})
     if ddp:
         dist.destroy_process_group()
     hvd.shutdown()

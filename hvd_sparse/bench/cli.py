@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from . import presets
 
@@ -37,10 +38,27 @@ def density(text):
     return v
 
 
+def worker_parser(doc, seed, lr):
+    """The arguments every benchmark worker that runs presets takes -- ``--algorithms``, ``--density``, ``--seed``
+    (default ``seed``), ``--lr`` (default ``lr``), ``--out`` -- with the first paragraph of ``doc`` as description;
+    the worker adds its own."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--algorithms", required=True, help="comma-separated preset names; dense = Horovod's")
+    p.add_argument("--density", type=float, required=True)
+    p.add_argument("--seed", type=int, default=seed)
+    p.add_argument("--lr", type=float, default=lr)
+    p.add_argument("--out", required=True, help="JSON file written by rank 0")
+    return p
+
+
 def write_json(path, report):
+    """Write ``report`` as JSON to ``path`` (nothing when ``path`` is empty), atomically: a reader -- the parent
+    of a benchmark worker, or anyone watching ``--json`` -- never sees half a file."""
     if path:
-        with open(path, "w") as f:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
             json.dump(report, f, indent=2)
+        os.replace(tmp, path)
 
 
 def pyplot():
@@ -71,3 +89,25 @@ def save_png(fig, path):
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def bar_chart(names, values, palette, labels, label_at=None, **bar):
+    """One horizontal bar per name, top to bottom, colored as :func:`color_of` colors it in ``palette``, with
+    ``labels[i]`` written after bar i (at ``label_at[i]``, default its value); ``bar`` goes to ``ax.barh``.
+    Returns ``(fig, ax, y)`` (y: the bars' positions) for the caller to add to, then :func:`finish_chart`."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 0.5 * len(names) + 1.8))
+    y = list(range(len(names)))[::-1]
+    ax.barh(y, values, color=[color_of(n, palette) for n in names], **bar)
+    for yi, x, text in zip(y, label_at or values, labels):
+        ax.text(x, yi, text, va="center", fontsize=8)
+    ax.set_yticks(y, names)
+    return fig, ax, y
+
+
+def finish_chart(fig, ax, xlabel, title, path):
+    """The x label, title and grid of a :func:`bar_chart`; saved as a PNG at ``path``."""
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(axis="x", which="both", alpha=0.3)
+    save_png(fig, path)

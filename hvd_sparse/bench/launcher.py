@@ -174,13 +174,22 @@ def add_run_arguments(p, timeout, plot_help):
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
-def run_cli(prog, args, run, plot, markdown):
-    """The end of a namespace benchmark's ``main``: ``run()`` (SIGTERM and SIGHUP stop it as an interrupt, which
-    stops the workers and removes the network), its errors as exit codes (2: the network could not be built, 1: a
-    worker failed, 130: interrupted), then the report as ``--json``, ``--plot`` and Markdown on stdout."""
+def run_cli(prog, args, run, plot, markdown, check=None, banner=None):
+    """A namespace benchmark's ``main`` after parsing: usage errors first (exit code 2: a machine that cannot build
+    namespaces, or ``check()``'s message when it returns one), ``banner`` on stderr unless ``--quiet``, then
+    ``run()`` (SIGTERM and SIGHUP stop it as an interrupt, which stops the workers and removes the network), its
+    errors as exit codes (2: the network could not be built, 1: a worker failed, 130: interrupted), then the report
+    as ``--json``, ``--plot`` and Markdown on stdout."""
     from . import cli
     from .netns import NetworkError
 
+    missing = missing_message(prog)
+    problem = check() if missing is None and check is not None else None
+    if missing or problem:
+        print(missing or f"{prog}: error: {problem}", file=sys.stderr)
+        return 2
+    if banner and not args.quiet:
+        print(banner, file=sys.stderr, flush=True)
     old = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         report = run()

@@ -52,7 +52,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .launcher import WorkerFailed, add_run_arguments, launch, missing_message, run_cli, tail
+from .launcher import WorkerFailed, add_run_arguments, launch, run_cli, tail
 from .layouts import MODELS, model_choice, model_layout
 from .netns import MAX_WORKERS, Network, Rate, bandwidth, link_check, \
     remove_stale, workers
@@ -176,31 +176,27 @@ def add_arguments(p):
 def main(args):
     from . import presets
 
-    prog = "python -m hvd_sparse.bench network"
-    missing = missing_message(prog)
-    if missing:
-        print(missing, file=sys.stderr)
-        return 2
     algorithms = args.algorithms or presets.names()
     numel = args.numel if args.numel is not None or args.model else 25_000_000
-    n_total = MODELS[args.model][1] if args.model else numel
-    shared = data_bytes(n_total, args.warmup + args.steps)
-    private = WORKER_BASE_BYTES + WORKER_BYTES_PER_PARAM * n_total
-    avail = _mem_available()
-    if avail is not None and shared + args.workers * private > avail:
-        print(f"{prog}: error: not enough memory: the shared gradient data needs {shared / 2**30:.1f} GiB "
-              f"((9 + warmup + steps) x n x 4 bytes) and each of the {args.workers} workers about "
-              f"{private / 2**30:.1f} GiB (0.3 GiB + {WORKER_BYTES_PER_PARAM} bytes per parameter), but "
-              f"{avail / 2**30:.1f} GiB is available; lower --workers, --numel or --steps", file=sys.stderr)
-        return 2
-    if not args.quiet:
-        print(f"network: {', '.join(algorithms)} on {args.workers} Horovod workers, {args.bandwidth} per worker",
-              file=sys.stderr, flush=True)
-    return run_cli(prog, args, lambda: run(
+
+    def memory_check():
+        n_total = MODELS[args.model][1] if args.model else numel
+        shared = data_bytes(n_total, args.warmup + args.steps)
+        private = WORKER_BASE_BYTES + WORKER_BYTES_PER_PARAM * n_total
+        avail = _mem_available()
+        if avail is not None and shared + args.workers * private > avail:
+            return (f"not enough memory: the shared gradient data needs {shared / 2**30:.1f} GiB "
+                    f"((9 + warmup + steps) x n x 4 bytes) and each of the {args.workers} workers about "
+                    f"{private / 2**30:.1f} GiB (0.3 GiB + {WORKER_BYTES_PER_PARAM} bytes per parameter), but "
+                    f"{avail / 2**30:.1f} GiB is available; lower --workers, --numel or --steps")
+        return None
+
+    return run_cli("python -m hvd_sparse.bench network", args, lambda: run(
         algorithms, args.workers, args.bandwidth, numel=None if args.model else numel, model=args.model,
         density=args.density, steps=args.steps, warmup=args.warmup, seed=args.seed, lr=args.lr, timeout=args.timeout,
         link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet, profile=args.profile),
-        plot, markdown)
+        plot, markdown, check=memory_check,
+        banner=f"network: {', '.join(algorithms)} on {args.workers} Horovod workers, {args.bandwidth} per worker")
 
 
 def _mem_available():

@@ -78,27 +78,19 @@ def plot(report, path):
     """PNG: one bar per algorithm, median seconds per step (the mean as a black tick), wire time hatched."""
     from . import cli, presets
 
-    plt = cli.pyplot()
     res = report["results"]
-    names = [r["algorithm"] for r in res]
     med = [r["step_seconds_median"] for r in res]
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(res) + 1.8))
-    y = list(range(len(res)))[::-1]
-    ax.barh(y, med, color=[cli.color_of(a, presets.names()) for a in names], label="median step")
+    mean = [r["step_seconds_mean"] for r in res]
+    labels = [f"  {m:.3g} s" + ("" if r["speedup_vs_dense"] is None or r["algorithm"] == "dense" else
+                                f"  ({r['speedup_vs_dense']:.2f}x dense)") for m, r in zip(med, res)]
+    fig, ax, y = cli.bar_chart([r["algorithm"] for r in res], med, presets.names(), labels,
+                               label_at=[max(a, b) for a, b in zip(med, mean)], label="median step")
     ax.barh(y, [r["wire_seconds"] for r in res], height=0.3, color="none", edgecolor="black", hatch="//",
             label="bytes received / line rate")
-    ax.plot([r["step_seconds_mean"] for r in res], y, "|", color="black", markersize=16, label="mean step")
-    for yi, r in zip(y, res):
-        sp = "" if r["speedup_vs_dense"] is None or r["algorithm"] == "dense" else \
-            f"  ({r['speedup_vs_dense']:.2f}x dense)"
-        ax.text(max(r["step_seconds_median"], r["step_seconds_mean"]), yi,
-                f"  {r['step_seconds_median']:.3g} s{sp}", va="center", fontsize=8)
-    ax.set_yticks(y, names)
-    ax.set_xlim(0, max(max(med), max(r["step_seconds_mean"] for r in res)) * 1.45)
-    ax.set_xlabel("seconds per step (slowest rank)")
-    what = report["model"] or f"n = {report['numel']:,}"
-    ax.set_title(f"P = {report['workers']}, {report['bandwidth']} per worker, {what}, density {report['density']}",
-                 fontsize=10)
-    ax.grid(axis="x", alpha=0.3)
+    ax.plot(mean, y, "|", color="black", markersize=16, label="mean step")
+    ax.set_xlim(0, max(med + mean) * 1.45)
     ax.legend(fontsize=8, loc="lower right")
-    cli.save_png(fig, path)
+    what = report["model"] or f"n = {report['numel']:,}"
+    cli.finish_chart(fig, ax, "seconds per step (slowest rank)",
+                     f"P = {report['workers']}, {report['bandwidth']} per worker, {what}, density {report['density']}",
+                     path)

@@ -18,3 +18,12 @@ def make(name, density, **options):
         raise ValueError(f"hvd_sparse.bench: unknown algorithm {name!r}; choose from {', '.join(names())}")
     factory = getattr(_c.Compression, name)
     return factory() if name == "dense" else factory(density, **options)
+
+
+def torch_compression(name, density, horovod=("dense",)):
+    """What a torch benchmark worker passes as ``compression=`` to ``hvd_sparse.torch.DistributedOptimizer``:
+    ``Compression.none`` for the names in ``horovod`` (the dense baseline is Horovod's own optimizer and fused ring
+    allreduce, not the engine's Dense reducer), else ``make(name, density)``."""
+    import hvd_sparse.torch as hvds
+
+    return hvds.Compression.none if name in horovod else make(name, density)

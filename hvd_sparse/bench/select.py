@@ -173,26 +173,16 @@ def markdown(report):
 
 
 def plot(report, path):
+    """PNG: one bar per method, its median seconds per selection (log axis)."""
     from . import cli
 
-    plt = cli.pyplot()
     res = report["results"]
-    names = [r["method"] for r in res]
     secs = [r["seconds_median"] for r in res]
-    fig, ax = plt.subplots(figsize=(7, 0.45 * len(res) + 1.6))
-    y = list(range(len(res)))[::-1]
-    ax.barh(y, secs, color=[cli.color_of(m, METHODS) for m in names])
-    for yi, s in zip(y, secs):
-        ax.text(s, yi, f" {s:.3g} s", va="center", fontsize=8)
-    ax.set_yticks(y, names)
+    fig, ax, _ = cli.bar_chart([r["method"] for r in res], secs, METHODS, [f" {s:.3g} s" for s in secs])
     ax.set_xscale("log")
-    lo, hi = min(secs), max(secs)
-    ax.set_xlim(lo / 2, hi * 4)
-    ax.set_xlabel("seconds per selection (median, log scale)")
-    ax.set_title(f"Selection, n = {report['numel']:,}, k = {report['k']:,}, {report['threads']} threads",
-                 fontsize=10)
-    ax.grid(axis="x", which="both", alpha=0.3)
-    cli.save_png(fig, path)
+    ax.set_xlim(min(secs) / 2, max(secs) * 4)
+    cli.finish_chart(fig, ax, "seconds per selection (median, log scale)",
+                     f"Selection, n = {report['numel']:,}, k = {report['k']:,}, {report['threads']} threads", path)
 
 
 def add_arguments(p):

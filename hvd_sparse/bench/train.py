@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .launcher import WorkerFailed, add_run_arguments, launch, missing_message, run_cli, tail
+from .launcher import WorkerFailed, add_run_arguments, launch, run_cli, tail
 from .netns import Network, Rate, bandwidth, link_check, remove_stale, workers
 from .train_report import markdown, plot, summarize
 
@@ -157,18 +157,12 @@ def add_arguments(p):
 
 
 def main(args):
-    prog = "python -m hvd_sparse.bench train"
-    missing = missing_message(prog)
-    if missing:
-        print(missing, file=sys.stderr)
-        return 2
-    if args.image_size % 2:
-        print(f"{prog}: error: --image-size must be even, got {args.image_size}", file=sys.stderr)
-        return 2
     names = args.configs or list(DEFAULT_CONFIGS)
-    if not args.quiet:
-        print(f"train: {', '.join(names)} on {args.workers} workers, {args.bandwidth} per worker, {args.epochs} "
-              "epochs each", file=sys.stderr, flush=True)
+
+    def check():
+        return f"--image-size must be even, got {args.image_size}" if args.image_size % 2 else None
+
+    prog = "python -m hvd_sparse.bench train"
     reports = []
 
     def job():
@@ -180,9 +174,11 @@ def main(args):
             link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet))
         return reports[-1]
 
-    code = run_cli(prog, args, job, plot, markdown)
+    code = run_cli(prog, args, job, plot, markdown, check=check,
+                   banner=f"train: {', '.join(names)} on {args.workers} workers, {args.bandwidth} per worker, "
+                          f"{args.epochs} epochs each")
     if code == 0 and reports[-1]["failed"]:
-        names = ", ".join(f["config"] for f in reports[-1]["failed"])
-        print(f"{prog}: error: configuration(s) failed: {names} (the report has the others)", file=sys.stderr)
+        failed = ", ".join(f["config"] for f in reports[-1]["failed"])
+        print(f"{prog}: error: configuration(s) failed: {failed} (the report has the others)", file=sys.stderr)
         return 1
     return code

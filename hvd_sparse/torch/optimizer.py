@@ -52,9 +52,8 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
-from ..core.errors import (check_elastic_residuals, check_nonfinite, check_op, check_positive_int,
-                           check_replicas_agree, checksums, scale_factors)
-from . import recipes
+from ..core.errors import check_elastic_residuals, check_nonfinite, check_op, check_positive_int, scale_factors
+from . import consistency, recipes
 from .comm import HorovodTorchCommunicator
 from .compression import Compression, is_sparse
 from .elastic import SparseOptimizer
@@ -289,16 +288,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         """Collective: raise :class:`~hvd_sparse.core.errors.ReplicaDivergenceError` on every rank unless all
         ranks hold bit-identical parameters (two 64-bit checksums of each parameter's bits, one allgather).
         Runs every ``consistency_check_every`` steps by itself; callable at any point every rank reaches."""
-        if not self.process_set.included() or self.process_set.size() == 1:
-            return
-        params = self._hvds_params()            # what is trained now
-        # the same checksums as every adapter's, of the raw bytes (bfloat16 has no numpy dtype)
-        sums = torch.tensor([checksums(p.detach().reshape(-1).contiguous().view(torch.uint8).cpu().numpy(),
-                                       p.element_size()) for _, p in params], dtype=torch.int64).reshape(-1, 2)
-        gathered = hvd.allgather(sums.unsqueeze(0), name=f"hvd_sparse.{self._hvds_owner}.consistency",
-                                 process_set=self.process_set)
-        per_rank = [[tuple(c) for c in row] for row in gathered.tolist()]
-        check_replicas_agree([n for n, _ in params], per_rank, self._hvds_steps, _API)
+        consistency.check_consistency(self._hvds_params(), self.process_set,         # what is trained now
+                                      f"hvd_sparse.{self._hvds_owner}.consistency", self._hvds_steps, _API)
 
     def zero_grad(self, *args, **kwargs):
         if any(self._hvds_passes.values()):
