@@ -463,6 +463,26 @@ def test_switch_off_with_the_environment(monkeypatch):
     assert native.info()["reason"] == "HVD_SPARSE_NATIVE=0"
 
 
+def test_algorithms_reach_the_kernels_only_through_the_backend():
+    """No sparsifier, reducer or error feedback module holds the kernel package: they call backend methods
+    (``xp.scan``, ``xp.accumulate_``, ``xp.merge_add``, ``xp.intersect``), which take the kernel or the generic
+    path; the numpy and torch backends do."""
+    import importlib
+    import pkgutil
+
+    import hvd_sparse.core.reducers as reducers
+    import hvd_sparse.core.sparsifiers as sparsifiers
+
+    mods = [importlib.import_module("hvd_sparse.core.memory")]
+    for pkg in (reducers, sparsifiers):
+        mods += [importlib.import_module(f"{pkg.__name__}.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)]
+    assert len(mods) > 10
+    assert [m.__name__ for m in mods if any(v is native for v in vars(m).values())] == []
+    x = np.ones(10, np.float32)
+    assert type(backend_of(x).scan(x)).__name__ == "KernelScan"
+    assert type(backend_of(x).scan(x[::2])).__name__ == "Scan"                      # strided: generic path
+
+
 # -- the sparsifiers: native path == generic path ----------------------------------------------------------
 _COMM = SimulatedWorld(1).communicators()[0]
 

@@ -1035,7 +1035,7 @@ def test_smoothed_load_boundaries_are_an_even_split_of_the_average():
 def test_region_sums_of_more_sources_than_one_merge_takes_stay_in_rank_order(runs):
     """P > 256 (the native merge's limit): the chunked merge gives every sum as 0 + v_0 + v_1 + ... in rank
     order, bit for bit (float32 additions do not associate: a different grouping would show)."""
-    from hvd_sparse.core.reducers.oktopk import _sum_runs_in_rank_order
+    from hvd_sparse.core.reducers.topka import sum_sparse_in_rank_order
 
     rng = np.random.default_rng(runs)
     idx, val, counts = [], [], []
@@ -1050,7 +1050,7 @@ def test_region_sums_of_more_sources_than_one_merge_takes_stay_in_rank_order(run
     for c in counts:
         np.add.at(dense, idx[off:off + c], val[off:off + c])
         off += c
-    where, sums = _sum_runs_in_rank_order(backend_of(val), idx, val, counts, val)
+    where, sums = sum_sparse_in_rank_order(backend_of(val), idx, val, counts, val)
     np.testing.assert_array_equal(where, np.unique(idx))
     assert sums.tobytes() == dense[np.unique(idx)].tobytes()
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 
@@ -93,6 +94,16 @@ def _carry_by_name(flat, old, entries):
     return xp.concat(parts, like=flat) if parts else None
 
 
+class Prefiltered(NamedTuple):
+    """What ``rule`` selects from the step's accumulator at ``threshold``: ``indices`` (int64, ascending) and
+    their ``values`` (float32), in the step's backend; collected by error feedback's add pass."""
+
+    threshold: float
+    rule: str
+    indices: object
+    values: object
+
+
 def _first_change(old, new):
     """How declared ``new`` entries differ from ``old`` ones: the first position that differs, or the count."""
     for i, (a, b) in enumerate(zip(old, new)):
@@ -116,10 +127,9 @@ class StepContext:
             agree on a count); every rank calls them in the same order, so that is safe.
         exact_k: the sparsifier's ``exact_k`` flag: every rank selects at most k entries, so reducers
             may use fixed-size messages without exchanging counts.
-        prefiltered: None, or ``(threshold, rule, indices, values)``: what ``rule`` selects from the step's
-            accumulator at ``threshold`` (numpy int64 ascending, float32), found by error feedback's add pass
-            because the sparsifier asked for it (:meth:`Sparsifier.prefilter`); saves the sparsifier a read
-            pass over the accumulator.
+        prefiltered: None, or a :class:`Prefiltered`: what ``rule`` selects from the step's accumulator at
+            ``threshold``, found by error feedback's add pass because the sparsifier asked for it
+            (:meth:`Sparsifier.prefilter`); saves the sparsifier a read pass over the accumulator.
     """
 
     rank: int
@@ -128,7 +138,7 @@ class StepContext:
     layout: tuple
     comm: object
     exact_k: bool = False
-    prefiltered: tuple = None
+    prefiltered: Prefiltered = None
 
 
 class StepStats(dict):
@@ -275,7 +285,7 @@ class Engine:
             acc, finite, found = self.memory.compensate(xp, inputs, zero_pieces=zeroed,
                                                         select=None if pre is None else (*pre, k))
             if found is not None:
-                ctx = dataclasses.replace(ctx, prefiltered=(*pre, *found))
+                ctx = dataclasses.replace(ctx, prefiltered=Prefiltered(*pre, *map(xp.from_numpy, found)))
         elif warm:     # a fresh array (not error feedback's reused buffer): it is what the allreduce reads
             flat = xp.astype(inputs[0] if len(inputs) == 1 else xp.concat(inputs), xp.float32)
             r = self.memory.residual

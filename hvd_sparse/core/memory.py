@@ -24,19 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import native
 from .reducers.base import ALL
-
-
-def _buffer(xp, n, like):
-    """An uninitialised float32 buffer of ``n`` values for ``like``'s backend and device. On the CPU it is numpy's
-    (a torch tensor sharing it for torch): numpy asks the kernel for transparent huge pages on large buffers
-    (``madvise``), torch's allocator does not; the residual and its spare are streamed through every step, and
-    with 4 KiB pages that costs a third more time (measured: error feedback's add pass over 25M values, 32 ms
-    with torch's allocation, 21 ms with numpy's)."""
-    if xp.name == "torch" and like.device.type == "cpu":
-        return xp.torch.from_numpy(np.empty(n, np.float32))
-    return xp.empty(n, xp.float32, like=like)
 
 
 class ErrorFeedback:
@@ -78,14 +66,14 @@ class ErrorFeedback:
 
         ``select``: None, or ``(threshold, rule, expect)`` (rule one of ``native.RULES``, expect the count the
         caller expects): then the same pass also collects the entries of ``acc`` that the rule selects
-        (:func:`hvd_sparse.core.native.add_select`), when the fused CPU kernel runs for every piece. The output
+        (the backend's ``accumulate_``), when the fused CPU kernel runs for every piece. The output
         room of each piece follows the larger of its share of ``expect`` and what the last such pass found in it (a
         threshold that trails a growing accumulator finds a few times k, unevenly across the layers: ThresholdReuse's
         guard then raises it on the candidates).
 
         Returns ``(acc, finite, selected)``: ``finite`` is whether every entry of ``acc`` is finite when the pass
         could tell on the way (the fused CPU kernel, float32 pieces), else None; ``selected`` is ``(indices,
-        values)`` (numpy int64 ascending, float32: exactly ``native.select(acc, threshold, rule, values=True)``)
+        values)`` (numpy int64 ascending, float32: exactly ``xp.scan(acc).select(threshold, rule, values=True)``)
         or None (not asked for, or not every piece took the kernel)."""
         n = sum(xp.numel(p) for p in pieces)
         like = pieces[0]
@@ -97,37 +85,20 @@ class ErrorFeedback:
             return (xp.copy(flat) if r is None else xp.add(r, flat)), None, None
         acc = self._spare
         if acc is None or type(acc) is not type(like) or xp.numel(acc) != n or acc is r:
-            acc = self._spare = _buffer(xp, n, like)
-        out = native.f32_view(xp, acc)
-        rv = None if r is None or out is None else native.f32_view(xp, r)
-        bad, known, off = 0, True, 0
-        found = [] if select is not None else None
-        last = self._found if len(self._found) == len(pieces) else (0,) * len(pieces)
-        for j, p in enumerate(pieces):
-            m = xp.numel(p)
-            pv = None if out is None or (r is not None and rv is None) else native.f32_view(xp, p)
-            rp = None if rv is None else rv[off:off + m]
-            if pv is not None and found is not None:    # one pass: the sum, its non-finite count and selection
-                th, rule, expect = select
-                b, idx, vals = native.add_select(rp, pv, out[off:off + m], th, rule, base=off,
-                                                 expect=max(int(expect) * m // max(n, 1), last[j] + last[j] // 4),
-                                                 zero_g=zero_pieces)
-                bad += b
-                found.append((idx, vals))
-            elif pv is not None:                        # one pass: the sum and its non-finite count
-                bad += native.add(rp, pv, out[off:off + m], zero_g=zero_pieces)
-            else:
-                xp.add_into(None if r is None else r[off:off + m], p, acc[off:off + m])
-                if zero_pieces:
-                    xp.fill_(p, 0.0)
-                known, found = False, None
-            off += m
+            acc = self._spare = xp.stream_buffer(n, like)
+        sel = None
+        if select is not None:                          # each piece's output room
+            th, rule, expect = select
+            last = self._found if len(self._found) == len(pieces) else (0,) * len(pieces)
+            sel = (th, rule, [max(int(expect) * xp.numel(p) // max(n, 1), last[j] + last[j] // 4)
+                              for j, p in enumerate(pieces)])
+        finite, found = xp.accumulate_(r, pieces, acc, zero_g=zero_pieces, select=sel)
         selected = None
         if found is not None:
             selected = found[0] if len(found) == 1 else (np.concatenate([i for i, _ in found]),
                                                           np.concatenate([v for _, v in found]))
             self._found = tuple(int(i.size) for i, _ in found)
-        return acc, (False if bad else (True if known else None)), selected
+        return acc, finite, selected
 
     def update(self, xp, acc, included):
         """``residual = acc`` with the ``included`` entries zeroed (``acc`` from :meth:`compensate`)."""

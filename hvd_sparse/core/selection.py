@@ -1,7 +1,8 @@
 """Exact, deterministic selection on any backend: top-k of |acc| and the intersection of sorted index lists.
 
-Both run the C kernels (:mod:`hvd_sparse.core.native`) on CPU float32/int64 buffers when they are built, and
-the backend's generic operations otherwise; the results are the same bits either way.
+Both run the C kernels (:mod:`hvd_sparse.core.native`) on CPU float32/int64 buffers when they are built (the
+intersection through the backend's ``intersect``), and the backend's generic operations otherwise; the results are
+the same bits either way.
 """
 
 from __future__ import annotations
@@ -91,22 +92,6 @@ def _topk_native(xp, acc, k):
 def intersect_sorted(xp, a, b):
     """The elements of the sorted unique int ``a`` that occur in the sorted unique ``b`` (exact, ascending).
 
-    numpy and CPU torch int64 arrays take the native merge kernel when it is built, else merge the two runs with
-    one stable sort (O(|a| + |b|)); other backends binary-search ``a`` in ``b``."""
-    if xp.numel(a) == 0 or xp.numel(b) == 0:
-        return a[:0]
-    from . import native
-
-    av, bv = native.i64_view(xp, a), native.i64_view(xp, b)
-    if av is not None and bv is not None:
-        both = native.intersect(av, bv)
-        if both is not None:
-            return native.wrap(xp, both)
-    if xp.name == "numpy" or (xp.name == "torch" and a.device.type == "cpu" and b.device.type == "cpu"):
-        an, bn = (a, b) if xp.name == "numpy" else (a.numpy(), b.numpy())
-        c = np.concatenate([an, bn.astype(an.dtype, copy=False)])
-        c.sort(kind="stable")
-        both = c[:-1][c[1:] == c[:-1]]
-        return both if xp.name == "numpy" else xp.torch.from_numpy(both)
-    pos = xp.clamp_max(xp.searchsorted(b, a), xp.numel(b) - 1)
-    return xp.take(a, xp.nonzero(xp.eq(xp.take(b, pos), a)))
+    ``xp.intersect``: numpy and CPU torch int64 arrays take the native merge kernel when it is built, else merge
+    the two runs with one stable sort (O(|a| + |b|)); other backends binary-search ``a`` in ``b``."""
+    return xp.intersect(a, b)

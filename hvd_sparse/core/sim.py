@@ -132,13 +132,10 @@ class SimulatedCommunicator:
                 raise ValueError(f"allreduce {phase!r}: sizes differ across ranks: {[xp.numel(y) for y in xs]}")
             out = xp.copy(xs[0])
             for y in xs[1:]:                   # rank order 0..P-1: deterministic
-                out = out + y if op == SUM else (np.maximum(out, y) if xp.name == "numpy" else
-                                                 out.maximum(y) if xp.name == "torch" else xp.maximum(out, y))
-            if xp.name == "numpy":
-                out.flags.writeable = False
-            return out
+                out = out + y if op == SUM else xp.maximum(out, y)
+            return xp.freeze(out)
 
-        if xp.name == "numpy":   # identical on every rank: computed once, shared read-only
+        if xp.freezable:   # identical on every rank: computed once, shared read-only
             out = self._gather("allreduce", phase, x, combine=combine)
         else:
             out = combine(self._gather("allreduce", phase, x))
@@ -147,12 +144,10 @@ class SimulatedCommunicator:
 
     def allgather(self, x, phase):
         xp = backend_of(x)
-        if xp.name == "numpy":
+        if xp.freezable:
             # identical on every rank: built once, shared read-only (an in-place write raises)
             def combine(xs):
-                out = np.concatenate(xs)
-                out.flags.writeable = False
-                return out, [y.size for y in xs]
+                return xp.freeze(xp.concat(xs)), [xp.numel(y) for y in xs]
 
             out, sizes = self._gather("allgather", phase, x, combine=combine)
         else:

@@ -55,10 +55,9 @@ from __future__ import annotations
 
 import math
 
-from .. import native
 from ..comm import SUM
 from ..errors import check_positive_int
-from ..sparsifiers.threshold_reuse import band_adjust, check_real, check_select_rule, rule_mask
+from ..sparsifiers.threshold_reuse import band_adjust, check_real, check_select_rule
 from ..selection import intersect_sorted, topk_indices
 from .base import Reducer, SparseSum, pack_pairs, unpack_pairs, wire_index_dtype
 from .regions import load_boundaries, result_boundaries, smoothed_load_boundaries
@@ -121,28 +120,6 @@ def _allgather_counts(xp, counts, comm, phase, like):
     flat = xp.to_numpy(comm.allgather(xp.asarray(counts, xp.index_dtype, like=like), phase))
     w = len(counts)
     return [[int(c) for c in flat[r * w:(r + 1) * w]] for r in range(comm.size)]
-
-
-#: the most runs one merge of ``sum_sparse_in_rank_order`` takes (the native kernel's limit)
-MERGE_RUNS = 256
-
-
-def _sum_runs_in_rank_order(xp, idx, val, counts, like):
-    """``sum_sparse_in_rank_order`` for any number of sources: beyond ``MERGE_RUNS`` the runs are merged in
-    chunks, each merge starting from the sums so far as its first run (``0.0 + s`` is ``s`` bit for bit: a
-    rank-order sum is never -0.0), so every sum is still ``0 + v_0 + v_1 + ...`` in rank order."""
-    if len(counts) <= MERGE_RUNS:
-        return sum_sparse_in_rank_order(xp, idx, val, counts, like)
-    head = sum(counts[:MERGE_RUNS])
-    where, sums = sum_sparse_in_rank_order(xp, idx[:head], val[:head], counts[:MERGE_RUNS], like)
-    for s in range(MERGE_RUNS, len(counts), MERGE_RUNS - 1):
-        part = counts[s:s + MERGE_RUNS - 1]
-        end = head + sum(part)
-        where, sums = sum_sparse_in_rank_order(xp, xp.concat([where, idx[head:end]], like=like),
-                                               xp.concat([sums, val[head:end]], like=like),
-                                               [xp.numel(where)] + list(part), like)
-        head = end
-    return where, sums
 
 
 #: exponents j of the Γ ladder Γ·f^j (global_control="ladder")
@@ -277,7 +254,7 @@ class OkTopk(Reducer):
         rel_r, val_r = unpack_pairs(xp, recv)
         # 4. reduction: rho^r = the sum of the P sparse pieces, sources added in rank order 0..P-1, on the
         # support of what arrived (no |R_r|-sized buffer: a region can span most of the model)
-        where, rho = _sum_runs_in_rank_order(xp, rel_r, val_r, [s // 2 for s in recv_splits], acc)
+        where, rho = sum_sparse_in_rank_order(xp, rel_r, val_r, [s // 2 for s in recv_splits], acc)
         nz = xp.nonzero(xp.gt(xp.abs(rho), 0.0))
         return xp.add(xp.take(where, nz), offsets[r]), xp.take(rho, nz), sum(recv_splits) // 2
 
@@ -353,12 +330,10 @@ class OkTopk(Reducer):
             used = gamma_next = gamma
         else:                                                       # threshold Γ reused + balance
             used = gamma
-            view = native.f32_view(xp, c_val)     # the kernel counts and selects on |c_val| as rule_mask does
-            mag = xp.abs(c_val) if view is None else None
+            owned = xp.scan(c_val)                  # the owner's candidates: counts and selection on |c_val|
             if self.global_control == "ladder":
                 ladder = [gamma * self.ladder_factor ** j for j in LADDER_STEPS]
-                mine = [xp.sum_int(rule_mask(xp, mag, th, self.select_rule)) if view is None else
-                        native.count(view, th, self.select_rule) for th in ladder]
+                mine = [owned.count(th, self.select_rule) for th in ladder]
                 table = _allgather_counts(xp, mine + [load] if with_load else mine, comm, "count", acc) \
                     if P > 1 else [mine]
                 if with_load:
@@ -367,8 +342,7 @@ class OkTopk(Reducer):
                 j = next((j for j, tot in enumerate(totals) if tot <= k), len(ladder) - 1)
                 used = ladder[j]
                 ladder_counts = [row[j] for row in table]
-            keep = (xp.nonzero(rule_mask(xp, mag, used, self.select_rule)) if view is None else
-                    native.wrap(xp, native.select(view, used, self.select_rule)[0]))
+            keep = owned.select(used, self.select_rule)[0]
             m_idx, m_val = xp.take(c_idx, keep), xp.take(c_val, keep)
             if P > 1:
                 if self.global_control == "ladder":

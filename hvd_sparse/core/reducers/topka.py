@@ -16,7 +16,6 @@ rank receives exactly 2k(P-1) words. Output support <= min(n, Pk) (fill-in; no g
 
 from __future__ import annotations
 
-from .. import native
 from .base import Reducer, wire_index_dtype
 
 
@@ -56,18 +55,7 @@ def sum_in_rank_order(xp, n, all_idx, all_vals, counts, like):
     """u[j] = sum over sources s = 0..P-1 of their value at j (one add per source; indices are unique
     within a source except the padding slot n, which only ever receives zeros and is dropped)."""
     u = xp.zeros(n + 1, xp.float32, like=like)      # slot n takes the padding
-    return _add_in_rank_order(xp, u, all_idx, all_vals, counts)[:n]
-
-
-def _add_in_rank_order(xp, dst, idx, vals, counts):
-    """``dst[idx_s] += vals_s`` for the sources s = 0..P-1 in turn (``counts[s]`` pairs each, indexes unique
-    within a source): the sums are the same on every rank whatever the order of the pairs within a source."""
-    off = 0
-    for c in counts:
-        if c:
-            dst = xp.add_unique_(dst, idx[off:off + c], vals[off:off + c])
-        off += c
-    return dst
+    return xp.add_runs_(u, all_idx, all_vals, counts)[:n]
 
 
 def sum_sparse_in_rank_order(xp, idx, vals, counts, like):
@@ -76,15 +64,9 @@ def sum_sparse_in_rank_order(xp, idx, vals, counts, like):
     Costs O(m log m) in the m received pairs instead of O(n) in the length of the vector: the indexes are
     mapped to slots of their sorted distinct values, and the sources are added in rank order 0..P-1 into
     those slots (``0 + v_0 + v_1 + ...``: the very additions of the dense version, so the sums match it bit
-    for bit). On the CPU with the native kernel, when every source's pairs are in ascending index order (as the
-    reducers send them), one merge pass does it (:func:`hvd_sparse.core.native.merge_add`, the same additions)."""
-    iv, vv = native.i64_view(xp, idx), native.f32_view(xp, vals)
-    if iv is not None and vv is not None:
-        merged = native.merge_add(iv, vv, counts)
-        if merged is not None:
-            return native.wrap(xp, merged[0]), native.wrap(xp, merged[1])
-    support, slot = xp.unique_inverse(idx)
-    return support, _add_in_rank_order(xp, xp.zeros(xp.numel(support), xp.float32, like=like), slot, vals, counts)
+    for bit). ``xp.merge_add``: on the CPU, when every source's pairs are in ascending index order (as the
+    reducers send them), one pass of the merge kernel does it (the same additions); any number of sources."""
+    return xp.merge_add(idx, vals, counts, like=like)
 
 
 class TopkA(Reducer):

@@ -32,8 +32,8 @@ Edge cases: ``num_blk_eff = max(num_blk, min_blk_div*P)`` (warning when it diffe
 align = 1, and if ``n < num_blk_eff`` use ``num_blk_eff = max(P, n)``, ``sz_blk = n // num_blk_eff`` (with
 n < P some partitions are empty: k_r = 0 and no fallback); k = max(1, int(density·n)); k_acc >= 1.
 P = 1: one partition [0, n), no topology sweep, threshold scaling still runs.
-Cost of 5.6: on a CPU buffer the fused kernel of :mod:`hvd_sparse.core.native` scans the partition once
-(|V| >= tau in float32, offset st added in the same pass, no |V| copy); elsewhere the generic xp path.
+Cost of 5.6: one scan of the partition (``xp.scan``): on a CPU float32 buffer the fused kernel reads it once
+(|V| >= tau in float32, offset st added in the same pass, no |V| copy); elsewhere the generic path.
 
 All controller state (``blk_part``, ``blk_pos``, ``tau``, ``k_prev``, ``ks_prev``) is computed from globally
 gathered counts only, so it is bitwise identical on every rank.
@@ -45,7 +45,6 @@ import math
 import numbers
 import warnings
 
-from .. import native
 from ..comm import MAX, SUM
 from ..errors import check_positive_int
 from .base import Sparsifier
@@ -274,22 +273,12 @@ class ExDyna(Sparsifier):
         if en <= st:                                                  # empty partition (n < P), no fallback
             state["k_r"] = 0
             return xp.zeros(0, xp.index_dtype, like=acc)
-        view = native.f32_view(xp, acc)
-        if view is not None:                                          # fused CPU kernel: one read pass,
-            part = view[st:en]                                        # no |V| copy, indices + st fused
-            idx = native.wrap(xp, native.select(part, state["tau"], "ge", base=st, expect=k // P)[0])
-        else:
-            mag = xp.abs(acc[st:en])
-            idx = xp.nonzero(xp.ge(mag, state["tau"]))              # 5.6 ascending, >= tau
-            if st and xp.numel(idx):
-                idx = xp.add(idx, st)
+        part = xp.scan(acc[st:en])                                    # 5.6 ascending, |V| >= tau, + st
+        idx = part.select(state["tau"], "ge", base=st, expect=k // P)[0]
         if xp.numel(idx) == 0:                                        # 5.6 fallback (rotating dummy)
             state["fallback"] = True
             if self.freeze_tau_on_empty:
-                if view is not None:
-                    state["zero_partition"] = native.count(part, 0.0, "gt") == 0
-                else:
-                    state["zero_partition"] = xp.numel(xp.nonzero(xp.gt(mag, 0.0))) == 0
+                state["zero_partition"] = part.count(0.0, "gt") == 0
             idx = xp.asarray([st + t % (en - st)], xp.index_dtype, like=acc)
         else:
             state["zero_partition"] = False

@@ -24,9 +24,10 @@ Zeros are never selected (S = {|a| > max(th, 0)}): with th < 0 (a strongly negat
 rule would select zero entries, which a sparsifier must not do; for th <= 0 the loop stops early because
 no further scaling can change the count.
 
-Cost. On a CPU buffer (numpy, contiguous CPU torch) every count of step 3 and the selection of step 4 run
-the fused kernel of :mod:`hvd_sparse.core.native` (one read pass each, no |a| copy, no mask; results equal
-to the generic path bit for bit); the float64 mean/std of steps 1-2 stay on the array backend.
+Cost. Every count of step 3 and the selection of step 4 is a scan of the accumulator (``xp.scan``): on a CPU
+float32 buffer (numpy, contiguous CPU torch) one read pass of the fused kernel each, no |a| copy, no mask;
+elsewhere |a| once, then a compare per count; the same results either way. The float64 mean/std of steps 1-2
+are one backend call (``xp.mean_std``).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import functools
 
 import numpy as np
 
-from .. import native
 from .base import Sparsifier
 
 #: Adjustment loops of step 3 (ref:LSTM, ref:BERT, ref:VGG).
@@ -91,15 +91,10 @@ class GaussianK(Sparsifier):
         return {"threshold": 0.0, "threshold_initial": 0.0, "iterations": 0}
 
     def select(self, xp, acc, k, state, ctx):
-        view = native.f32_view(xp, acc)
-        if view is not None:                # fused CPU kernel: each count is one read pass, no |a| copy
-            def count(th):
-                return native.count(view, _f32_floor(max(th, 0.0)), "gt")
-        else:
-            mag = xp.abs(acc)
+        scan = xp.scan(acc)                 # a CPU buffer: each count is one read pass of the fused kernel
 
-            def count(th):
-                return xp.sum_int(xp.gt(mag, _f32_floor(max(th, 0.0))))
+        def count(th):
+            return scan.count(_f32_floor(max(th, 0.0)), "gt")
 
         # 1-2. Gaussian prediction of the k-th largest |a|
         mu, sd = (0.0, 0.0) if xp.numel(acc) == 0 else xp.mean_std(acc)
@@ -132,10 +127,7 @@ class GaussianK(Sparsifier):
                     it += 1
                     c = count(th)
         # 4. S = {|a| > th}, zeros excluded
-        if view is not None:
-            idx = native.wrap(xp, native.select(view, _f32_floor(max(th, 0.0)), "gt", expect=k)[0])
-        else:
-            idx = xp.nonzero(xp.gt(mag, _f32_floor(max(th, 0.0))))
+        idx = scan.select(_f32_floor(max(th, 0.0)), "gt", expect=k)[0]
         state["mean"] = mu
         state["std"] = sd
         state["threshold_initial"] = th0

@@ -22,13 +22,12 @@ Edge cases: a stored L <= 0 (the accumulator had fewer than k nonzeros at the la
 density 1) would select every nonzero on reuse steps and no controller could ever raise it, so such a step
 re-evaluates L exactly instead (local decision, no collective); zeros are never selected.
 
-Cost of a reuse step. On a CPU buffer (numpy, or a contiguous CPU torch tensor) the step runs the fused
-select-and-compact kernel of :mod:`hvd_sparse.core.native`: ONE read pass over ``a`` yields the candidates
-C = S(L) with their values; the guard then counts and raises L on C only (raising L only shrinks the
-selection, so S(L·f) is the part of C the rule keeps) -- no |a| copy, no n-sized mask, no extra pass per
-raise; same indices and thresholds as the generic path, bit for bit. CUDA and TensorFlow tensors, and
-``HVD_SPARSE_NATIVE=0``, take the generic ``xp`` path (|a| once, one count pass per guard test, a compare +
-nonzero). Re-evaluation steps (exact top-k) are the same on both paths.
+Cost of a reuse step. One scan of ``a`` (``xp.scan``) yields the candidates C = S(L) with their values (or the
+engine hands them over: it collected them while it added the gradient into ``a``); the guard then counts and
+raises L on C only (raising L only shrinks the selection, so S(L·f) is the part of C the rule keeps) -- no extra
+pass over ``a`` per raise. On a CPU float32 buffer the scan is the fused select-and-compact kernel (one read pass,
+no |a| copy, no n-sized mask); elsewhere (CUDA, TensorFlow, ``HVD_SPARSE_NATIVE=0``) |a| once, a compare and a
+nonzero; the same indices and thresholds either way. Re-evaluation steps take the exact top-k.
 
 This sparsifier is Ok-Topk's (pair it with :class:`hvd_sparse.core.reducers.oktopk.OkTopk`), but it is a
 standalone sparsifier too: with the TopkA reducer it gives "TopkA with a reused threshold".
@@ -39,32 +38,12 @@ from __future__ import annotations
 import math
 import numbers
 
-import numpy as np
-
-from .. import native
 from ..errors import check_positive_int
 from ..selection import topk_indices
+from ..xp.generic import f32
 from .base import Sparsifier
 
 SELECT_RULES = ("ge_nonzero", "gt")
-
-
-def f32(x):
-    """``x`` rounded to float32, as a Python float: what thresholds are compared with."""
-    return float(np.float32(x))
-
-
-def rule_mask(xp, mag, th, rule):
-    """Boolean mask of the entries ``rule`` selects from the magnitudes ``mag`` at threshold ``th``.
-
-    ``ge_nonzero``: ``mag >= th and mag != 0``; ``gt``: ``mag > th``. ``th`` is compared in fp32.
-    """
-    t = f32(th)
-    if rule == "gt":
-        return xp.gt(mag, t)
-    if t > 0.0:
-        return xp.ge(mag, t)          # mag >= t > 0 implies nonzero
-    return xp.gt(mag, 0.0)
 
 
 def band_adjust(th, cnt, k, lo, hi, relax, tighten):
@@ -153,54 +132,51 @@ class ThresholdReuse(Sparsifier):
     def initial_state(self):
         return {"threshold": None}
 
-    def _exact(self, xp, acc, mag, k):
-        """Exact re-evaluation: (S, L). ge_nonzero: exactly the deterministic top-k; gt: |a| > k-th |a|.
-        ``mag``: ``|acc|``, or None (computed here when the rule needs it)."""
+    def _exact(self, xp, acc, k):
+        """Exact re-evaluation: (S, L). ge_nonzero: exactly the deterministic top-k; gt: |a| > k-th |a|."""
         if self.select_rule == "ge_nonzero":
             return topk_indices(xp, acc, k)
         n = xp.numel(acc)
-        mag = xp.abs(acc) if mag is None else mag
+        mag = xp.abs(acc)
         th = float(xp.kth_largest(mag, min(k, n)))
         return xp.nonzero(xp.gt(mag, f32(th))), th
 
-    def _reuse_fused(self, xp, acc, view, k, L, ctx):
-        """The reuse step with the fused kernel (``hvd_sparse.core.native``): the same (S, L) as the
-        generic path, bit for bit, with one read pass over the buffer instead of 2 + one per guard raise.
+    def _reuse(self, xp, acc, k, L, ctx):
+        """The reuse step: (S, L, guard raises, capped).
 
-        1. C, v = the indices and values ``rule`` selects at L       (one pass; no |acc| copy, no mask; or
-           none: ``ctx.prefiltered``, collected by the engine while it added the gradient into acc)
+        1. C, v = the indices and values ``rule`` selects at L       (one scan of acc; or none:
+           ``ctx.prefiltered``, collected by the engine while it added the gradient into acc)
         2. guard: count and raise L on (C, v) only -- raising L only shrinks the selection, so the set
            at a raised L is the subset of C that the rule keeps; C is in ascending order, so is S
-        3. hard cap (optional): as the generic path (exact top-k, which reads acc again)
+        3. hard cap (optional): exact top-k, which reads acc again
         """
         rule = self.select_rule
         raises, capped = 0, False
         guard = self.guard_ratio is not None and self.guard_iters > 0
         pre = ctx.prefiltered
-        if pre is not None and pre[0] == L and pre[1] == rule:     # collected by the add pass (the engine)
-            cand, vals = pre[2], pre[3]
+        if pre is not None and pre.threshold == L and pre.rule == rule:     # collected by the add pass
+            cand, vals = pre.indices, pre.values
         else:
-            cand, vals = native.select(view, L, rule, values=guard, expect=k)
-        if guard:
+            cand, vals = xp.scan(acc).select(L, rule, values=guard, expect=k)
+        if guard:                                           # pre-selection guard (ref:LSTM/VGG)
+            candidates = xp.scan(vals)
             limit = self.guard_ratio * k
-            c = cand.size
+            c = xp.numel(cand)
             for _ in range(self.guard_iters):
                 if c > limit:
                     L *= self.guard_factor
                     raises += 1
                     if self.guard_target is not None:
                         limit = self.guard_target * k
-                    c = native.count(vals, L, rule)
+                    c = candidates.count(L, rule)
                 else:
                     break
             if raises:
-                keep, _ = native.select(vals, L, rule)
-                cand = cand[keep]
-        idx = native.wrap(xp, cand)
-        if self.max_select_ratio is not None and cand.size > self.max_select_ratio * k:
-            idx, L = self._exact(xp, acc, None, k)          # hard cap: exact for this step
+                cand = xp.take(cand, candidates.select(L, rule)[0])
+        if self.max_select_ratio is not None and xp.numel(cand) > self.max_select_ratio * k:
+            cand, L = self._exact(xp, acc, k)               # hard cap: exact for this step
             capped = True
-        return idx, L, raises, capped
+        return cand, L, raises, capped
 
     def _reevaluates(self, state, ctx):
         L = state.get("threshold")
@@ -217,29 +193,12 @@ class ThresholdReuse(Sparsifier):
         L = state.get("threshold")
         reev = self._reevaluates(state, ctx)
         raises, capped = 0, False
-        view = None if (n == 0 or reev) else native.f32_view(xp, acc)
         if n == 0:
             idx, L = xp.zeros(0, xp.index_dtype, like=acc), 0.0
-        elif view is not None:                              # reuse step, fused CPU kernel
-            idx, L, raises, capped = self._reuse_fused(xp, acc, view, k, L, ctx)
         elif reev:                                          # exact k-th |a| (re-evaluation step)
-            idx, L = self._exact(xp, acc, None, k)
+            idx, L = self._exact(xp, acc, k)
         else:
-            mag = xp.abs(acc)
-            if self.guard_ratio is not None:                # pre-selection guard (ref:LSTM/VGG)
-                limit = self.guard_ratio * k
-                for _ in range(self.guard_iters):
-                    if xp.sum_int(rule_mask(xp, mag, L, self.select_rule)) > limit:
-                        L *= self.guard_factor
-                        raises += 1
-                        if self.guard_target is not None:
-                            limit = self.guard_target * k
-                    else:
-                        break
-            idx = xp.nonzero(rule_mask(xp, mag, L, self.select_rule))
-            if self.max_select_ratio is not None and xp.numel(idx) > self.max_select_ratio * k:
-                idx, L = self._exact(xp, acc, mag, k)       # hard cap: exact for this step
-                capped = True
+            idx, L, raises, capped = self._reuse(xp, acc, k, L, ctx)
         m = xp.numel(idx)
         state["threshold_used"] = L
         state["threshold"] = band_adjust(L, m, k, self.band_lo, self.band_hi, self.band_relax,

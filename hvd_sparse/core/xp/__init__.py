@@ -10,6 +10,13 @@ the standard (exact top-k with deterministic ties, scatter-add, in-place masked 
 casts) is most of what it uses. So this is one small table of functions per backend, picked by
 :func:`backend_of` from the array type. No framework is imported at load time.
 
+Layout: ``numpy_backend.py``, ``torch_backend.py``, ``tf_backend.py`` (one class per array type; what numpy and
+torch spell alike is in ``common.py``); ``generic.py`` (operations written once on the elementary ones, for every
+backend: ``scan`` -- counts and selections by a thresholding rule on ``|x|`` --, ``merge_add``, ``add_runs_``,
+``intersect``); ``kernels.py`` (the same operations, and ``accumulate_``, on the C kernels of
+:mod:`hvd_sparse.core.native` for numpy arrays and CPU torch tensors, with the generic path as fallback).
+Algorithms call these methods and never ask which backend they run on.
+
 Conventions (all backends):
 
 * indices are int64 (``index_dtype``), values of the engine are float32 (``float32``);

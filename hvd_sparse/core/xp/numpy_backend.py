@@ -5,13 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from .common import _Indexing
+from .kernels import KernelOps
 
 
-class NumpyBackend(_Indexing):
+class NumpyBackend(KernelOps, _Indexing):
     """numpy arrays (the simulator's backend)."""
 
     name = "numpy"
     mutable = True
+    freezable = True
     float32 = np.float32
     index_dtype = np.int64
     int32 = np.int32
@@ -50,6 +52,26 @@ class NumpyBackend(_Indexing):
         return np.asarray(x)
 
     @staticmethod
+    def from_numpy(a):
+        return a
+
+    @staticmethod
+    def host(x):
+        """The numpy array of a CPU buffer (``x`` itself)."""
+        return x
+
+    @staticmethod
+    def stream_buffer(n, like=None):
+        """An uninitialised float32 buffer of ``n`` values that is streamed through every step (error
+        feedback's): numpy asks the kernel for transparent huge pages on large buffers (``madvise``)."""
+        return np.empty(n, np.float32)
+
+    @staticmethod
+    def freeze(x):
+        x.flags.writeable = False
+        return x
+
+    @staticmethod
     def numel(x):
         return int(x.size)
 
@@ -73,6 +95,10 @@ class NumpyBackend(_Indexing):
     @staticmethod
     def mul(x, s):
         return x * np.asarray(s, dtype=x.dtype)
+
+    @staticmethod
+    def maximum(x, y):
+        return np.maximum(x, y)
 
     @staticmethod
     def add_into(a, b, out):

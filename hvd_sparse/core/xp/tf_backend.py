@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from .generic import GenericOps
 
-class TFBackend:
+
+class TFBackend(GenericOps):
     """TensorFlow eager tensors (the TensorFlow adapter's backend; the engine runs inside ``tf.py_function``).
 
     TensorFlow tensors are immutable, so every ``_`` function returns a new tensor (callers use the result)
     and ``copy`` is the identity. Every operation is exact and deterministic: scatters only ever see unique
     indices (or a constant value), ``kth_largest`` reads the exact values of ``tf.math.top_k``, sorts of
     indices are stable. The helpers below ``bitcast`` stand in for what numpy and torch spell with methods
-    or slice assignment (the core calls them only for backends other than numpy and torch).
+    or slice assignment. What the numpy and torch backends do with the C kernels (``scan``, ``merge_add``,
+    ``intersect``) runs the generic path of :class:`~hvd_sparse.core.xp.generic.GenericOps` here.
     """
 
     name = "tensorflow"
@@ -53,6 +56,9 @@ class TFBackend:
     @staticmethod
     def to_numpy(x):
         return x.numpy()
+
+    def from_numpy(self, a):
+        return self.tf.convert_to_tensor(a)
 
     @staticmethod
     def numel(x):

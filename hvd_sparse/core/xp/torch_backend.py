@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from .common import _Indexing
+from .kernels import KernelOps
 from .numpy_backend import NumpyBackend
 
 
-class TorchBackend(_Indexing):
+class TorchBackend(KernelOps, _Indexing):
     """torch tensors, CPU or CUDA (the PyTorch adapter's backend)."""
 
     name = "torch"
@@ -47,6 +50,24 @@ class TorchBackend(_Indexing):
     def to_numpy(x):
         return x.detach().cpu().numpy()
 
+    def from_numpy(self, a):
+        return self.torch.from_numpy(a)
+
+    @staticmethod
+    def host(x):
+        """The numpy array sharing a CPU tensor's memory, or None (another device)."""
+        return x.numpy() if x.device.type == "cpu" else None
+
+    def stream_buffer(self, n, like):
+        """An uninitialised float32 buffer of ``n`` values for ``like``'s device that is streamed through every
+        step (error feedback's). On the CPU it is numpy's (a tensor sharing it): numpy asks the kernel for
+        transparent huge pages on large buffers (``madvise``), torch's allocator does not, and with 4 KiB pages
+        the pass costs a third more (measured: error feedback's add pass over 25M values, 32 ms with torch's
+        allocation, 21 ms with numpy's)."""
+        if like.device.type == "cpu":
+            return self.torch.from_numpy(np.empty(n, np.float32))
+        return self.torch.empty(n, dtype=self.torch.float32, device=like.device)
+
     @staticmethod
     def numel(x):
         return int(x.numel())
@@ -68,6 +89,9 @@ class TorchBackend(_Indexing):
     @staticmethod
     def mul(x, s):
         return x * s
+
+    def maximum(self, x, y):
+        return self.torch.maximum(x, y)
 
     def add_into(self, a, b, out):
         """``out[:] = a + b`` (``a`` None: ``out[:] = b``), cast to ``out``'s dtype; one pass, returns ``out``."""

@@ -1,4 +1,5 @@
-/* hvd_sparse fused CPU kernels (see __init__.py for the design and the Python API).
+/* hvd_sparse fused CPU kernels: select, count, add, add-and-select, merge-add, intersect (see __init__.py for
+ * the design and kernels.py for the Python API).
  *
  * hvds_add_f32: out = r + g (or out = g when r == NULL) over float32 buffers, in one pass, counting the
  * non-finite results on the way: error feedback's acc = residual + grad and the non-finite check of the

@@ -1,0 +1,113 @@
+"""Operations every backend offers, written once on the backends' elementary operations.
+
+The numpy and torch backends override them with the C kernels when those are built
+(:mod:`hvd_sparse.core.xp.kernels`); the TensorFlow backend (and CUDA tensors) run these. Both give the same
+bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def f32(x):
+    """``x`` rounded to float32, as a Python float: what thresholds are compared with."""
+    return float(np.float32(x))
+
+
+def rule_mask(xp, mag, th, rule):
+    """Boolean mask of the entries ``rule`` selects from the magnitudes ``mag`` at threshold ``th``.
+
+    ``ge_nonzero``: ``mag >= th and mag != 0``; ``gt``: ``mag > th``; ``ge``: ``mag >= th``. ``th`` is compared
+    in float32 (rounded to nearest).
+    """
+    if rule == "ge":
+        return xp.ge(mag, th)
+    t = f32(th)
+    if rule == "gt":
+        return xp.gt(mag, t)
+    if rule != "ge_nonzero":
+        raise ValueError(f"hvd_sparse: rule must be one of ('ge_nonzero', 'gt', 'ge'), got {rule!r}")
+    if t > 0.0:
+        return xp.ge(mag, t)          # mag >= t > 0 implies nonzero
+    return xp.gt(mag, 0.0)
+
+
+class Scan:
+    """Counts and selections of one array by a thresholding rule on ``|x|`` (``xp.scan(x)``).
+
+    Rules (``hvd_sparse.core.native.RULES``): ``ge_nonzero`` (|x| >= t and x != 0; t <= 0: |x| > 0), ``gt``
+    (|x| > t), ``ge`` (|x| >= t); NaN is never selected. This generic scan computes ``|x|`` once, on first use,
+    and masks it per call; the numpy and CPU torch backends scan float32 buffers with the fused kernel instead
+    (one read pass per call, no copy, no mask), with the same results.
+    """
+
+    __slots__ = ("xp", "x", "_mag")
+
+    def __init__(self, xp, x):
+        self.xp, self.x, self._mag = xp, x, None
+
+    def _magnitudes(self):
+        if self._mag is None:
+            self._mag = self.xp.abs(self.x)
+        return self._mag
+
+    def count(self, th, rule):
+        """How many entries ``rule`` selects at threshold ``th``."""
+        return self.xp.sum_int(rule_mask(self.xp, self._magnitudes(), th, rule))
+
+    def select(self, th, rule, *, base=0, values=False, expect=0):
+        """``(indices, values or None)``: the ascending int64 indices (plus ``base``) of the entries ``rule``
+        selects at ``th``, and with ``values`` their values (signed). ``expect``: the count the caller expects
+        (sizes the kernel's output; unused here)."""
+        xp = self.xp
+        idx = xp.nonzero(rule_mask(xp, self._magnitudes(), th, rule))
+        vals = xp.take(self.x, idx) if values else None
+        if base and xp.numel(idx):
+            idx = xp.add(idx, base)
+        return idx, vals
+
+
+class GenericOps:
+    """The generic path of the operations the C kernels speed up (mixed into every backend)."""
+
+    #: the simulator may share one read-only result between its ranks (:meth:`freeze` makes it read-only)
+    freezable = False
+
+    def freeze(self, x):
+        """``x``, made read-only where the array type allows it (numpy)."""
+        return x
+
+    def scan(self, x):
+        """A :class:`Scan` of the 1-D ``x``: ``count(th, rule)`` and ``select(th, rule, ...)`` on ``|x|``."""
+        return Scan(self, x)
+
+    def add_runs_(self, dst, idx, vals, counts):
+        """``dst[idx_s] += vals_s`` for the sources s = 0..P-1 in turn (``counts[s]`` pairs each, indexes unique
+        within a source): the sums are the same on every rank whatever the order of the pairs within a source."""
+        off = 0
+        for c in counts:
+            if c:
+                dst = self.add_unique_(dst, idx[off:off + c], vals[off:off + c])
+            off += c
+        return dst
+
+    def merge_add(self, idx, vals, counts, like=None):
+        """``(sorted unique indexes, sums)`` of P runs of (index, value) pairs (``counts[s]`` pairs for source s,
+        indexes unique within a source): every sum is ``0 + v_0 + v_1 + ...`` over the sources in rank order,
+        the very additions of ``dst = 0; dst[idx_s] += vals_s for s = 0..P-1``, bit for bit. O(m log m) in the
+        m pairs: the indexes are mapped to slots of their sorted distinct values (``like``: device)."""
+        support, slot = self.unique_inverse(idx)
+        zeros = self.zeros(self.numel(support), self.float32, like=like)
+        return support, self.add_runs_(zeros, slot, vals, counts)
+
+    def intersect(self, a, b):
+        """The elements of the sorted unique int ``a`` that occur in the sorted unique ``b`` (exact, ascending)."""
+        if self.numel(a) == 0 or self.numel(b) == 0:
+            return a[:0]
+        return self._intersect(a, b)
+
+    def _intersect(self, a, b):
+        """Binary search of ``a`` in ``b`` (both non-empty)."""
+        pos = self.clamp_max(self.searchsorted(b, a), self.numel(b) - 1)
+        return self.take(a, self.nonzero(self.eq(self.take(b, pos), a)))

@@ -1,0 +1,123 @@
+"""The C kernels behind backend methods, for the numpy and torch backends.
+
+Each method takes the kernel (:mod:`hvd_sparse.core.native`) when its buffers are numpy arrays or CPU torch
+tensors of the kernel's dtype, 1-D and contiguous, and the kernel is built (``HVD_SPARSE_NATIVE`` not 0); else
+the generic path of :class:`~hvd_sparse.core.xp.generic.GenericOps`. The results are the same bits either way
+(``tests/test_native_select.py`` runs both).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import native
+from .generic import GenericOps, Scan
+
+#: the most runs one kernel merge takes (:meth:`KernelOps.merge_add` merges more in chunks)
+MERGE_RUNS = 256
+
+
+class KernelScan:
+    """A :class:`~hvd_sparse.core.xp.generic.Scan` by the fused kernel: one read pass per call over the float32
+    buffer, |x| compared on the fly (no copy, no mask)."""
+
+    __slots__ = ("xp", "view")
+
+    def __init__(self, xp, view):
+        self.xp, self.view = xp, view
+
+    def count(self, th, rule):
+        return native.count(self.view, th, rule)
+
+    def select(self, th, rule, *, base=0, values=False, expect=0):
+        idx, vals = native.select(self.view, th, rule, base=base, values=values, expect=expect)
+        return self.xp.from_numpy(idx), (None if vals is None else self.xp.from_numpy(vals))
+
+
+class KernelOps(GenericOps):
+    """Kernel-backed operations of the numpy and torch backends (``host(x)``: the numpy array of a CPU buffer,
+    or None; ``from_numpy(a)``: a numpy result as the backend's array)."""
+
+    def scan(self, x):
+        """A scan by the fused kernel for a float32 CPU buffer, else the generic one."""
+        view = native.f32_view(self, x)
+        return Scan(self, x) if view is None else KernelScan(self, view)
+
+    def accumulate_(self, r, pieces, out, *, zero_g=False, select=None):
+        """``out[:] = r + concat(pieces)`` (``r`` None: ``out[:] = concat(pieces)``), cast to float32 (``out``), in
+        one pass per piece; with ``zero_g`` the pieces are zeroed in the same pass (``out`` is none of them).
+
+        ``select``: None, or ``(threshold, rule, expects)``: the same pass also collects the entries of ``out``
+        that ``rule`` selects, piece by piece (``expects[j]``: the count expected in piece j, which sizes its
+        output room).
+
+        Returns ``(finite, found)``: ``finite`` is False when a sum is not finite, True when every piece took the
+        kernel and all are, else None (the generic path cannot tell on the way); ``found`` the list of
+        ``(indices, values)`` per piece (global int64 indices ascending, float32 values; numpy arrays), exactly
+        ``scan(out).select(threshold, rule, values=True)`` of each piece, or None (not asked for, or a piece took
+        the generic path)."""
+        ov = native.f32_view(self, out)
+        rv = None if r is None or ov is None else native.f32_view(self, r)
+        bad, known, off = 0, True, 0
+        found = [] if select is not None else None
+        for j, p in enumerate(pieces):
+            m = self.numel(p)
+            pv = None if ov is None or (r is not None and rv is None) else native.f32_view(self, p)
+            rp = None if rv is None else rv[off:off + m]
+            if pv is not None and found is not None:    # one pass: the sum, its non-finite count and selection
+                th, rule, expects = select
+                b, idx, vals = native.add_select(rp, pv, ov[off:off + m], th, rule, base=off, expect=expects[j],
+                                                 zero_g=zero_g)
+                bad += b
+                found.append((idx, vals))
+            elif pv is not None:                        # one pass: the sum and its non-finite count
+                bad += native.add(rp, pv, ov[off:off + m], zero_g=zero_g)
+            else:                                       # the generic path
+                self.add_into(None if r is None else r[off:off + m], p, out[off:off + m])
+                if zero_g:
+                    self.fill_(p, 0.0)
+                known, found = False, None
+            off += m
+        return (False if bad else (True if known else None)), found
+
+    def merge_add(self, idx, vals, counts, like=None):
+        """:meth:`GenericOps.merge_add` in one merge pass when every source's indexes are ascending (as the
+        reducers send them); beyond ``MERGE_RUNS`` sources the runs are merged in chunks, each starting from the
+        sums so far as its first run (``0.0 + s`` is ``s`` bit for bit: a rank-order sum is never -0.0), so
+        every sum is still ``0 + v_0 + v_1 + ...`` in rank order."""
+        counts = list(counts)
+        if len(counts) <= MERGE_RUNS:
+            return self._merge_runs(idx, vals, counts, like)
+        head = sum(counts[:MERGE_RUNS])
+        where, sums = self._merge_runs(idx[:head], vals[:head], counts[:MERGE_RUNS], like)
+        for s in range(MERGE_RUNS, len(counts), MERGE_RUNS - 1):
+            part = counts[s:s + MERGE_RUNS - 1]
+            end = head + sum(part)
+            where, sums = self._merge_runs(self.concat([where, idx[head:end]], like=like),
+                                           self.concat([sums, vals[head:end]], like=like),
+                                           [self.numel(where)] + list(part), like)
+            head = end
+        return where, sums
+
+    def _merge_runs(self, idx, vals, counts, like):
+        iv, vv = native.i64_view(self, idx), native.f32_view(self, vals)
+        if iv is not None and vv is not None:
+            merged = native.merge_add(iv, vv, counts)
+            if merged is not None:
+                return self.from_numpy(merged[0]), self.from_numpy(merged[1])
+        return GenericOps.merge_add(self, idx, vals, counts, like)
+
+    def _intersect(self, a, b):
+        """The merge kernel on int64 buffers; else one stable sort of the two runs on the host (O(|a| + |b|));
+        else (CUDA) the binary search."""
+        av, bv = native.i64_view(self, a), native.i64_view(self, b)
+        if av is not None and bv is not None:
+            both = native.intersect(av, bv)
+            if both is not None:
+                return self.from_numpy(both)
+        an, bn = self.host(a), self.host(b)
+        if an is None or bn is None:
+            return GenericOps._intersect(self, a, b)
+        c = np.concatenate([an, bn.astype(an.dtype, copy=False)])
+        c.sort(kind="stable")
+        return self.from_numpy(c[:-1][c[1:] == c[:-1]])
