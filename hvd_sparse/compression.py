@@ -198,9 +198,9 @@ class Compression:
                 gathered values and re-evaluates the global threshold from them. It bounds the volume of a
                 gradient spike; the "library" variant's controllers already keep both counts near k.
             boundaries (str or None): how the regions follow the selection (``OkTopk.boundaries``): None takes
-                the variant's ("load" for "library": rebalanced every step from the split loads the owners
-                report in the count allgather; "periodic" for the others: only every ``repartition_period``
-                steps, as the paper), or "periodic", "result", "load".
+                the variant's ("measured" for "library": every step splits its own load, summed by one
+                allreduce of 2P counts before the split; "periodic" for the others: only every
+                ``repartition_period`` steps, as the paper), or "periodic", "result", "load", "measured".
         """
         if variant not in OKTOPK_PRESETS:
             raise ValueError(f"hvd_sparse.Compression.oktopk: variant must be one of {sorted(OKTOPK_PRESETS)}, "

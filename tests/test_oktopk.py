@@ -1013,7 +1013,7 @@ def test_smoothed_load_boundaries_keep_the_split_balanced_at_ten_entries_per_reg
     P, n, steps, density = 64, 32_768, 20, 0.02
     k, src = int(density * n), SyntheticGradients(n, P, seed=0)
     share = 2 * k * (P - 1) / P
-    comp = hvd_sparse.Compression.oktopk(density)
+    comp = hvd_sparse.Compression.oktopk(density, boundaries="load")
     assert comp.reducer.load_smoothing == 0.5
     worst = _split_max_per_step(comp, src, P, steps)[5:].max() / share
     assert worst <= 1.55, worst
@@ -1029,6 +1029,62 @@ def test_smoothed_load_boundaries_are_an_even_split_of_the_average():
     out, _ = smoothed_load_boundaries([0, 100, 200], [10, 30], [], st, 0.5, 8)
     assert out == [0, 100, 200]                             # the average of 30:10 and 10:30 is even
     assert smoothed_load_boundaries([0, 5, 9], [0, 0], [], None, 0.5, 8) == (None, None)
+
+
+def test_measured_boundaries_split_the_histogram_evenly():
+    from hvd_sparse.core.reducers.regions import histogram_edges, measured_boundaries
+
+    edges = histogram_edges(None, 2, 200)
+    assert edges == [0, 50, 100, 150, 200]                  # no forecast yet: equal-width bins, 2 per region
+    assert measured_boundaries(edges, [30, 10, 10, 30], None, 200) == [0, 100, 200]
+    assert measured_boundaries(edges, [60, 0, 0, 20], None, 200) == [0, 33, 200]     # 40 of 60: 2/3 of bin 0
+    # shaped like the forecast inside a bin: its middle point (10) halves the bin's load
+    forecast = [0, 10, 50, 60, 100, 120, 150, 170, 200]
+    assert histogram_edges(forecast, 2, 200) == [0, 50, 100, 150, 200]
+    assert measured_boundaries(edges, [60, 0, 0, 20], forecast, 200) == [0, 23, 200]
+    assert measured_boundaries(edges, [0, 0, 0, 0], forecast, 200) is None
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize("control", ["band", "ladder"])
+def test_measured_boundaries_and_the_ladder_sum_do_not_change_results(P, tp, control):
+    """``measured`` boundaries (this step's histogram, allreduced before the split) and the ladder's counts
+    summed by an allreduce: the same updates and residuals, bit for bit, as the paper's boundaries, the same
+    boundaries on every rank, and exactly the words of their collectives."""
+    g = int_grads(14, P, 300, seed=80 + P)
+    runs = {b: run(make(0.05, tp=tp, rp=6, rd={"boundaries": b, "global_control": control}), g)
+            for b in ("periodic", "measured")}
+    assert runs["measured"]["updates"].tobytes() == runs["periodic"]["updates"].tobytes()
+    assert runs["measured"]["residuals"].tobytes() == runs["periodic"]["residuals"].tobytes()
+    assert_mass_conserved(g, runs["measured"])
+    for t in range(14):
+        offs = runs["measured"]["info"][t][0]["offsets"]
+        assert offs[0] == 0 and offs[-1] == 300 and offs == sorted(offs)
+        assert all(runs["measured"]["info"][t][r]["offsets"] == offs for r in range(P))
+        for b, res in runs.items():
+            rw = res["phases"][t][0]["recv_words"]
+            assert rw.get("histogram", 0) == (2 * (2 * P) * (P - 1) // P if b == "measured" and t else 0)
+            if control == "ladder" and not res["info"][t][0]["reeval"]:
+                assert rw["ladder"] == 2 * 9 * (P - 1) // P and rw.get("count", 0) <= P - 1
+    offsets = [runs["measured"]["info"][t][0]["offsets"] for t in range(14)]
+    assert any(o != offsets[0] for o in offsets[1:])                    # the measured boundaries do move
+
+
+def test_library_stays_within_6k_bound_at_ten_entries_per_region():
+    """k/P = 10 (the regime of P = 1024 at n = 524,288): the 6k(P-1)/P bound on every steady step of a
+    24-step run. Boundaries that follow the last steps' load miss it on the steps after a re-evaluation,
+    and the ladder's count vectors in an allgather cost 10(P-1) words, 1.0k(P-1)/P here."""
+    import hvd_sparse
+    from hvd_sparse.bench.data import SyntheticGradients
+
+    P, n, steps, density = 64, 32_768, 24, 0.02
+    k, src = int(density * n), SyntheticGradients(n, P, seed=0)
+    unit = k * (P - 1) / P
+    rep = _steady_volume(hvd_sparse.Compression.oktopk(density), src, P, steps)
+    assert rep["steady_steps"] == steps - 1
+    assert rep["steady_over_bound"] == [], (rep["recv_words_max_steady"] / unit, rep["steady_max_phases"])
+    assert rep["recv_words_max_steady"] <= 6 * unit
 
 
 @pytest.mark.parametrize("runs", [1, 255, 256, 257, 600])

@@ -4,6 +4,7 @@
       reev  = (t % tau_p == 0)                      # t = 0 is always a re-eval AND repartition step
       if t % tau == 0: off = repartition(a, L)      # one allreduce (boundaries="periodic"; with
                                                     # "result"/"load": t = 0 only, then off = next_off below)
+      ("measured", t > 0: H = allreduce(histogram of S over 2P bins); off = even split of H)
       rho   = split_and_reduce(a, S, off)           # region r of the sum
       if reev:                                      # global re-evaluation
           C   = allgather( (x+off[r], rho[x]) for x with rho[x] != 0 )    # identical on all ranks
@@ -33,10 +34,13 @@
 
 Collectives (phase names, each a distinct, stable collective; none at all when P = 1):
     boundaries     allreduce int64 (P-1)               repartition steps
+    histogram      allreduce int64 (2P)                boundaries="measured", other steps
     split          alltoall  (rel. index, value) pairs every step (sources reduced in rank order)
     reeval_count   allgather 1 int64 (+1: the load)    re-eval steps
     reeval_gather  allgather (global index, value)     re-eval steps (skipped when every U_r = 0)
-    count          allgather 1 int64 (ladder: 9) (+1)  other steps
+    ladder         allreduce int64 9 (+P: the loads)   global_control="ladder", other steps
+    count          allgather 1 int64 (+1: the load)    other steps (ladder: only to balance, not when
+                                                       balance="never" or K = 0)
     balance        alltoall  (global index, value)     other steps, when the balance policy triggers
     gather         allgather (global index, value)     other steps (skipped when K = 0, known to all)
 
@@ -60,11 +64,11 @@ from ..errors import check_positive_int
 from ..sparsifiers.threshold_reuse import band_adjust, check_real, check_select_rule
 from ..selection import intersect_sorted, topk_indices
 from .base import Reducer, SparseSum, pack_pairs, unpack_pairs, wire_index_dtype
-from .regions import load_boundaries, result_boundaries, smoothed_load_boundaries
+from .regions import load_boundaries, measure_load, measured_boundaries, next_boundaries  # noqa: F401
 from .topka import sum_sparse_in_rank_order
 
 BALANCE_POLICIES = ("auto", "always", "never")
-BOUNDARY_POLICIES = ("periodic", "result", "load")
+BOUNDARY_POLICIES = ("periodic", "result", "load", "measured")
 
 
 # -- index helpers ----------------------------------------------------------------------------------------
@@ -141,17 +145,23 @@ class OkTopk(Reducer):
             at P = 256 within 40 steps). ``"result"``: the boundaries of the next step are the P quantiles
             of this step's global result G (``result_boundaries``), which every rank holds identically: no
             communication at all; but G is more concentrated than the ranks' selections, so the split
-            load stays uneven (measured: up to 2.3x at P = 256). ``"load"`` (the ``Compression.oktopk``
-            preset): each owner adds one word, the number of pairs its region received in the split phase,
-            to the count allgather the step makes anyway (P-1 more words received per rank, no extra
-            collective); every rank then moves the boundaries so that this measured load is split evenly
-            (``load_boundaries``, O(P)). With ``result`` and ``load`` the boundaries are recomputed when
-            the last step's imbalance (largest share x P / total) exceeds ``boundary_tolerance``, and the
-            allreduce repartition runs only on the first step (and after a change of P or n).
-        load_smoothing (float): β of ``load``: the boundaries split an exponential average of the measured
-            load CDFs, β·(average so far) + (1-β)·(this step's), evenly (``smoothed_load_boundaries``): the
-            hot entries a step clears move the load elsewhere, and the last step alone forecasts the next
-            poorly (measured: P = 256, k/P = 10: busiest split 3.5u -> 2.8u). 0: the last step only. Default 0.5.
+            load stays uneven (measured: up to 2.3x at P = 256). ``"load"``: the number of pairs each region
+            received in the split phase rides in the count collective the step makes anyway (one more word
+            per owner in the count allgather; with the ladder, each rank's P splits in its allreduce: 2P
+            words received, no extra collective); every rank then moves the boundaries so that this load is
+            split evenly (``load_boundaries``, O(P)). ``"measured"`` (the ``Compression.oktopk`` preset):
+            before the split, one allreduce (phase ``histogram``, 2P int64: 4P words received per rank) sums
+            the ranks' counts of their selections in 2 bins per region, the bins being the quantiles of the
+            smoothed load of the past steps; the step's boundaries split this measured load evenly
+            (``measured_boundaries``, O(P)): the load of the step itself, not a forecast, which the entries
+            a step clears make poor at ~10 entries per region. With ``result`` and ``load`` the boundaries
+            are recomputed when the last step's imbalance (largest share x P / total) exceeds
+            ``boundary_tolerance``; with all three the allreduce repartition runs only on the first step
+            (and after a change of P or n).
+        load_smoothing (float): β of ``load`` (and of ``measured``'s bins): the boundaries split an exponential
+            average of the measured load CDFs, β·(average so far) + (1-β)·(this step's), evenly
+            (``smoothed_load_boundaries``): the hot entries a step clears move the load elsewhere, and the
+            last step alone forecasts the next poorly. 0: the last step only. Default 0.5.
         boundary_tolerance (float): the recompute trigger of ``result`` and ``load``; 1.0 recomputes on
             every step. Default 1.0.
         balance (str): data balancing before the final allgatherv: ``"auto"`` (default, paper: iff
@@ -169,10 +179,12 @@ class OkTopk(Reducer):
             authors' post-hoc controller (Γ·``global_tighten`` above hi·k, Γ/``global_relax`` below lo·k, one
             small step per iteration); it lags behind a growing residual (measured: K = 2-8k on synthetic and
             digits gradients, see docs/benchmarks.md). ``"ladder"`` (the ``Compression.oktopk`` preset):
-            each owner counts its candidates at the thresholds Γ·f^j, j = -2..6 (f = ``ladder_factor``),
-            the P count vectors travel in the count allgather the step needs anyway (9 words per rank
-            instead of 1), and every rank takes the smallest Γ·f^j whose global count is <= k; Γ keeps it.
-            So K <= k on reuse steps whenever the ladder reaches (the paper's volume bound assumes K <= k).
+            each owner counts its candidates at the thresholds Γ·f^j, j = -2..6 (f = ``ladder_factor``), one
+            allreduce (phase ``ladder``) sums the 9 counts, and every rank takes the smallest Γ·f^j whose
+            global count is <= k; Γ keeps it. So K <= k on reuse steps whenever the ladder reaches (the
+            paper's volume bound assumes K <= k). The sum costs 2·9 words received where an allgather of the
+            count vectors would cost 9(P-1); the owners' own counts (1 word each, phase ``count``) travel
+            only when the balance rule needs them.
         ladder_factor (float): f of the ladder. Default 1.1 (Γ moves by up to x1.77 up or /1.21 down a step).
 
     Per-rank state: ``t`` (sparse steps so far), ``gamma`` (Γ, identical on all ranks), ``offsets``
@@ -244,8 +256,9 @@ class OkTopk(Reducer):
     # -- split and reduce--------------------------------------------------------------------------------------
     @staticmethod
     def _split_and_reduce(xp, acc, idx, offsets, comm):
-        """Region r of the sum of the selections: its nonzeros as (global int64 idx, float32 value), and the
-        number of pairs the region received (its load, this rank's own included)."""
+        """Region r of the sum of the selections: its nonzeros as (global int64 idx, float32 value), the
+        number of pairs the region received (its load, this rank's own included) and this rank's splits
+        (pairs sent to each region: summed over the ranks, they are every region's load)."""
         r = comm.rank
         splits, rel = region_split(xp, idx, offsets)
         wire = wire_index_dtype(xp, max(offsets[j + 1] - offsets[j] for j in range(comm.size)))
@@ -256,36 +269,11 @@ class OkTopk(Reducer):
         # support of what arrived (no |R_r|-sized buffer: a region can span most of the model)
         where, rho = sum_sparse_in_rank_order(xp, rel_r, val_r, [s // 2 for s in recv_splits], acc)
         nz = xp.nonzero(xp.gt(xp.abs(rho), 0.0))
-        return xp.add(xp.take(where, nz), offsets[r]), xp.take(rho, nz), sum(recv_splits) // 2
+        return xp.add(xp.take(where, nz), offsets[r]), xp.take(rho, nz), sum(recv_splits) // 2, splits
 
     def _gather(self, xp, c_idx, c_val, n, comm, phase, like):
         flat = comm.allgather(pack_pairs(xp, c_idx, c_val, wire_index_dtype(xp, n), like), phase)
         return unpack_pairs(xp, flat)
-
-    def _next_boundaries(self, xp, g_idx, offsets, loads, P, n, state):
-        """The boundaries of the next step, or None to keep ``offsets``: from this step's result G
-        (``result``) or from the split loads every owner reported (``load``); both are identical on all
-        ranks. Only when the step's imbalance exceeded ``boundary_tolerance``. O(P log k)."""
-        if self.boundaries == "periodic" or P == 1:
-            return None
-        if self.boundaries == "load":
-            if loads is None or max(loads) * P <= self.boundary_tolerance * sum(loads):
-                return None
-            if self.load_smoothing:                                 # O(P) numpy work, the average in state
-                out, state["cdf"] = smoothed_load_boundaries(offsets, loads, xp.to_numpy(g_idx),
-                                                             state.get("cdf"), self.load_smoothing, 4 * P)
-                return out
-            g_pos = [int(p) for p in xp.to_numpy(xp.searchsorted(
-                g_idx, xp.asarray(offsets, xp.index_dtype, like=g_idx)))]
-            return load_boundaries(offsets, loads, g_pos, lambda pos: [int(v) for v in xp.to_numpy(
-                xp.take(g_idx, xp.asarray(pos, xp.index_dtype, like=g_idx)))])
-        m = xp.numel(g_idx)
-        if m:
-            bounds = xp.asarray(offsets, xp.index_dtype, like=g_idx)
-            pos = [int(p) for p in xp.to_numpy(xp.searchsorted(g_idx, bounds))]
-            if max(pos[j + 1] - pos[j] for j in range(P)) * P <= self.boundary_tolerance * m:
-                return None
-        return result_boundaries(xp, g_idx, P, n)
 
     # -- one step ----------------------------------------------------------------------------------------
     def reduce(self, xp, acc, idx, k, comm, state, ctx):
@@ -302,16 +290,21 @@ class OkTopk(Reducer):
         else:                       # boundaries from the last result; the allreduce only to start
             repart = offsets is None
 
+        hist = None
         if repart:                                                  # repartition
             offsets = self._repartition(xp, idx, n, comm)
+        elif self.boundaries == "measured" and P > 1:               # this step's load, before the split
+            edges, hist = measure_load(xp, idx, state.get("cdf"), n, comm, acc)
+            offsets = measured_boundaries(edges, hist, state.get("cdf"), n) or offsets
         if P == 1:                                                  # rho = a on S (no collective)
             vals = xp.take(acc, idx)
             nz = xp.nonzero(xp.gt(xp.abs(vals), 0.0))
             c_idx, c_val = xp.take(idx, nz), xp.take(vals, nz)
         else:                                                       # split and reduce
-            c_idx, c_val, load = self._split_and_reduce(xp, acc, idx, offsets, comm)
-        # "load" boundaries: the owners' split loads ride in the step's count allgather (one more word each)
-        with_load = self.boundaries == "load" and P > 1
+            c_idx, c_val, load, splits = self._split_and_reduce(xp, acc, idx, offsets, comm)
+        # "load" boundaries (and "measured" ones until a histogram is made): the owners' split loads ride in
+        # the step's count collective (one more word each in an allgather, the senders' splits in the ladder)
+        with_load = P > 1 and hist is None and self.boundaries in ("load", "measured")
         loads = None
 
         balanced = capped = False
@@ -331,28 +324,30 @@ class OkTopk(Reducer):
         else:                                                       # threshold Γ reused + balance
             used = gamma
             owned = xp.scan(c_val)                  # the owner's candidates: counts and selection on |c_val|
-            if self.global_control == "ladder":
+            if self.global_control == "ladder":   # the ladder's totals (and the loads) by one allreduce
                 ladder = [gamma * self.ladder_factor ** j for j in LADDER_STEPS]
                 mine = [owned.count(th, self.select_rule) for th in ladder]
-                table = _allgather_counts(xp, mine + [load] if with_load else mine, comm, "count", acc) \
-                    if P > 1 else [mine]
-                if with_load:
-                    loads = [row.pop() for row in table]
-                totals = [sum(row[j] for row in table) for j in range(len(ladder))]
+                totals = mine
+                if P > 1:
+                    totals = [int(v) for v in xp.to_numpy(comm.allreduce(xp.asarray(
+                        mine + splits if with_load else mine, xp.index_dtype, like=acc), SUM, "ladder"))]
+                    totals, loads = totals[:len(ladder)], (totals[len(ladder):] if with_load else None)
                 j = next((j for j, tot in enumerate(totals) if tot <= k), len(ladder) - 1)
                 used = ladder[j]
-                ladder_counts = [row[j] for row in table]
             keep = owned.select(used, self.select_rule)[0]
             m_idx, m_val = xp.take(c_idx, keep), xp.take(c_val, keep)
             if P > 1:
-                if self.global_control == "ladder":
-                    owner_counts = ladder_counts
+                if self.global_control == "ladder":                 # the owners' counts only to balance
+                    T = totals[j]
+                    owner_counts = None if self.balance == "never" else [0] * P if T == 0 else \
+                        _allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
                 elif with_load:
                     owner_counts, loads = map(list, zip(*_allgather_counts(xp, [xp.numel(m_idx), load], comm,
                                                                            "count", acc)))
                 else:
                     owner_counts = _allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
-                T = sum(owner_counts)
+                if self.global_control != "ladder":
+                    T = sum(owner_counts)
                 if T == 0:                                          # K = 0, known to every rank
                     g_idx, g_val = m_idx, m_val
                 else:
@@ -366,7 +361,7 @@ class OkTopk(Reducer):
             else:
                 owner_counts = [xp.numel(m_idx)]
                 g_idx, g_val = m_idx, m_val
-            T = sum(owner_counts)
+                T = owner_counts[0]
             if self.max_select_ratio is not None and T > self.max_select_ratio * k:
                 g_idx, g_val, gamma_next = global_topk(xp, g_idx, g_val, k)    # hard cap
                 capped = True
@@ -380,11 +375,13 @@ class OkTopk(Reducer):
         # scatters it into the outputs, no n-sized buffer here
         u = SparseSum(g_idx, g_val)
         included = intersect_sorted(xp, idx, g_idx)
-        nxt = self._next_boundaries(xp, g_idx, offsets, loads, P, n, state)
+        nxt = None if self.boundaries == "periodic" or P == 1 else next_boundaries(
+            self.boundaries, xp, g_idx, offsets, loads, n, state, self.boundary_tolerance, self.load_smoothing,
+            hist and (edges, hist))
         state.update(t=t + 1, gamma=gamma_next, offsets=list(offsets if nxt is None else nxt), size=P)
         info = {"K": xp.numel(g_idx), "threshold": used, "next_threshold": gamma_next, "reeval": bool(reev),
                 "repartition": bool(repart), "balanced": balanced, "capped": capped, "offsets": list(offsets),
-                "owner_counts": owner_counts, "t": t, "rebalanced": nxt is not None}
+                "owner_counts": owner_counts, "t": t, "rebalanced": nxt is not None or hist is not None}
         return u, included, info
 
 
@@ -392,13 +389,13 @@ class OkTopk(Reducer):
 OKTOPK_PRESETS = {
     # the library's default (Compression.oktopk): the paper's algorithm and balancing, exact-k selection,
     # controllers that keep |S| <= k and K <= k on reuse steps (the assumptions of the 6k(P-1)/P bound),
-    # region boundaries that follow the measured split load every step (the bound's third assumption)
+    # region boundaries that split every step's measured load evenly (the bound's third assumption)
     "library": {
         "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": 1.15,
                        "guard_factor": 1.03, "guard_iters": 30, "guard_target": 1.05, "band_lo": 0.95,
                        "band_relax": 1.03},
         "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "auto",
-                    "select_rule": "ge_nonzero", "global_control": "ladder", "boundaries": "load"},
+                    "select_rule": "ge_nonzero", "global_control": "ladder", "boundaries": "measured"},
     },
     # the paper's algorithm: periodic exact re-evaluation only (no guard, no band controllers: 1.0 = off),
     # balancing iff max c_j > 4·avg, "values above the threshold" with exact k (ge_nonzero)

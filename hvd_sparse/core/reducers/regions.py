@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..comm import SUM
+
 
 def result_boundaries(xp, g_idx, P, n):
     """Region boundaries o_0..o_P that split the sorted global result ``g_idx`` into P equal parts:
@@ -142,3 +144,76 @@ def smoothed_load_boundaries(offsets, loads, g, prev, beta, M):
     for i in range(1, P):
         out[i] = min(n, max(out[i - 1], out[i]))
     return out, state
+
+
+#: ``measured`` boundaries: histogram bins per region (the forecast keeps 2 points per bin)
+BINS_PER_REGION = 2
+
+
+def histogram_edges(forecast, P, n):
+    """The bins of the step's load histogram: every second point of the forecast (the ``CDF`` quantiles the
+    smoothed average keeps, 2·``BINS_PER_REGION``·P + 1 of them), rounded to integers, non-decreasing inside
+    [0, n]; equal-width bins when there is no forecast yet. Returns ``BINS_PER_REGION``·P + 1 integers."""
+    M = BINS_PER_REGION * P
+    if forecast is None or len(forecast) != 2 * M + 1:
+        return [(b * n) // M for b in range(M + 1)]
+    out = [0] + [int(round(x)) for x in forecast[2:2 * M:2]] + [n]
+    for b in range(1, M):
+        out[b] = min(n, max(out[b - 1], out[b]))
+    return out
+
+
+def measure_load(xp, idx, forecast, n, comm, like):
+    """This step's load before the split, the one collective of ``measured`` boundaries: every rank counts
+    its selection (sorted global indexes ``idx``) in the bins of ``histogram_edges`` and an allreduce
+    (phase ``histogram``, ``BINS_PER_REGION``·P int64) sums the counts. Returns (edges, summed counts)."""
+    edges = histogram_edges(forecast, comm.size, n)
+    pos = xp.to_numpy(xp.searchsorted(idx, xp.asarray(edges, xp.index_dtype, like=idx)))
+    mine = xp.asarray(np.diff(pos).tolist(), xp.index_dtype, like=like)
+    return edges, [int(h) for h in xp.to_numpy(comm.allreduce(mine, SUM, "histogram"))]
+
+
+def measured_boundaries(edges, hist, forecast, n):
+    """Region boundaries that split this step's measured load evenly: bin b = [edges[b], edges[b+1]) holds
+    ``hist[b]`` selected entries summed over the ranks (allreduced before the split, so exact at the edges);
+    inside a bin the load is taken as spread like the forecast, whose middle point halves it. Float64
+    elementwise work on identical inputs: identical on every rank, O(P). None when nothing was selected."""
+    P = (len(edges) - 1) // BINS_PER_REGION
+    if P == 1 or sum(hist) == 0:
+        return None
+    shape = np.asarray(edges if forecast is None else np.rint(np.asarray(forecast, np.float64)), np.int64)
+    xs, Fs = load_cdf(edges, hist, np.unique(shape[(shape >= 0) & (shape < n)]))
+    out = [0] + [int(round(x)) for x in _inverse(xs, Fs, np.arange(1, P) / P)] + [n]
+    for i in range(1, P):
+        out[i] = min(n, max(out[i - 1], out[i]))
+    return out
+
+
+def next_boundaries(policy, xp, g_idx, offsets, loads, n, state, tolerance, beta, measured=None):
+    """The boundaries of Ok-Topk's next step under ``policy``, or None to keep ``offsets``: from this step's
+    result G (``result``) or from the split loads every owner reported (``load``, and ``measured`` until it
+    made a histogram); only when the step's imbalance exceeded ``tolerance``. ``measured`` (the step's
+    histogram: edges, counts) only updates the forecast (``state["cdf"]``, average β = ``beta``) that bins
+    the next histogram. Identical inputs on every rank: identical boundaries. O(P log k)."""
+    P = len(offsets) - 1
+    if measured is not None:
+        state["cdf"] = smoothed_load_boundaries(measured[0], measured[1], xp.to_numpy(g_idx), state.get("cdf"),
+                                                beta, 2 * BINS_PER_REGION * P)[1]
+        return None
+    if policy in ("load", "measured"):
+        if loads is None or max(loads) * P <= tolerance * sum(loads):
+            return None
+        if beta:                                                    # O(P) numpy work, the average in state
+            out, state["cdf"] = smoothed_load_boundaries(offsets, loads, xp.to_numpy(g_idx), state.get("cdf"),
+                                                         beta, 2 * BINS_PER_REGION * P)
+            return out
+        g_pos = [int(p) for p in xp.to_numpy(xp.searchsorted(
+            g_idx, xp.asarray(offsets, xp.index_dtype, like=g_idx)))]
+        return load_boundaries(offsets, loads, g_pos, lambda pos: [int(v) for v in xp.to_numpy(
+            xp.take(g_idx, xp.asarray(pos, xp.index_dtype, like=g_idx)))])
+    m = xp.numel(g_idx)
+    if m:
+        pos = [int(p) for p in xp.to_numpy(xp.searchsorted(g_idx, xp.asarray(offsets, xp.index_dtype, like=g_idx)))]
+        if max(pos[j + 1] - pos[j] for j in range(P)) * P <= tolerance * m:
+            return None
+    return result_boundaries(xp, g_idx, P, n)
