@@ -78,6 +78,11 @@ class GenericOps:
         """``x``, made read-only where the array type allows it (numpy)."""
         return x
 
+    def _dtypes_of(self, framework):
+        """Take ``float32``, ``index_dtype`` (int64) and ``int32`` from a framework module that names its dtypes
+        as numpy does (torch, tensorflow)."""
+        self.float32, self.index_dtype, self.int32 = framework.float32, framework.int64, framework.int32
+
     def scan(self, x):
         """A :class:`Scan` of the 1-D ``x``: ``count(th, rule)`` and ``select(th, rule, ...)`` on ``|x|``."""
         return Scan(self, x)

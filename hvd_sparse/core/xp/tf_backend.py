@@ -25,9 +25,7 @@ class TFBackend(GenericOps):
         import tensorflow as tf
 
         self.tf = tf
-        self.float32 = tf.float32
-        self.index_dtype = tf.int64
-        self.int32 = tf.int32
+        self._dtypes_of(tf)
 
     # --- creation / conversion -------------------------------------------------------------------
     def zeros(self, n, dtype, like=None):

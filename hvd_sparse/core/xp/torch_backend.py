@@ -19,9 +19,7 @@ class TorchBackend(KernelOps, _Indexing):
         import torch
 
         self.torch = torch
-        self.float32 = torch.float32
-        self.index_dtype = torch.int64
-        self.int32 = torch.int32
+        self._dtypes_of(torch)
 
     def zeros(self, n, dtype, like=None):
         return self.torch.zeros(n, dtype=dtype, device=None if like is None else like.device)
