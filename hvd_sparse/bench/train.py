@@ -73,7 +73,8 @@ def targets(text):
 def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=0.05, seed=42, image_size=16,
         hidden=1024, eval_every=4, floor_epochs=None, powersgd_warmup=None, accuracy_targets=(0.9, 0.95),
         timeout=7200.0, link_check_seconds=0.5, verbose=True, worker_cmd=None):
-    """Build the network, run the job, tear everything down; return the report (see the module docstring)."""
+    """Build the network, run one job per configuration (a failed one is listed in ``failed`` and the others still
+    run), tear everything down; return the report (see the module docstring)."""
     from ._train_worker import PROGRESS
 
     def say(msg):
