@@ -15,6 +15,18 @@ import numpy as np
 from ..comm import SUM
 
 
+def _non_decreasing(out, n):
+    """``out`` (boundaries 0 = o_0 .. o_last = n) made non-decreasing inside [0, n], in place; returns it."""
+    for i in range(1, len(out) - 1):
+        out[i] = min(n, max(out[i - 1], out[i]))
+    return out
+
+
+def _positions(xp, g_idx, offsets):
+    """Where each boundary of ``offsets`` falls in the sorted global result ``g_idx`` (Python ints)."""
+    return [int(p) for p in xp.to_numpy(xp.searchsorted(g_idx, xp.asarray(offsets, xp.index_dtype, like=g_idx)))]
+
+
 def result_boundaries(xp, g_idx, P, n):
     """Region boundaries o_0..o_P that split the sorted global result ``g_idx`` into P equal parts:
     ``o_j = g_idx[floor(j·m/P)]`` (m = |G|), or None when m < P (too few points to place P-1 boundaries).
@@ -59,9 +71,7 @@ def load_boundaries(offsets, loads, g_pos=None, g_at=None):
         for i, v in zip(picks, vals):
             out[i] = v
     out.append(offsets[-1])
-    for i in range(1, P):                   # non-decreasing, inside [0, n]
-        out[i] = min(offsets[-1], max(out[i - 1], out[i]))
-    return out
+    return _non_decreasing(out, offsets[-1])
 
 
 #: The smoothed load CDF reads at most this many points of G per region on average (every s-th point of G
@@ -141,9 +151,7 @@ def smoothed_load_boundaries(offsets, loads, g, prev, beta, M):
     state = _inverse(xs, Fs, np.arange(M + 1) / M).tolist()
     n = offsets[-1]
     out = [0] + [int(round(state[(i * M) // P])) for i in range(1, P)] + [n]
-    for i in range(1, P):
-        out[i] = min(n, max(out[i - 1], out[i]))
-    return out, state
+    return _non_decreasing(out, n), state
 
 
 #: ``measured`` boundaries: histogram bins per region (the forecast keeps 2 points per bin)
@@ -157,10 +165,7 @@ def histogram_edges(forecast, P, n):
     M = BINS_PER_REGION * P
     if forecast is None or len(forecast) != 2 * M + 1:
         return [(b * n) // M for b in range(M + 1)]
-    out = [0] + [int(round(x)) for x in forecast[2:2 * M:2]] + [n]
-    for b in range(1, M):
-        out[b] = min(n, max(out[b - 1], out[b]))
-    return out
+    return _non_decreasing([0] + [int(round(x)) for x in forecast[2:2 * M:2]] + [n], n)
 
 
 def measure_load(xp, idx, forecast, n, comm, like):
@@ -183,10 +188,7 @@ def measured_boundaries(edges, hist, forecast, n):
         return None
     shape = np.asarray(edges if forecast is None else np.rint(np.asarray(forecast, np.float64)), np.int64)
     xs, Fs = load_cdf(edges, hist, np.unique(shape[(shape >= 0) & (shape < n)]))
-    out = [0] + [int(round(x)) for x in _inverse(xs, Fs, np.arange(1, P) / P)] + [n]
-    for i in range(1, P):
-        out[i] = min(n, max(out[i - 1], out[i]))
-    return out
+    return _non_decreasing([0] + [int(round(x)) for x in _inverse(xs, Fs, np.arange(1, P) / P)] + [n], n)
 
 
 def next_boundaries(policy, xp, g_idx, offsets, loads, n, state, tolerance, beta, measured=None):
@@ -207,13 +209,11 @@ def next_boundaries(policy, xp, g_idx, offsets, loads, n, state, tolerance, beta
             out, state["cdf"] = smoothed_load_boundaries(offsets, loads, xp.to_numpy(g_idx), state.get("cdf"),
                                                          beta, 2 * BINS_PER_REGION * P)
             return out
-        g_pos = [int(p) for p in xp.to_numpy(xp.searchsorted(
-            g_idx, xp.asarray(offsets, xp.index_dtype, like=g_idx)))]
-        return load_boundaries(offsets, loads, g_pos, lambda pos: [int(v) for v in xp.to_numpy(
+        return load_boundaries(offsets, loads, _positions(xp, g_idx, offsets), lambda pos: [int(v) for v in xp.to_numpy(
             xp.take(g_idx, xp.asarray(pos, xp.index_dtype, like=g_idx)))])
     m = xp.numel(g_idx)
     if m:
-        pos = [int(p) for p in xp.to_numpy(xp.searchsorted(g_idx, xp.asarray(offsets, xp.index_dtype, like=g_idx)))]
+        pos = _positions(xp, g_idx, offsets)
         if max(pos[j + 1] - pos[j] for j in range(P)) * P <= tolerance * m:
             return None
     return result_boundaries(xp, g_idx, P, n)
