@@ -1071,6 +1071,34 @@ def test_measured_boundaries_and_the_ladder_sum_do_not_change_results(P, tp, con
     assert any(o != offsets[0] for o in offsets[1:])                    # the measured boundaries do move
 
 
+@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("tp", [1, 4])
+def test_few_collectives_at_many_entries_per_region_do_not_change_results(P, tp):
+    """At k >= few_collectives_from·P the library preset's step makes no histogram and no ladder allreduce:
+    the ladder's counts and the owners' loads ride in the count allgather. The same updates and residuals, bit
+    for bit, as with the histogram and the allreduce; exactly the words of the one allgather."""
+    g = int_grads(14, P, 300, seed=90 + P)
+    base = {"boundaries": "measured", "global_control": "ladder"}
+    runs = {few: run(make(0.05, tp=tp, rp=6, rd={**base, "few_collectives_from": few}), g) for few in (None, 4)}
+    assert runs[4]["updates"].tobytes() == runs[None]["updates"].tobytes()
+    assert runs[4]["residuals"].tobytes() == runs[None]["residuals"].tobytes()
+    assert_mass_conserved(g, runs[4])
+    few_steps = 15 >= 4 * P                                             # k = 15
+    for t in range(14):
+        rw = runs[4]["phases"][t][0]["recv_words"]
+        info = runs[4]["info"][t][0]
+        assert all(runs[4]["info"][t][r]["offsets"] == info["offsets"] for r in range(P))
+        if few_steps:
+            assert "histogram" not in rw and "ladder" not in rw
+            if not info["reeval"]:
+                assert rw["count"] == 10 * (P - 1)                       # 9 ladder counts + the load
+        else:
+            assert rw == runs[None]["phases"][t][0]["recv_words"]
+    assert few_steps == (P < 5)
+    with pytest.raises(ValueError, match="few_collectives_from"):
+        OkTopk(few_collectives_from=0)
+
+
 def test_library_stays_within_6k_bound_at_ten_entries_per_region():
     """k/P = 10 (the regime of P = 1024 at n = 524,288): the 6k(P-1)/P bound on every steady step of a
     24-step run. Boundaries that follow the last steps' load miss it on the steps after a re-evaluation,

@@ -34,15 +34,19 @@
 
 Collectives (phase names, each a distinct, stable collective; none at all when P = 1):
     boundaries     allreduce int64 (P-1)               repartition steps
-    histogram      allreduce int64 (2P)                boundaries="measured", other steps
+    histogram      allreduce int64 (2P)                boundaries="measured", other steps, k < F·P
     split          alltoall  (rel. index, value) pairs every step (sources reduced in rank order)
     reeval_count   allgather 1 int64 (+1: the load)    re-eval steps
     reeval_gather  allgather (global index, value)     re-eval steps (skipped when every U_r = 0)
-    ladder         allreduce int64 9 (+P: the loads)   global_control="ladder", other steps
-    count          allgather 1 int64 (+1: the load)    other steps (ladder: only to balance, not when
-                                                       balance="never" or K = 0)
+    ladder         allreduce int64 9 (+P: the loads)   global_control="ladder", other steps, k < F·P
+    count          allgather 1 int64 (+1: the load)    other steps (ladder, k < F·P: only to balance, not
+                                                       when balance="never" or K = 0; ladder, k >= F·P:
+                                                       9 int64, the owner's ladder counts, +1: the load)
     balance        alltoall  (global index, value)     other steps, when the balance policy triggers
     gather         allgather (global index, value)     other steps (skipped when K = 0, known to all)
+
+F = ``few_collectives_from``: at k/P >= F entries per region a step makes no histogram and no ladder
+allreduce (the boundaries follow the last steps' load, as with "load").
 
 Wire format: one (index, value) pair = two words of one array, the index followed by the
 float32 value bit-cast to int32 (int64 words, value bits sign-extended in the low half, only when an index
@@ -186,6 +190,13 @@ class OkTopk(Reducer):
             count vectors would cost 9(P-1); the owners' own counts (1 word each, phase ``count``) travel
             only when the balance rule needs them.
         ladder_factor (float): f of the ladder. Default 1.1 (Γ moves by up to x1.77 up or /1.21 down a step).
+        few_collectives_from (int or None): at k >= this·P (entries per region, the same on every rank) a
+            step makes the fewest collectives: ``measured`` boundaries make no histogram and follow the
+            smoothed load of the past steps (the ``load`` rule, whose forecast is good with many entries per
+            region), and the ladder's 9 counts travel with each owner's load in the count allgather, from
+            which every rank also reads the owners' counts: 10(P-1) words, at most 1% of k(P-1)/P, where
+            the histogram and the ladder's allreduce would each add a collective's latency to the step.
+            None: never. Default 1024.
 
     Per-rank state: ``t`` (sparse steps so far), ``gamma`` (Γ, identical on all ranks), ``offsets``
     (o_0..o_P, Python ints, identical on all ranks), ``size`` (P). Info returned each step: ``K``,
@@ -200,8 +211,11 @@ class OkTopk(Reducer):
     def __init__(self, threshold_period=32, repartition_period=64, balance="auto", *, balance_factor=4.0,
                  global_band_lo=0.75, global_band_hi=1.25, global_relax=1.01, global_tighten=1.008,
                  select_rule="ge_nonzero", max_select_ratio=None, global_control="band", ladder_factor=1.1,
-                 boundaries="periodic", boundary_tolerance=1.0, load_smoothing=0.5):
+                 boundaries="periodic", boundary_tolerance=1.0, load_smoothing=0.5, few_collectives_from=1024):
         api = "hvd_sparse.OkTopk"
+        if few_collectives_from is not None:
+            few_collectives_from = check_positive_int(few_collectives_from, "few_collectives_from", api)
+        self.few_collectives_from = few_collectives_from
         if boundaries not in BOUNDARY_POLICIES:
             raise ValueError(f"{api}: boundaries must be one of {BOUNDARY_POLICIES}, got {boundaries!r}")
         self.boundaries = boundaries
@@ -290,10 +304,13 @@ class OkTopk(Reducer):
         else:                       # boundaries from the last result; the allreduce only to start
             repart = offsets is None
 
+        # many entries per region (k, P: the same on every rank): the step's latency outweighs the words the
+        # histogram and the ladder's allreduce save, and the last steps' load forecasts the next one well
+        few = P > 1 and self.few_collectives_from is not None and k >= self.few_collectives_from * P
         hist = None
         if repart:                                                  # repartition
             offsets = self._repartition(xp, idx, n, comm)
-        elif self.boundaries == "measured" and P > 1:               # this step's load, before the split
+        elif self.boundaries == "measured" and not few and P > 1:   # this step's load, before the split
             edges, hist = measure_load(xp, idx, state.get("cdf"), n, comm, acc)
             offsets = measured_boundaries(edges, hist, state.get("cdf"), n) or offsets
         if P == 1:                                                  # rho = a on S (no collective)
@@ -302,8 +319,8 @@ class OkTopk(Reducer):
             c_idx, c_val = xp.take(idx, nz), xp.take(vals, nz)
         else:                                                       # split and reduce
             c_idx, c_val, load, splits = self._split_and_reduce(xp, acc, idx, offsets, comm)
-        # "load" boundaries (and "measured" ones until a histogram is made): the owners' split loads ride in
-        # the step's count collective (one more word each in an allgather, the senders' splits in the ladder)
+        # "load" boundaries (and "measured" ones without a histogram): the owners' split loads ride in the
+        # step's count collective (one more word each in an allgather, the senders' splits in the ladder)
         with_load = P > 1 and hist is None and self.boundaries in ("load", "measured")
         loads = None
 
@@ -324,11 +341,16 @@ class OkTopk(Reducer):
         else:                                                       # threshold Γ reused + balance
             used = gamma
             owned = xp.scan(c_val)                  # the owner's candidates: counts and selection on |c_val|
-            if self.global_control == "ladder":   # the ladder's totals (and the loads) by one allreduce
+            table = None                            # every owner's ladder counts (few collectives)
+            if self.global_control == "ladder":
                 ladder = [gamma * self.ladder_factor ** j for j in LADDER_STEPS]
                 mine = [owned.count(th, self.select_rule) for th in ladder]
                 totals = mine
-                if P > 1:
+                if few:                             # the counts (and the loads) of every owner: one allgather
+                    table = _allgather_counts(xp, mine + [load] if with_load else mine, comm, "count", acc)
+                    loads = [row.pop() for row in table] if with_load else None
+                    totals = [sum(col) for col in zip(*table)]
+                elif P > 1:                         # their totals (and the senders' splits) by one allreduce
                     totals = [int(v) for v in xp.to_numpy(comm.allreduce(xp.asarray(
                         mine + splits if with_load else mine, xp.index_dtype, like=acc), SUM, "ladder"))]
                     totals, loads = totals[:len(ladder)], (totals[len(ladder):] if with_load else None)
@@ -339,8 +361,11 @@ class OkTopk(Reducer):
             if P > 1:
                 if self.global_control == "ladder":                 # the owners' counts only to balance
                     T = totals[j]
-                    owner_counts = None if self.balance == "never" else [0] * P if T == 0 else \
-                        _allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
+                    if table is not None:
+                        owner_counts = [row[j] for row in table]
+                    else:
+                        owner_counts = None if self.balance == "never" else [0] * P if T == 0 else \
+                            _allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
                 elif with_load:
                     owner_counts, loads = map(list, zip(*_allgather_counts(xp, [xp.numel(m_idx), load], comm,
                                                                            "count", acc)))
