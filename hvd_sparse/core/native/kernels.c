@@ -25,12 +25,27 @@
 #include <stdint.h>
 #include <stddef.h>
 
+/* The vector ops of the select/count loop: 8 (AVX2) or 4 (SSE2) int32 lanes of one register. */
 #if defined(__AVX2__)
 #include <immintrin.h>
 #define HVDS_SIMD "avx2"
+#define HVDS_LANES 8
+typedef __m256i vec_t;
+#define V_SET1(x) _mm256_set1_epi32(x)
+#define V_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define V_AND(a, b) _mm256_and_si256(a, b)
+#define V_GT(a, b) _mm256_cmpgt_epi32(a, b)
+#define V_MASK(a) _mm256_movemask_ps(_mm256_castsi256_ps(a))
 #elif defined(__SSE2__)
 #include <emmintrin.h>
 #define HVDS_SIMD "sse2"
+#define HVDS_LANES 4
+typedef __m128i vec_t;
+#define V_SET1(x) _mm_set1_epi32(x)
+#define V_LOAD(p) _mm_loadu_si128((const __m128i *)(p))
+#define V_AND(a, b) _mm_and_si128(a, b)
+#define V_GT(a, b) _mm_cmpgt_epi32(a, b)
+#define V_MASK(a) _mm_movemask_ps(_mm_castsi128_ps(a))
 #else
 #define HVDS_SIMD "scalar"
 #endif
@@ -89,35 +104,17 @@ static int64_t scan(const uint32_t *u, int64_t s, int64_t e, uint32_t lo, uint32
 {
     int64_t c = 0, i = s;
     const uint32_t span = hi - lo;  /* lo <= hi checked by the caller */
-#if defined(__AVX2__)
+#if defined(HVDS_LANES)
     /* a = bits(|x|) < 2^31, lo - 1 >= -1, hi + 1 <= 0x7f800001: signed compares are exact */
-    const __m256i absm = _mm256_set1_epi32(0x7fffffff);
-    const __m256i vlo = _mm256_set1_epi32((int32_t)lo - 1);
-    const __m256i vhi = _mm256_set1_epi32((int32_t)hi + 1);
-    for (; i + 32 <= e; i += 32) {
+    const vec_t absm = V_SET1(0x7fffffff);
+    const vec_t vlo = V_SET1((int32_t)lo - 1);
+    const vec_t vhi = V_SET1((int32_t)hi + 1);
+    for (; i + 4 * HVDS_LANES <= e; i += 4 * HVDS_LANES) {     /* four registers: a 32- or 16-bit mask */
         uint32_t m = 0;
         for (int q = 0; q < 4; q++) {
-            __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(u + i + 8 * q)), absm);
-            __m256i sel = _mm256_and_si256(_mm256_cmpgt_epi32(a, vlo), _mm256_cmpgt_epi32(vhi, a));
-            m |= (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(sel)) << (8 * q);
-        }
-        if (!io) { c += __builtin_popcount(m); continue; }
-        while (m) {
-            int j = __builtin_ctz(m);
-            m &= m - 1;
-            HVDS_EMIT(i + j);
-        }
-    }
-#elif defined(__SSE2__)
-    const __m128i absm = _mm_set1_epi32(0x7fffffff);
-    const __m128i vlo = _mm_set1_epi32((int32_t)lo - 1);
-    const __m128i vhi = _mm_set1_epi32((int32_t)hi + 1);
-    for (; i + 16 <= e; i += 16) {
-        uint32_t m = 0;
-        for (int q = 0; q < 4; q++) {
-            __m128i a = _mm_and_si128(_mm_loadu_si128((const __m128i *)(u + i + 4 * q)), absm);
-            __m128i sel = _mm_and_si128(_mm_cmpgt_epi32(a, vlo), _mm_cmpgt_epi32(vhi, a));
-            m |= (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(sel)) << (4 * q);
+            vec_t a = V_AND(V_LOAD(u + i + HVDS_LANES * q), absm);
+            vec_t sel = V_AND(V_GT(a, vlo), V_GT(vhi, a));
+            m |= (uint32_t)V_MASK(sel) << (HVDS_LANES * q);
         }
         if (!io) { c += __builtin_popcount(m); continue; }
         while (m) {
