@@ -342,7 +342,7 @@ def test_intersect_is_the_sorted_intersection(kernel):
 
 
 def _topk_cases():
-    n = 1 << 18                                       # >= TOPK_NATIVE_MIN; the sample takes every 1st value
+    n = 1 << 18                                       # >= TOPK_KERNEL_MIN; the sample takes every 1st value
     rng = np.random.default_rng(4)
     normal = rng.standard_normal(n).astype(np.float32)
     ints = rng.integers(-20, 21, n).astype(np.float32)                  # ties at the k-th magnitude
@@ -364,12 +364,13 @@ def test_exact_topk_native_path_equals_the_generic_one(monkeypatch, backend, cas
     import torch
 
     from hvd_sparse.core import selection as xpm
+    from hvd_sparse.core.xp.kernels import KernelOps
 
     x, k = _topk_cases()[case]
     acc = torch.from_numpy(x) if backend == "torch" else x
     took = []
-    original = xpm._topk_native
-    monkeypatch.setattr(xpm, "_topk_native", lambda *a: took.append(original(*a)) or took[-1])
+    original = KernelOps._topk_fast
+    monkeypatch.setattr(KernelOps, "_topk_fast", lambda *a: took.append(original(*a)) or took[-1])
     got = xpm.topk_indices(backend_of(acc), acc, k)
     monkeypatch.setenv("HVD_SPARSE_NATIVE", "0")
     want = xpm.topk_indices(backend_of(acc), acc, k)

@@ -12,8 +12,8 @@ casts) is most of what it uses. So this is one small table of functions per back
 
 Layout: ``numpy_backend.py``, ``torch_backend.py``, ``tf_backend.py`` (one class per array type; what numpy and
 torch spell alike is in ``common.py``); ``generic.py`` (operations written once on the elementary ones, for every
-backend: ``scan`` -- counts and selections by a thresholding rule on ``|x|`` --, ``merge_add``, ``add_runs_``,
-``intersect``); ``kernels.py`` (the same operations, and ``accumulate_``, on the C kernels of
+backend: ``scan`` -- counts and selections by a thresholding rule on ``|x|`` --, ``topk``, ``merge_add``,
+``add_runs_``, ``intersect``); ``kernels.py`` (the same operations, and ``accumulate_``, on the C kernels of
 :mod:`hvd_sparse.core.native` for numpy arrays and CPU torch tensors, with the generic path as fallback).
 Algorithms call these methods and never ask which backend they run on.
 
@@ -23,8 +23,8 @@ Conventions (all backends):
 * functions never modify their arguments unless their name ends in ``_``; those write into ``dst`` where the
   array type allows it and *return the result*, which callers must use: TensorFlow tensors are immutable, so
   there the result is a new tensor (``x = xp.put_(x, idx, 0.0)``);
-* ``topk_indices`` is exact and deterministic: largest ``|x|`` first, ties broken by the lower index,
-  zeros never selected (rule ``ge_nonzero`` made exact-k: docs/algorithms.md#exact-top-k).
+* ``topk`` (``selection.topk_indices``) is exact and deterministic: largest ``|x|`` first, ties broken by the
+  lower index, zeros never selected (rule ``ge_nonzero`` made exact-k: docs/algorithms.md#exact-top-k).
 """
 
 from __future__ import annotations

@@ -87,6 +87,33 @@ class GenericOps:
         """A :class:`Scan` of the 1-D ``x``: ``count(th, rule)`` and ``select(th, rule, ...)`` on ``|x|``."""
         return Scan(self, x)
 
+    def topk(self, acc, k):
+        """Exact top-k of ``|acc|`` (:func:`hvd_sparse.core.selection.topk_indices`): ``(sorted int64 indexes,
+        threshold)``; everything above the k-th largest magnitude, ties by the lower index, never a zero."""
+        n = self.numel(acc)
+        if 0 < k < n:
+            fast = self._topk_fast(acc, k)
+            if fast is not None:
+                return fast
+        mag = self.abs(acc)
+        if k >= n:
+            return self.nonzero(self.gt(mag, 0)), 0.0
+        th = self.kth_largest(mag, k)
+        th_f = float(th)
+        if th_f == 0.0:                          # fewer than k nonzeros: take them all
+            return self.nonzero(self.gt(mag, 0)), 0.0
+        above = self.nonzero(self.gt(mag, th))
+        need = k - self.numel(above)
+        if need == 0:
+            return above, th_f
+        tied = self.nonzero(self.eq(mag, th))[:need]  # ascending index: lower index wins
+        idx = self.concat([above, tied], like=acc)
+        return self.sort(idx), th_f
+
+    def _topk_fast(self, acc, k):
+        """:meth:`topk` by a faster path with the same result (the kernels), or None: the generic one."""
+        return None
+
     def add_runs_(self, dst, idx, vals, counts):
         """``dst[idx_s] += vals_s`` for the sources s = 0..P-1 in turn (``counts[s]`` pairs each, indexes unique
         within a source): the sums are the same on every rank whatever the order of the pairs within a source."""
