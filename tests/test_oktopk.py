@@ -1115,6 +1115,23 @@ def test_library_stays_within_6k_bound_at_ten_entries_per_region():
     assert rep["recv_words_max_steady"] <= 6 * unit
 
 
+def test_library_stays_within_6k_bound_with_few_collectives_at_many_entries_per_region():
+    """k/P = 2,500 (>= few_collectives_from): no histogram and no ladder allreduce, the boundaries follow the
+    smoothed load of the past steps; still within 6k(P-1)/P on every steady step of a 40-step run."""
+    import hvd_sparse
+    from hvd_sparse.bench.data import SyntheticGradients
+
+    P, n, steps, density = 4, 1_000_000, 40, 0.01
+    k, src = int(density * n), SyntheticGradients(n, P, seed=0)
+    unit = k * (P - 1) / P
+    rep = _steady_volume(hvd_sparse.Compression.oktopk(density), src, P, steps)
+    assert rep["steady_steps"] == steps - 2 and rep["steady_over_bound"] == []
+    assert rep["recv_words_max_steady"] <= 5.0 * unit, rep["recv_words_max_steady"] / unit
+    phases = rep["steady_max_phases"]
+    assert set(phases) - {"step", "rank"} <= {"split", "count", "balance", "gather"}, phases
+    assert phases["count"] == 10 * (P - 1)                  # the 9 ladder counts and the load of every owner
+
+
 @pytest.mark.parametrize("runs", [1, 255, 256, 257, 600])
 def test_region_sums_of_more_sources_than_one_merge_takes_stay_in_rank_order(runs):
     """P > 256 (the native merge's limit): the chunked merge gives every sum as 0 + v_0 + v_1 + ... in rank
