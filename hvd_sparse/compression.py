@@ -171,7 +171,7 @@ class Compression:
     @staticmethod
     @_with_training_options
     def oktopk(density, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
-               max_select_ratio=None, boundaries=None):
+               max_select_ratio=None, boundaries=None, few_collectives_from=1024):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
         docs/algorithms.md#oktopk): the O(k) sparse allreduce. Each rank selects with a local threshold that is
         exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
@@ -201,6 +201,10 @@ class Compression:
                 the variant's ("measured" for "library": every step splits its own load, summed by one
                 allreduce of 2P counts before the split; "periodic" for the others: only every
                 ``repartition_period`` steps, as the paper), or "periodic", "result", "load", "measured".
+            few_collectives_from (int or None): at k >= this·P (many entries per region), each step makes the
+                fewest collectives (``OkTopk.few_collectives_from``): "measured" boundaries make no histogram
+                and follow the load of the past steps, the ladder's counts ride in the count allgather. None:
+                never. Default 1024.
         """
         if variant not in OKTOPK_PRESETS:
             raise ValueError(f"hvd_sparse.Compression.oktopk: variant must be one of {sorted(OKTOPK_PRESETS)}, "
@@ -213,12 +217,15 @@ class Compression:
             rd.update(repartition_period=repartition_period, balance=balance)
         if boundaries is not None:
             rd["boundaries"] = boundaries
+        rd["few_collectives_from"] = few_collectives_from
         name = f"oktopk(density={density!r})" if variant == "library" else \
             f"oktopk(density={density!r}, variant={variant!r})"
         if max_select_ratio is not None:
             name = f"{name[:-1]}, max_select_ratio={max_select_ratio!r})"
         if boundaries is not None:
             name = f"{name[:-1]}, boundaries={boundaries!r})"
+        if few_collectives_from != 1024:
+            name = f"{name[:-1]}, few_collectives_from={few_collectives_from!r})"
         return SparseCompression(ThresholdReuse(density, **sp), OkTopk(**rd), preset=name)
 
     @staticmethod

@@ -98,7 +98,7 @@ def scenario_presets(out):
 
 
 #: presets with the training options, by name (saved with the results: the test builds the same for the simulator)
-OPTIONS = {"oktopk": dict(warmup_dense_steps=3, momentum_correction=0.5),
+OPTIONS = {"oktopk": dict(warmup_dense_steps=3, momentum_correction=0.5, few_collectives_from=1),
            "topka": dict(warmup_dense_steps=2, momentum_correction=0.9), "exdyna": dict(momentum_correction=0.9)}
 
 
