@@ -143,25 +143,19 @@ class OkTopk(Reducer):
         threshold_period (int): τ', re-evaluate the global threshold Γ exactly every τ' sparse steps
             (t % τ' == 0, t = this reducer's own step counter from 0). Default 32.
         repartition_period (int): τ, recompute the region boundaries every τ steps. Default 64.
-        boundaries (str): how the regions follow the selection between repartitions. ``"periodic"``
-            (default, paper): only the allreduce repartition every ``repartition_period`` steps; the
-            selection drifts in between and a region can receive several times its share (measured: 2.3x
-            at P = 256 within 40 steps). ``"result"``: the boundaries of the next step are the P quantiles
-            of this step's global result G (``result_boundaries``), which every rank holds identically: no
-            communication at all; but G is more concentrated than the ranks' selections, so the split
-            load stays uneven (measured: up to 2.3x at P = 256). ``"load"``: the number of pairs each region
-            received in the split phase rides in the count collective the step makes anyway (one more word
-            per owner in the count allgather; with the ladder, each rank's P splits in its allreduce: 2P
-            words received, no extra collective); every rank then moves the boundaries so that this load is
-            split evenly (``load_boundaries``, O(P)). ``"measured"`` (the ``Compression.oktopk`` preset):
-            before the split, one allreduce (phase ``histogram``, 2P int64: 4P words received per rank) sums
-            the ranks' counts of their selections in 2 bins per region, the bins being the quantiles of the
-            smoothed load of the past steps; the step's boundaries split this measured load evenly
-            (``measured_boundaries``, O(P)): the load of the step itself, not a forecast, which the entries
-            a step clears make poor at ~10 entries per region. With ``result`` and ``load`` the boundaries
-            are recomputed when the last step's imbalance (largest share x P / total) exceeds
-            ``boundary_tolerance``; with all three the allreduce repartition runs only on the first step
-            (and after a change of P or n).
+        boundaries (str): how the regions follow the selection (docs/algorithms.md#oktopk, ``regions.py``).
+            ``"periodic"`` (default, paper): the allreduce repartition every ``repartition_period`` steps only;
+            the selection drifts in between (a region received 2.3x its share at P = 256 within 40 steps).
+            ``"result"``: the P quantiles of the step's global result G (no communication; G is more
+            concentrated than the selections, so the split stays uneven). ``"load"``: the pairs each region
+            received ride in the step's count collective (+1 word per owner in the allgather, +P per rank in
+            the ladder's allreduce) and the next boundaries split this load evenly. ``"measured"`` (the
+            ``Compression.oktopk`` preset): before the split, one allreduce (phase ``histogram``, 2P int64)
+            sums the ranks' counts in 2 bins per region and the step's boundaries split this, its own load,
+            evenly (a forecast is poor at ~10 entries per region: a step clears the entries that carried the
+            last one's load). ``result`` and ``load`` recompute when the last step's imbalance exceeds
+            ``boundary_tolerance``; with all three the allreduce repartition runs only on the first step (and
+            after a change of P or n).
         load_smoothing (float): β of ``load`` (and of ``measured``'s bins): the boundaries split an exponential
             average of the measured load CDFs, β·(average so far) + (1-β)·(this step's), evenly
             (``smoothed_load_boundaries``): the hot entries a step clears move the load elsewhere, and the
@@ -190,13 +184,11 @@ class OkTopk(Reducer):
             count vectors would cost 9(P-1); the owners' own counts (1 word each, phase ``count``) travel
             only when the balance rule needs them.
         ladder_factor (float): f of the ladder. Default 1.1 (Γ moves by up to x1.77 up or /1.21 down a step).
-        few_collectives_from (int or None): at k >= this·P (entries per region, the same on every rank) a
-            step makes the fewest collectives: ``measured`` boundaries make no histogram and follow the
-            smoothed load of the past steps (the ``load`` rule, whose forecast is good with many entries per
-            region), and the ladder's 9 counts travel with each owner's load in the count allgather, from
-            which every rank also reads the owners' counts: 10(P-1) words, at most 1% of k(P-1)/P, where
-            the histogram and the ladder's allreduce would each add a collective's latency to the step.
-            None: never. Default 1024.
+        few_collectives_from (int or None): at k >= this·P (k/P: the same on every rank) no histogram and
+            no ladder allreduce: ``measured`` boundaries follow the smoothed load (the ``load`` rule, a good
+            forecast at many entries per region) and each owner's 9 ladder counts and load ride in the count
+            allgather (10(P-1) words, <= 1% of k(P-1)/P): two collectives' latency less. None: never.
+            Default 1024.
 
     Per-rank state: ``t`` (sparse steps so far), ``gamma`` (Γ, identical on all ranks), ``offsets``
     (o_0..o_P, Python ints, identical on all ranks), ``size`` (P). Info returned each step: ``K``,

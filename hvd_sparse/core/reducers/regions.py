@@ -2,10 +2,12 @@
 
 Ok-Topk's owner r reduces what the ranks selected in its region [o_r, o_{r+1}) of the index space; the
 split phase's volume is balanced only while every region receives about the same number of pairs. The
-paper recomputes the boundaries every τ steps with one allreduce and the selection drifts in between. The two
-functions here derive the next step's boundaries from what every rank already holds after a step: the global
-result G (``result_boundaries``), or the loads the owners report in the step's count allgather
-(``load_boundaries``). Both are pure functions of identical inputs: identical boundaries on every rank.
+paper recomputes the boundaries every τ steps with one allreduce and the selection drifts in between. The
+functions here place the boundaries from what every rank holds identically: after a step, the global result G
+(``result_boundaries``) or the loads the owners report in the step's count collective (``load_boundaries``,
+``smoothed_load_boundaries``: an exponential average of the load CDFs); before the split, the step's own load,
+counted in bins and summed by one allreduce (``measure_load``, ``measured_boundaries``). All are pure functions
+of identical inputs: identical boundaries on every rank.
 """
 
 from __future__ import annotations
