@@ -167,3 +167,17 @@ def test_broadcast_optimizer_state_on_a_fresh_start_leaves_the_sparse_state_alon
             assert r[f"{preset}.with"].tobytes() == r[f"{preset}.without"].tobytes(), preset
             assert float(r[f"{preset}.density.True"]) == float(r[f"{preset}.density.False"])
     identical(rs, "dct.with", "exdyna.with")
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_importing_both_horovod_frameworks_still_exchanges_and_keeps_replicas_identical(tmp_path, framework):
+    """Both Horovod frameworks imported before ``hvd.init()``: Horovod leaves the global process set's rank list
+    empty (``included()`` False everywhere), which must not make the wrapped optimizer skip its exchange."""
+    pytest.importorskip("tensorflow")
+    from horovod_helpers import horovodrun, load_ranks
+
+    horovodrun(NP, "both_frameworks_worker.py", framework, tmp_path, timeout=LIMIT)
+    ranks = load_ranks(tmp_path, "both", NP)
+    assert list(ranks[0]["ranks"]) == [], "Horovod filled the ranks: this test no longer covers its case"
+    assert all(int(r["collectives"]) > 0 for r in ranks)                   # the sparse step exchanged
+    assert ranks[1]["params"].tobytes() == ranks[0]["params"].tobytes()    # from other data on each rank

@@ -149,6 +149,20 @@ def _peer_failure_type():
 PEER_FAILURE_GRACE = 3.0
 
 
+def in_process_set(process_set, rank):
+    """Whether this process (global ``rank``, the framework's ``hvd.rank()``) belongs to Horovod's ``process_set``.
+
+    Not ``process_set.included()``: Horovod 0.28.1 fills the process sets' rank lists inside ``hvd.init()``
+    through the module of whichever framework was imported last. With ``horovod.torch`` and
+    ``horovod.tensorflow`` both imported, the global process set's ranks can come from the framework that was not
+    initialized: ``[]``, and ``included()`` is False on every rank, which would skip the exchange everywhere and
+    let the replicas drift silently. The global set (id 0) holds every rank; another set, the ranks it was built
+    with."""
+    if process_set.process_set_id == 0:
+        return True
+    return process_set.ranks is not None and rank in process_set.ranks
+
+
 class HorovodCommunicator:
     """The ``Communicator`` over Horovod's collectives, shared by the framework adapters.
 

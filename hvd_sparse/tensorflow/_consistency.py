@@ -9,6 +9,7 @@ import numpy as np
 import tensorflow as tf
 from horovod.tensorflow import global_process_set
 
+from ..core.comm import in_process_set
 from ..core.errors import check_replicas_agree, checksums
 
 
@@ -19,7 +20,7 @@ def variable_name(variable):
 
 def check_now(names, values, process_set, step, name, api):
     """The check, eagerly, on ``values`` (arrays) of the variables called ``names``."""
-    if not process_set.included() or process_set.size() == 1:
+    if not in_process_set(process_set, hvd.rank()) or process_set.size() == 1:
         return
     sums = np.array([checksums(np.asarray(v)) for v in values], dtype=np.int64).reshape(1, -1, 2)
     gathered = hvd.allgather(tf.constant(sums), name=name, ignore_name_scope=True, process_set=process_set)

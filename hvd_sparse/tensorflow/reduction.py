@@ -18,6 +18,7 @@ import tensorflow as tf
 from horovod.tensorflow import Average
 
 from ..compression import SparseCompression
+from ..core.comm import in_process_set
 from ..core.errors import check_nonfinite, scale_factors
 from ._xla import refuse_xla
 from .comm import HorovodTFCommunicator
@@ -100,7 +101,7 @@ class Reduction:
         gradient skipped a sparse step) or ``None`` on the dense path (a dense allreduce spreads a NaN to every
         rank by itself)."""
         dense = self.densify(grads, variables)
-        if not dense or not self.process_set.included():
+        if not dense or not in_process_set(self.process_set, hvd.rank()):
             return dense, None
         if self.sparse:
             refuse_xla(self.api)

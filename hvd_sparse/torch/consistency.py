@@ -8,6 +8,7 @@ from __future__ import annotations
 import horovod.torch as hvd
 import torch
 
+from ..core.comm import in_process_set
 from ..core.errors import check_replicas_agree, checksums
 
 def checksum(p):
@@ -21,7 +22,7 @@ def check_consistency(params, process_set, name, step, api):
     """Collective over ``process_set`` (every rank, same ``params`` names in the same order): raise
     ``ReplicaDivergenceError`` unless every rank holds the same bits in each ``(name, tensor)`` of ``params``.
     ``name`` is the allgather's name, ``step`` and ``api`` go into the message."""
-    if not process_set.included() or process_set.size() == 1:
+    if not in_process_set(process_set, hvd.rank()) or process_set.size() == 1:
         return
     sums = torch.stack([checksum(p) for _, p in params]) if params else torch.zeros((0, 2), dtype=torch.int64)
     gathered = hvd.allgather(sums.unsqueeze(0), name=name, process_set=process_set)

@@ -52,6 +52,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
+from ..core.comm import in_process_set
 from ..core.errors import check_elastic_residuals, check_nonfinite, check_op, check_positive_int, scale_factors
 from . import consistency, recipes
 from .comm import HorovodTorchCommunicator
@@ -171,7 +172,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     # -- the exchange ------------------------------------------------------------------------------------
     def synchronize(self):
         """Reduce the gradients now (sparse exchange over the process set) and write them into ``p.grad``."""
-        if not self.process_set.included():
+        if not in_process_set(self.process_set, hvd.rank()):
             self._synchronized = True
             return
         self._hvds_skip_step = False

@@ -24,6 +24,7 @@ from __future__ import annotations
 import horovod.torch as hvd
 import torch
 
+from ..core.comm import in_process_set
 from ..core.stats import SparsityWindow, averaged
 
 _NAME = "hvd_sparse.model.sparse_stats"
@@ -46,7 +47,7 @@ def averaged_stats(optimizer):
     """Collective: the window's statistics averaged over the process set's ranks; the window starts afresh.
     ``{}`` on a rank outside the optimizer's process set."""
     ps = optimizer.process_set
-    if not ps.included():
+    if not in_process_set(ps, hvd.rank()):
         return {}
     w = window(optimizer)
     norm = optimizer._hvds_engine().residual_norm() if optimizer._hvds_exchanges else 0.0

@@ -29,6 +29,7 @@ from __future__ import annotations
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from ...core.comm import in_process_set
 from .._xla import refuse_xla
 
 _LSO_NAMES = ("LossScaleOptimizer", "LossScaleOptimizerV3", "BaseLossScaleOptimizer")
@@ -53,7 +54,7 @@ def agree_finite(optimizer, finite):
     process set (one allreduce of one int32)."""
     reduction = optimizer._hvds_reduce
     ps = reduction.process_set
-    if not ps.included() or ps.size() == 1:
+    if not in_process_set(ps, hvd.rank()) or ps.size() == 1:
         return finite
     refuse_xla(reduction.api)
     bad = hvd.allreduce(tf.cast(tf.logical_not(tf.cast(finite, tf.bool)), tf.int32), op=hvd.Sum,
