@@ -4,7 +4,8 @@
       reev  = (t % tau_p == 0)                      # t = 0 is always a re-eval AND repartition step
       if t % tau == 0: off = repartition(a, L)      # one allreduce (boundaries="periodic"; with
                                                     # "result"/"load": t = 0 only, then off = next_off below)
-      ("measured", t > 0: H = allreduce(histogram of S, 2P bins; heavy bins finer); off = even split of H)
+      ("measured", t > 0: H = allreduce(histogram of S over 2P bins), heavy bins counted again finer;
+                          off = even split of H)
       rho   = split_and_reduce(a, S, off)           # region r of the sum
       if reev:                                      # global re-evaluation
           C   = allgather( (x+off[r], rho[x]) for x with rho[x] != 0 )    # identical on all ranks
