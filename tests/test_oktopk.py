@@ -967,17 +967,22 @@ def _steady_volume(comp, src, P, steps):
         volume.make_algorithm = make_algorithm
 
 
+def _library_volume(P, n, steps, density):
+    """The volume report of the library preset on synthetic data (n, P, seed 0), and u = k(P-1)/P."""
+    import hvd_sparse
+    from hvd_sparse.bench.data import SyntheticGradients
+
+    k = int(density * n)
+    rep = _steady_volume(hvd_sparse.Compression.oktopk(density), SyntheticGradients(n, P, seed=0), P, steps)
+    return rep, k * (P - 1) / P
+
+
 def test_library_stays_within_6k_bound_on_every_steady_step_despite_drift():
     """The 6k(P-1)/P bound on every steady step of a drifting run, with the split phase kept balanced
     (regions that follow the load); the paper's periodic boundaries let one region receive ~1.8x its share
     after 20 steps here (and exceed the bound at P = 256 after 11 steps)."""
-    import hvd_sparse
-    from hvd_sparse.bench.data import SyntheticGradients
-
     P, n, steps, density = 16, 100_000, 30, 0.01
-    k, src = int(density * n), SyntheticGradients(n, P, seed=0)
-    unit = k * (P - 1) / P
-    rep = _steady_volume(hvd_sparse.Compression.oktopk(density), src, P, steps)
+    rep, unit = _library_volume(P, n, steps, density)
     assert rep["steady_steps"] == steps - 1 and rep["steady_over_bound"] == []
     assert rep["recv_words_max_steady"] <= 5.0 * unit, rep["recv_words_max_steady"] / unit
     assert rep["recv_words_mean_steady"] <= 4.5 * unit
@@ -1103,13 +1108,8 @@ def test_library_stays_within_6k_bound_at_ten_entries_per_region():
     """k/P = 10 (the regime of P = 1024 at n = 524,288): the 6k(P-1)/P bound on every steady step of a
     24-step run. Boundaries that follow the last steps' load miss it on the steps after a re-evaluation,
     and the ladder's count vectors in an allgather cost 10(P-1) words, 1.0k(P-1)/P here."""
-    import hvd_sparse
-    from hvd_sparse.bench.data import SyntheticGradients
-
     P, n, steps, density = 64, 32_768, 24, 0.02
-    k, src = int(density * n), SyntheticGradients(n, P, seed=0)
-    unit = k * (P - 1) / P
-    rep = _steady_volume(hvd_sparse.Compression.oktopk(density), src, P, steps)
+    rep, unit = _library_volume(P, n, steps, density)
     assert rep["steady_steps"] == steps - 1
     assert rep["steady_over_bound"] == [], (rep["recv_words_max_steady"] / unit, rep["steady_max_phases"])
     assert rep["recv_words_max_steady"] <= 6 * unit
@@ -1118,13 +1118,8 @@ def test_library_stays_within_6k_bound_at_ten_entries_per_region():
 def test_library_stays_within_6k_bound_with_few_collectives_at_many_entries_per_region():
     """k/P = 2,500 (>= few_collectives_from): no histogram and no ladder allreduce, the boundaries follow the
     smoothed load of the past steps; still within 6k(P-1)/P on every steady step of a 40-step run."""
-    import hvd_sparse
-    from hvd_sparse.bench.data import SyntheticGradients
-
     P, n, steps, density = 4, 1_000_000, 40, 0.01
-    k, src = int(density * n), SyntheticGradients(n, P, seed=0)
-    unit = k * (P - 1) / P
-    rep = _steady_volume(hvd_sparse.Compression.oktopk(density), src, P, steps)
+    rep, unit = _library_volume(P, n, steps, density)
     assert rep["steady_steps"] == steps - 2 and rep["steady_over_bound"] == []
     assert rep["recv_words_max_steady"] <= 5.0 * unit, rep["recv_words_max_steady"] / unit
     phases = rep["steady_max_phases"]
