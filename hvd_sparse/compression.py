@@ -22,7 +22,7 @@ import inspect
 
 from .core.engine import Engine
 from .core.reducers import Dense, ExDynaReducer, GTopk, OkTopk, Reducer, SparDL, TopkA, TopkDSA
-from .core.reducers.oktopk import OKTOPK_PRESETS
+from .core.reducers.oktopk import FEW_COLLECTIVES_FROM, OKTOPK_PRESETS
 from .core.sparsifiers import DCT, ExDyna, GaussianK, Sparsifier, ThresholdReuse, TopK
 from .core.state import UnitStates
 
@@ -171,7 +171,7 @@ class Compression:
     @staticmethod
     @_with_training_options
     def oktopk(density, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
-               max_select_ratio=None, boundaries=None, few_collectives_from=1024):
+               max_select_ratio=None, boundaries=None, few_collectives_from=FEW_COLLECTIVES_FROM):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
         docs/algorithms.md#oktopk): the O(k) sparse allreduce. Each rank selects with a local threshold that is
         exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
@@ -224,7 +224,7 @@ class Compression:
             name = f"{name[:-1]}, max_select_ratio={max_select_ratio!r})"
         if boundaries is not None:
             name = f"{name[:-1]}, boundaries={boundaries!r})"
-        if few_collectives_from != 1024:
+        if few_collectives_from != FEW_COLLECTIVES_FROM:
             name = f"{name[:-1]}, few_collectives_from={few_collectives_from!r})"
         return SparseCompression(ThresholdReuse(density, **sp), OkTopk(**rd), preset=name)
 

@@ -73,6 +73,7 @@ from .topka import sum_sparse_in_rank_order
 
 BALANCE_POLICIES = ("auto", "always", "never")
 BOUNDARY_POLICIES = ("periodic", "result", "load", "measured")
+FEW_COLLECTIVES_FROM = 1024         # k/P from which a step makes the fewest collectives (the default)
 
 
 # -- index helpers ----------------------------------------------------------------------------------------
@@ -203,7 +204,8 @@ class OkTopk(Reducer):
     def __init__(self, threshold_period=32, repartition_period=64, balance="auto", *, balance_factor=4.0,
                  global_band_lo=0.75, global_band_hi=1.25, global_relax=1.01, global_tighten=1.008,
                  select_rule="ge_nonzero", max_select_ratio=None, global_control="band", ladder_factor=1.1,
-                 boundaries="periodic", boundary_tolerance=1.0, load_smoothing=0.5, few_collectives_from=1024):
+                 boundaries="periodic", boundary_tolerance=1.0, load_smoothing=0.5,
+                 few_collectives_from=FEW_COLLECTIVES_FROM):
         api = "hvd_sparse.OkTopk"
         if few_collectives_from is not None:
             few_collectives_from = check_positive_int(few_collectives_from, "few_collectives_from", api)

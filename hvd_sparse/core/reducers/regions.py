@@ -175,8 +175,7 @@ def measure_load(xp, idx, forecast, n, comm, like):
     its selection (sorted global indexes ``idx``) in the bins of ``histogram_edges`` and an allreduce
     (phase ``histogram``, ``BINS_PER_REGION``·P int64) sums the counts. Returns (edges, summed counts)."""
     edges = histogram_edges(forecast, comm.size, n)
-    pos = xp.to_numpy(xp.searchsorted(idx, xp.asarray(edges, xp.index_dtype, like=idx)))
-    mine = xp.asarray(np.diff(pos).tolist(), xp.index_dtype, like=like)
+    mine = xp.asarray(np.diff(_positions(xp, idx, edges)).tolist(), xp.index_dtype, like=like)
     return edges, [int(h) for h in xp.to_numpy(comm.allreduce(mine, SUM, "histogram"))]
 
 
@@ -195,8 +194,8 @@ def measured_boundaries(edges, hist, forecast, n):
 
 def next_boundaries(policy, xp, g_idx, offsets, loads, n, state, tolerance, beta, measured=None):
     """The boundaries of Ok-Topk's next step under ``policy``, or None to keep ``offsets``: from this step's
-    result G (``result``) or from the split loads every owner reported (``load``, and ``measured`` until it
-    made a histogram); only when the step's imbalance exceeded ``tolerance``. ``measured`` (the step's
+    result G (``result``) or from the split loads every owner reported (``load``, and ``measured`` on steps
+    without a histogram); only when the step's imbalance exceeded ``tolerance``. ``measured`` (the step's
     histogram: edges, counts) only updates the forecast (``state["cdf"]``, average β = ``beta``) that bins
     the next histogram. Identical inputs on every rank: identical boundaries. O(P log k)."""
     P = len(offsets) - 1
