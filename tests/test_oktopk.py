@@ -1050,6 +1050,40 @@ def test_measured_boundaries_split_the_histogram_evenly():
     assert measured_boundaries(edges, [0, 0, 0, 0], forecast, 200) is None
 
 
+def test_a_histogram_bin_heavier_than_a_share_is_counted_again_finer():
+    """refine_load on P = 4 simulated ranks: the one bin that holds most of the load is cut into sub-bins of about a
+    quarter share and counted by one allreduce (the same counts on every rank, summing to the bin's); a histogram
+    whose bins hold at most a share each makes no collective. The boundaries then split the refined load evenly,
+    where the coarse histogram would have spread the heavy bin over its whole width."""
+    from hvd_sparse.core.reducers.regions import measured_boundaries, refine_load
+
+    P, n = 4, 800
+    edges = [0, 100, 200, 300, 400, 500, 600, 700, 800]
+    sel = [np.unique(np.r_[np.arange(r, 80, 2), [150 + r, 450 + r, 650 + r]]).astype(np.int64) for r in range(P)]
+    hist = [int(sum(np.count_nonzero((s >= edges[b]) & (s < edges[b + 1])) for s in sel)) for b in range(2 * P)]
+    W = sum(hist)
+    assert hist == [158, 4, 0, 0, 4, 0, 4, 0] and hist[0] * P > W      # bin 0: 158 of 170, over a share
+
+    world = SimulatedWorld(P)
+    out = world.run(lambda comm: refine_load(backend_of(sel[comm.rank]), sel[comm.rank], edges, hist, comm,
+                                             sel[comm.rank]) + (dict(comm.meter.calls),))
+    e, h, calls = out[0]
+    assert all(o[:2] == (e, h) for o in out)
+    s = -(-4 * P * hist[0] // W)                                      # ceil(4·P·h/W) = 15 sub-bins of bin 0
+    assert e[:s + 1] == [(j * 100) // s for j in range(s + 1)] and e[s:] == edges[1:]
+    assert sum(h[:s]) == hist[0] and h[s:] == hist[1:] and calls == {"refine": 1}
+    assert max(h[:s]) * 2 * P <= W                                     # each sub-bin at most half a share
+    bounds = measured_boundaries(e, h, None, n, P)
+    assert 0 < bounds[1] < bounds[2] < bounds[3] < 80                  # three boundaries where the load is
+    loads = [sum(int(np.count_nonzero((x >= bounds[j]) & (x < bounds[j + 1]))) for x in sel) for j in range(P)]
+    assert max(loads) <= W / P + max(h[:s])                            # a share, give or take one sub-bin
+    assert measured_boundaries(edges, hist, None, n, P)[3] > 80        # unrefined: the last boundary past the load
+
+    for flat in ([10] * 8, [10, 10, 10, 10, 0, 0, 0, 0]):             # half a share each; exactly a share each
+        assert world.run(lambda comm: refine_load(backend_of(sel[0]), sel[0], edges, flat, comm, sel[0]) +
+                         (dict(comm.meter.calls),))[0] == (edges, flat, {})
+
+
 @pytest.mark.parametrize("P", [2, 3, 5])
 @pytest.mark.parametrize("tp", [1, 4])
 @pytest.mark.parametrize("control", ["band", "ladder"])

@@ -4,7 +4,7 @@
       reev  = (t % tau_p == 0)                      # t = 0 is always a re-eval AND repartition step
       if t % tau == 0: off = repartition(a, L)      # one allreduce (boundaries="periodic"; with
                                                     # "result"/"load": t = 0 only, then off = next_off below)
-      ("measured", t > 0: H = allreduce(histogram of S over 2P bins); off = even split of H)
+      ("measured", t > 0: H = allreduce(histogram of S, 2P bins; heavy bins finer); off = even split of H)
       rho   = split_and_reduce(a, S, off)           # region r of the sum
       if reev:                                      # global re-evaluation
           C   = allgather( (x+off[r], rho[x]) for x with rho[x] != 0 )    # identical on all ranks
@@ -35,6 +35,7 @@
 Collectives (phase names, each a distinct, stable collective; none at all when P = 1):
     boundaries     allreduce int64 (P-1)               repartition steps
     histogram      allreduce int64 (2P)                boundaries="measured", other steps, k < F·P
+    refine         allreduce int64 (< 5P)              after the histogram, when a bin holds > a share
     split          alltoall  (rel. index, value) pairs every step (sources reduced in rank order)
     reeval_count   allgather 1 int64 (+1: the load)    re-eval steps
     reeval_gather  allgather (global index, value)     re-eval steps (skipped when every U_r = 0)
@@ -68,7 +69,7 @@ from ..errors import check_positive_int
 from ..sparsifiers.threshold_reuse import band_adjust, check_real, check_select_rule
 from ..selection import intersect_sorted, topk_indices
 from .base import Reducer, SparseSum, pack_pairs, unpack_pairs, wire_index_dtype
-from .regions import load_boundaries, measure_load, measured_boundaries, next_boundaries  # noqa: F401
+from .regions import load_boundaries, measure_load, measured_boundaries, next_boundaries, refine_load  # noqa: F401
 from .topka import sum_sparse_in_rank_order
 
 BALANCE_POLICIES = ("auto", "always", "never")
@@ -305,8 +306,8 @@ class OkTopk(Reducer):
         if repart:                                                  # repartition
             offsets = self._repartition(xp, idx, n, comm)
         elif self.boundaries == "measured" and not few and P > 1:   # this step's load, before the split
-            edges, hist = measure_load(xp, idx, state.get("cdf"), n, comm, acc)
-            offsets = measured_boundaries(edges, hist, state.get("cdf"), n) or offsets
+            edges, hist = refine_load(xp, idx, *measure_load(xp, idx, state.get("cdf"), n, comm, acc), comm, acc)
+            offsets = measured_boundaries(edges, hist, state.get("cdf"), n, P) or offsets
         if P == 1:                                                  # rho = a on S (no collective)
             vals = xp.take(acc, idx)
             nz = xp.nonzero(xp.gt(xp.abs(vals), 0.0))

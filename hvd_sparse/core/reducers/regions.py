@@ -179,12 +179,49 @@ def measure_load(xp, idx, forecast, n, comm, like):
     return edges, [int(h) for h in xp.to_numpy(comm.allreduce(mine, SUM, "histogram"))]
 
 
-def measured_boundaries(edges, hist, forecast, n):
+#: ``refine_load`` counts again the bins that hold more than 1/REFINE_ABOVE of a region's share of the load, in
+#: sub-bins of about 1/REFINE_SUB of a share (a boundary inside a bin misplaces at most that bin's load)
+REFINE_ABOVE, REFINE_SUB = 1, 4
+
+
+def refine_load(xp, idx, edges, hist, comm, like):
+    """Where the step's histogram is too coarse, count again. A bin that holds more than a region's share of the
+    load (W/P, W: the total) says the forecast that placed the bins was wrong, as on the step after a
+    repartition, and a boundary inside it can misplace up to that bin's load h. Each such bin is cut into
+    ceil(4·P·h/W) equal sub-bins of about a quarter share, and one more allreduce (phase ``refine``, one int64
+    per sub-bin: fewer than 4P + P of them, since fewer than P bins can each hold more than W/P) sums the ranks'
+    counts of their selection (sorted global indexes ``idx``) in them. No bin that heavy: no collective (decided
+    on the summed histogram, the same on every rank). Returns the refined (edges, counts), the other bins as they
+    were."""
+    P, W = comm.size, sum(hist)
+    cuts = {}
+    for b, h in enumerate(hist):
+        lo, hi = edges[b], edges[b + 1]
+        if h * P * REFINE_ABOVE > W and hi - lo > 1:
+            s = min(hi - lo, -(-REFINE_SUB * P * h // W))
+            cuts[b] = [lo + (j * (hi - lo)) // s for j in range(s + 1)]
+    if not cuts:
+        return edges, hist
+    pos, mine = _positions(xp, idx, [e for c in cuts.values() for e in c]), []
+    for c in cuts.values():
+        mine += np.diff(pos[:len(c)]).tolist()
+        pos = pos[len(c):]
+    sums = iter(int(v) for v in xp.to_numpy(comm.allreduce(xp.asarray(mine, xp.index_dtype, like=like), SUM,
+                                                            "refine")))
+    out_e, out_h = [], []
+    for b, h in enumerate(hist):
+        c = cuts.get(b, edges[b:b + 2])
+        out_e += c[:-1]
+        out_h += [next(sums) for _ in c[1:]] if b in cuts else [h]
+    return out_e + [edges[-1]], out_h
+
+
+def measured_boundaries(edges, hist, forecast, n, P=None):
     """Region boundaries that split this step's measured load evenly: bin b = [edges[b], edges[b+1]) holds
     ``hist[b]`` selected entries summed over the ranks (allreduced before the split, so exact at the edges);
     inside a bin the load is taken as spread like the forecast, whose middle point halves it. Float64
     elementwise work on identical inputs: identical on every rank, O(P). None when nothing was selected."""
-    P = (len(edges) - 1) // BINS_PER_REGION
+    P = P or (len(edges) - 1) // BINS_PER_REGION
     if P == 1 or sum(hist) == 0:
         return None
     shape = np.asarray(edges if forecast is None else np.rint(np.asarray(forecast, np.float64)), np.int64)
