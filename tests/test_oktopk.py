@@ -1141,12 +1141,16 @@ def test_few_collectives_at_many_entries_per_region_do_not_change_results(P, tp)
 def test_library_stays_within_6k_bound_at_ten_entries_per_region():
     """k/P = 10 (the regime of P = 1024 at n = 524,288): the 6k(P-1)/P bound on every steady step of a
     24-step run. Boundaries that follow the last steps' load miss it on the steps after a re-evaluation,
-    and the ladder's count vectors in an allgather cost 10(P-1) words, 1.0k(P-1)/P here."""
+    and the ladder's count vectors in an allgather cost 10(P-1) words, 1.0k(P-1)/P here. The histogram runs on
+    every steady step, its refinement only where a bin holds more than a region's share (1 of 23 steps here;
+    a trigger at half a share fires on all 23, as a bin is meant to hold about that much)."""
     P, n, steps, density = 64, 32_768, 24, 0.02
     rep, unit = _library_volume(P, n, steps, density)
     assert rep["steady_steps"] == steps - 1
     assert rep["steady_over_bound"] == [], (rep["recv_words_max_steady"] / unit, rep["steady_max_phases"])
     assert rep["recv_words_max_steady"] <= 6 * unit
+    ran = rep["phase_steps"]
+    assert ran["histogram"] == ran["split"] == steps - 1 and ran.get("refine", 0) <= 2, ran
 
 
 def test_library_stays_within_6k_bound_with_few_collectives_at_many_entries_per_region():

@@ -13,6 +13,8 @@ Reported per algorithm:
     steady_over_bound      the steady steps whose busiest rank received more than Table 1's worst case
     steady_max_phases      the phases (words) of the busiest rank on the step of the steady maximum
     phase_share            per phase: its words in that maximum / the maximum
+    phase_steps            per phase: on how many steady steps some rank received words in it (how often a
+                           collective that runs only on some steps, such as Ok-Topk's ``refine``, ran)
     density_mean           achieved density: selected entries / n, mean over steps (and ranks; for
                            partitioned sparsifiers such as ExDyna the ranks' selections add up)
 
@@ -101,6 +103,10 @@ def run_one(algorithm, data, workers, steps, density, progress=None):
     total = max(1, sum(top.values()))
     partitioned = getattr(comp.sparsifier, "partitioned", False)
     dens = selected.sum(axis=1) / n if partitioned else selected.mean(axis=1) / n
+    phase_steps = {}
+    for t in np.flatnonzero(mask):
+        for p in dict.fromkeys(q for d in phases[t] for q, w in d.items() if w):
+            phase_steps[p] = phase_steps.get(p, 0) + 1
     return {
         "algorithm": algorithm,
         "recv_words_max": int(recv.max()),
@@ -114,6 +120,7 @@ def run_one(algorithm, data, workers, steps, density, progress=None):
         # where the steady maximum comes from: words received per phase by that rank on that step
         "steady_max_phases": {"step": int(t_max), "rank": int(r_max), **top},
         "phase_share": {p: round(w / total, 4) for p, w in top.items()},
+        "phase_steps": phase_steps,
     }
 
 
