@@ -79,3 +79,19 @@ def test_sparse_allreduce_op_equals_simulator(job, mode):
     sim = simulate(hvd_sparse.Compression.topka(0.1), grads)
     for r in range(P):
         assert ranks[r][f"{mode}.outs"].tobytes() == sim.updates[:, r].tobytes()
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_oktopk_op_with_a_refined_histogram_equals_simulator(job, mode):
+    """Ok-Topk's default on a load that moves every step: the steps after the first count their heavy histogram
+    bins again (phase refine), a collective only some steps make; every rank still gets the simulator's bits."""
+    P, res = job
+    ranks = res["op"]
+    import hvd_sparse
+
+    grads = np.stack([r[f"{mode}.oktopk.ins"] for r in ranks], axis=1)
+    sim = simulate(hvd_sparse.Compression.oktopk(0.1), grads)
+    assert [sorted({"histogram", "refine"} & set(sim.phases[t][0]["calls"])) for t in range(4)] == \
+        [[]] + [["histogram", "refine"]] * 3
+    for r in range(P):
+        assert ranks[r][f"{mode}.oktopk.outs"].tobytes() == sim.updates[:, r].tobytes()

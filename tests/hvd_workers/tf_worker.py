@@ -3,7 +3,8 @@
 Scenarios:
   tape     every preset through hvd_sparse.tensorflow.DistributedGradientTape, eagerly and inside tf.function
   none     Compression.none: the tape is Horovod's own (same result as horovod.tensorflow's tape)
-  op       sparse_allreduce on a 2-D tensor, eager and tf.function
+  op       sparse_allreduce on a 2-D tensor, eager and tf.function (TopkA; Ok-Topk on a load that moves, so
+           that its histogram is refined)
 """
 
 import os
@@ -103,7 +104,23 @@ def scenario_op(out):
             outs.append(r.numpy().reshape(-1))
         tag = "graph" if graph else "eager"
         res[f"{tag}.ins"], res[f"{tag}.outs"] = np.array(ins), np.array(outs)
+        comp = hvds.Compression.oktopk(0.1)
+        f = tf.function(lambda t: hvds.sparse_allreduce(t, comp, name="op.oktopk")) if graph else \
+            (lambda t: hvds.sparse_allreduce(t, comp, name="op.oktopk"))
+        res[f"{tag}.oktopk.ins"] = moving_load(hvd.rank())
+        res[f"{tag}.oktopk.outs"] = np.array([f(tf.constant(x.reshape(6, 11))).numpy().reshape(-1)
+                                              for x in res[f"{tag}.oktopk.ins"]])
     np.savez(out, **res)
+
+
+def moving_load(rank, steps=4, n=66):
+    """Small noise and, on every rank, 12 large entries whose place moves from step to step: the step's load
+    falls where the bins of Ok-Topk's histogram (placed from the last steps' load) are coarse."""
+    rng = np.random.default_rng(7 + rank)
+    g = (rng.standard_normal((steps, n)) * 0.1).astype(np.float32)
+    for t, hot in enumerate([50, 0, 30, 10][:steps]):
+        g[t, hot:hot + 12] += (3.0 + rng.standard_normal(12)).astype(np.float32)
+    return g
 
 
 if __name__ == "__main__":
