@@ -219,7 +219,8 @@ def refine_load(xp, idx, edges, hist, comm, like):
 def measured_boundaries(edges, hist, forecast, n, P=None):
     """Region boundaries that split this step's measured load evenly: bin b = [edges[b], edges[b+1]) holds
     ``hist[b]`` selected entries summed over the ranks (allreduced before the split, so exact at the edges);
-    inside a bin the load is taken as spread like the forecast, whose middle point halves it. Float64
+    inside a bin the load is taken as spread like the forecast, whose middle point halves it. ``P``: the number of
+    regions (by default the bins' count / ``BINS_PER_REGION``; ``refine_load``'s bins are more). Float64
     elementwise work on identical inputs: identical on every rank, O(P). None when nothing was selected."""
     P = P or (len(edges) - 1) // BINS_PER_REGION
     if P == 1 or sum(hist) == 0:
