@@ -92,9 +92,7 @@ def scenario_op(out):
     rng = np.random.default_rng(7 + hvd.rank())
     res = {}
     for graph in (False, True):
-        comp = hvds.Compression.topka(0.1)
-        f = tf.function(lambda t: hvds.sparse_allreduce(t, comp, name="op.test")) if graph else \
-            (lambda t: hvds.sparse_allreduce(t, comp, name="op.test"))
+        f = allreduce_op(hvds.Compression.topka(0.1), "op.test", graph)
         ins, outs = [], []
         for _ in range(4):
             t = tf.constant(rng.standard_normal((6, 11)).astype(np.float32))
@@ -104,13 +102,18 @@ def scenario_op(out):
             outs.append(r.numpy().reshape(-1))
         tag = "graph" if graph else "eager"
         res[f"{tag}.ins"], res[f"{tag}.outs"] = np.array(ins), np.array(outs)
-        comp = hvds.Compression.oktopk(0.1)
-        f = tf.function(lambda t: hvds.sparse_allreduce(t, comp, name="op.oktopk")) if graph else \
-            (lambda t: hvds.sparse_allreduce(t, comp, name="op.oktopk"))
+        f = allreduce_op(hvds.Compression.oktopk(0.1), "op.oktopk", graph)
         res[f"{tag}.oktopk.ins"] = moving_load(hvd.rank())
         res[f"{tag}.oktopk.outs"] = np.array([f(tf.constant(x.reshape(6, 11))).numpy().reshape(-1)
                                               for x in res[f"{tag}.oktopk.ins"]])
     np.savez(out, **res)
+
+
+def allreduce_op(compression, name, graph):
+    """``sparse_allreduce`` with ``compression`` under ``name``, inside a tf.function when ``graph``."""
+    def op(t):
+        return hvds.sparse_allreduce(t, compression, name=name)
+    return tf.function(op) if graph else op
 
 
 def moving_load(rank, steps=4, n=66):

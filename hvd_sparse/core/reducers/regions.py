@@ -202,10 +202,10 @@ def refine_load(xp, idx, edges, hist, comm, like):
             cuts[b] = [lo + (j * (hi - lo)) // s for j in range(s + 1)]
     if not cuts:
         return edges, hist
-    pos, mine = _positions(xp, idx, [e for c in cuts.values() for e in c]), []
+    pos, mine, at = _positions(xp, idx, [e for c in cuts.values() for e in c]), [], 0
     for c in cuts.values():
-        mine += np.diff(pos[:len(c)]).tolist()
-        pos = pos[len(c):]
+        mine += np.diff(pos[at:at + len(c)]).tolist()
+        at += len(c)
     sums = iter(int(v) for v in xp.to_numpy(comm.allreduce(xp.asarray(mine, xp.index_dtype, like=like), SUM,
                                                             "refine")))
     out_e, out_h = [], []
