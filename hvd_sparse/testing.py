@@ -64,7 +64,8 @@ class SimulationResult:
 
 
 def simulate(compression, gradients, shapes=None, average=True, backend="numpy", nonfinite="skip", *, steps=None,
-             size=None, record=DEFAULT_RECORD, before_step=None, after_step=None, communicator=None):
+             size=None, record=DEFAULT_RECORD, before_step=None, after_step=None, communicator=None, device=None,
+             dtype=None):
     """Run ``compression`` on ``gradients`` of shape (steps, P, n); see the module docstring.
 
     Args:
@@ -94,6 +95,11 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
         communicator (callable, keyword-only): ``communicator(comm) -> comm``: each engine talks to what it
             returns for its rank's :class:`~hvd_sparse.core.sim.SimulatedCommunicator` (a wrapper that logs or
             checks the collectives and delegates them).
+        device (str, keyword-only): with ``backend="torch"``, the device of the gradients (``"cuda"``: the engines
+            run on the GPU); default the CPU.
+        dtype (torch.dtype, keyword-only): with ``backend="torch"``, the gradients' dtype (e.g. ``torch.bfloat16``;
+            the values given must be representable in it); default the given array's. Updates of a dtype numpy
+            lacks (bfloat16) are recorded as float32, which holds them exactly.
     """
     api = "hvd_sparse.testing.simulate"
     record = (record,) if isinstance(record, str) else tuple(record)
@@ -112,7 +118,7 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
         if len(np.shape(first[0])) != 1:
             raise ValueError(f"{api}: gradients(t, rank) must return a 1-D gradient, got shape "
                              f"{tuple(np.shape(first[0]))} at t=0, rank=0")
-        n, dtype = int(np.shape(first[0])[0]), np.asarray(first[0]).dtype
+        n, rec_dtype = int(np.shape(first[0])[0]), np.asarray(first[0]).dtype
 
         def grad(t, r):
             return first.pop() if first and t == 0 and r == 0 else gradients(t, r)
@@ -123,7 +129,7 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
         if (steps is not None and steps != g.shape[0]) or (size is not None and size != g.shape[1]):
             raise ValueError(f"{api}: steps={steps!r}, size={size!r} contradict the gradients' shape {g.shape}")
         steps, P, n = g.shape
-        dtype = g.dtype
+        rec_dtype = g.dtype
 
         def grad(t, r):
             return g[t, r]
@@ -131,11 +137,13 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
         raise ValueError(f"{api}: shapes {shapes} do not add up to n={n}")
     if backend not in ("numpy", "torch", "tensorflow"):
         raise ValueError(f"{api}: backend must be 'numpy', 'torch' or 'tensorflow', got {backend!r}")
+    if (device is not None or dtype is not None) and backend != "torch":
+        raise ValueError(f"{api}: device= and dtype= go with backend='torch', got backend={backend!r}")
     if backend == "torch":
         import torch
 
         def convert(x):
-            return torch.from_numpy(np.array(x))
+            return torch.from_numpy(np.array(x)).to(device=device, dtype=dtype)
     elif backend == "tensorflow":
         import tensorflow as tf
 
@@ -146,7 +154,13 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
             return np.ascontiguousarray(x)
 
     def to_numpy(x):
+        if backend == "torch":
+            x = x.detach().cpu()
+            return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
         return np.asarray(x) if backend == "numpy" else x.numpy()
+
+    if dtype is not None:                   # the updates' dtype: the gradients' (float32 for bfloat16)
+        rec_dtype = np.float32 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
 
     world = SimulatedWorld(P)
     comms = world.communicators()
@@ -158,7 +172,7 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
     def per_step(field):
         return [[None] * P for _ in range(steps)] if field in record else None
 
-    updates = np.zeros((steps, P, n), dtype=dtype) if "updates" in record else None
+    updates = np.zeros((steps, P, n), dtype=rec_dtype) if "updates" in record else None
     residuals = np.zeros((steps, P, n), dtype=np.float32) if "residuals" in record else None
     selected = np.zeros((steps, P), dtype=np.int64) if "selected" in record else None
     velocities = (np.zeros((steps, P, n), np.float32)

@@ -1,6 +1,7 @@
 """Launch real `horovodrun --gloo` jobs from tests and load what each rank wrote."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,11 +10,15 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).parent
-BIN = Path(sys.executable).parent
+#: the horovodrun next to this Python (the project's .venv), else the one on PATH (the GPU check installs it apart)
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+if not HOROVODRUN.exists() and shutil.which("horovodrun"):
+    HOROVODRUN = Path(shutil.which("horovodrun"))
+BIN = HOROVODRUN.parent
 
 
 def horovodrun_available():
-    return (BIN / "horovodrun").exists()
+    return HOROVODRUN.exists()
 
 
 requires_horovod = pytest.mark.skipif(not horovodrun_available(), reason="horovodrun not installed "
@@ -22,13 +27,14 @@ requires_horovod = pytest.mark.skipif(not horovodrun_available(), reason="horovo
 
 def job_env(**extra):
     """The environment of a test's horovodrun job: this venv's binaries, one thread per worker, the repo."""
-    return dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1",
-                PYTHONPATH=str(HERE.parent), **extra)
+    path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1", PYTHONPATH=path,
+                **extra)
 
 
 def horovodrun(np_, script, *args, timeout=300, env=None):
     """Run ``script args`` on ``np_`` local Gloo workers; fail the test with the job's output on error."""
-    cmd = [str(BIN / "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
+    cmd = [str(HOROVODRUN), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
            sys.executable, str(HERE / "hvd_workers" / script), *map(str, args)]
     full_env = job_env(**(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
@@ -49,7 +55,7 @@ def elastic_survivors(tmp_path, script, *args, env=None, timeout=600):
     discover = tmp_path / "discover.sh"
     discover.write_text("#!/bin/sh\necho localhost:2\necho 127.0.0.1:1\n")
     discover.chmod(0o755)
-    cmd = [str(BIN / "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
+    cmd = [str(HOROVODRUN), "-np", "3", "--min-np", "2", "--max-np", "3", "--host-discovery-script",
            str(discover), sys.executable, str(HERE / "hvd_workers" / script), *map(str, args)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(**(env or {})))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

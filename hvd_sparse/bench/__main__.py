@@ -20,6 +20,9 @@ COMMANDS = {
     "convergence": ("convergence", "train the digits CNN with each algorithm under horovodrun"),
     "network": ("network", "seconds per step of P Horovod workers on a tc-shaped network (root)"),
     "train": ("train", "time to accuracy of real training vs Horovod, DDP, PowerSGD on a tc-shaped network (root)"),
+    "engine": ("engine", "one rank's engine step per preset (P = 1), CPU or GPU: wall, GPU kernel time, syncs"),
+    "trainstep": ("trainstep", "training step of a 25M MLP under horovodrun: compute only, Horovod dense, presets"),
+    "latency": ("latency", "one small Horovod collective's latency by ranks, cycle time and wait mode"),
 }
 
 

@@ -41,6 +41,7 @@ import collections
 import json
 import os
 import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,7 +66,10 @@ def framework(text):
 
 
 def horovodrun_path():
-    return Path(sys.executable).parent / "horovodrun"
+    """The ``horovodrun`` next to ``sys.executable`` (a virtualenv's), else the one on PATH."""
+    beside = Path(sys.executable).parent / "horovodrun"
+    found = beside if beside.exists() else shutil.which("horovodrun")
+    return Path(found) if found else beside
 
 
 def launch(workers, worker_args, verbose=True, tail_lines=80, module=WORKERS["torch"], env_updates=None):

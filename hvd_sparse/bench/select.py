@@ -1,7 +1,8 @@
 """Selection benchmark: seconds one rank spends choosing its entries, for every sparsifier of the presets.
 
-Every method runs on the same gradient-like float32 torch CPU buffer of n values
-(``SyntheticGradients(n, 1).grad(0, 0)``), with k = max(1, floor(density * n)), on one rank (P = 1: a
+Every method runs on the same gradient-like float32 torch buffer of n values
+(``SyntheticGradients(n, 1).grad(0, 0)``), on the CPU or on ``--device`` (``cuda``: each timed call is bracketed by
+``torch.cuda.synchronize()``), with k = max(1, floor(density * n)), on one rank (P = 1: a
 ``StepContext`` with a ``SimulatedWorld(1)`` communicator; no selection below issues a collective at P = 1).
 The sparsifiers are those of the library presets (``Compression.<preset>(density).sparsifier``):
 
@@ -48,11 +49,16 @@ SPARSIFIERS = {
 }
 
 
-def _time_one(make_call):
-    """Seconds of one call of ``make_call()``'s result (its set-up, e.g. copying the state, is not timed)."""
+def _time_one(make_call, sync=None):
+    """Seconds of one call of ``make_call()``'s result (its set-up, e.g. copying the state, is not timed); ``sync``
+    (``torch.cuda.synchronize`` on a GPU) runs before the clock starts and before it stops."""
     call = make_call()
+    if sync:
+        sync()
     t0 = time.perf_counter()
     call()
+    if sync:
+        sync()
     return time.perf_counter() - t0
 
 
@@ -102,7 +108,7 @@ def sparsifier_call(name, buf, k, density, layout):
     return make_call, check
 
 
-def run(n, density, repeat, seed=0, verbose=True):
+def run(n, density, repeat, seed=0, verbose=True, device="cpu"):
     import torch
 
     from ..core import native
@@ -114,7 +120,8 @@ def run(n, density, repeat, seed=0, verbose=True):
 
     say(f"  building a gradient-like buffer of {n:,} values ...")
     data = SyntheticGradients(n, 1, seed=seed)
-    buf = torch.from_numpy(data.grad(0, 0))
+    buf = torch.from_numpy(data.grad(0, 0)).to(device)
+    sync = torch.cuda.synchronize if buf.is_cuda else None
     layout = list(data.layout)
     del data                                       # the generator's noise pool is 8n floats
     k = max(1, int(density * n))
@@ -136,7 +143,7 @@ def run(n, density, repeat, seed=0, verbose=True):
         say(f"\r  round {rnd + 1}/{repeat} ({time.perf_counter() - t0:.0f} s)      ", end="")
         for method in METHODS:
             c0 = native.calls()
-            secs[method].append(_time_one(calls[method][0]))
+            secs[method].append(_time_one(calls[method][0], sync))
             if native.calls() > c0:
                 used.add(method)
     say("")
@@ -148,9 +155,19 @@ def run(n, density, repeat, seed=0, verbose=True):
                         "selected": calls[method][1](), "native": method in used})
     kinfo = native.info()
     return {"numel": n, "density": density, "k": k, "threads": torch.get_num_threads(), "repeat": repeat,
+            "device": device_name(buf),
             "native_kernel": {"enabled": kinfo["enabled"], "flags": kinfo["flags"], "simd": kinfo["simd"],
                               "threads": native.threads_for(n), "reason": kinfo["reason"]},
             "results": results}
+
+
+def device_name(buf):
+    """``"cpu"``, or the GPU's name with torch's and CUDA's versions (the report names the card it ran on)."""
+    import torch
+
+    if not buf.is_cuda:
+        return "cpu"
+    return f"{torch.cuda.get_device_name(buf.device)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
 
 
 def markdown(report):
@@ -160,7 +177,8 @@ def markdown(report):
     kernel = (f"fused kernel: {nk['simd']}, {nk['threads']} thread(s)" if nk.get("enabled")
               else f"fused kernel off ({nk.get('reason')})" if nk else "")
     lines = [f"Selection on one rank: n = {report['numel']:,}, k = {report['k']:,} (density {report['density']}), "
-             f"float32 torch CPU, {report['threads']} threads, median of {report['repeat']}"
+             + (f"float32 torch CPU, {report['threads']} threads" if report.get("device", "cpu") == "cpu"
+                else f"float32 on {report['device']}") + f", median of {report['repeat']}"
              + (f"; {kernel}" if kernel else "") + ".", "",
              "| method | seconds (median) | x stream | torch.topk / method | native |",
              "|---|---:|---:|---:|:---:|"]
@@ -197,12 +215,13 @@ def add_arguments(p):
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--plot", metavar="FILE", help="save a PNG bar chart of the medians (log axis)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    p.add_argument("--device", default="cpu", help="torch device of the buffer, e.g. cuda (default: cpu)")
 
 
 def main(args):
     from . import cli
 
-    report = run(args.numel, args.density, args.repeat, seed=args.seed, verbose=not args.quiet)
+    report = run(args.numel, args.density, args.repeat, seed=args.seed, verbose=not args.quiet, device=args.device)
     cli.write_json(args.json, report)
     if args.plot:
         plot(report, args.plot)

@@ -27,13 +27,25 @@ The package, a file per role:
 
 from __future__ import annotations
 
+from horovod.tensorflow import global_process_set
+
 from ..core.errors import ELASTIC_RESIDUALS
 from ._consistency import check_consistency, variable_name
+from ._variables import broadcast_variables as _broadcast_variables
 from .checkpoint import SparseState, load_sparse_state_dict, sparse_state_dict
 from .compression import Compression
 from .mpi_ops import sparse_allreduce
 from .optimizer import DistributedOptimizer
 from .tape import DistributedGradientTape
 
-__all__ = ["Compression", "DistributedGradientTape", "DistributedOptimizer", "SparseState", "check_consistency",
-           "sparse_allreduce"]
+__all__ = ["Compression", "DistributedGradientTape", "DistributedOptimizer", "SparseState", "broadcast_variables",
+           "check_consistency", "sparse_allreduce"]
+
+
+def broadcast_variables(variables, root_rank, process_set=global_process_set):
+    """Assign ``root_rank``'s values of ``variables`` on every rank, as Horovod's ``hvd.broadcast_variables``, for
+    every dtype: a dtype Horovod lacks (bfloat16) travels as its bits (int16). Eager, collective; also takes Keras 3
+    variables (Horovod's calls ``.ref()``, which they lack). One broadcast per dtype, after one allgather that proves
+    every rank holds the same number and total size of variables (ValueError on every rank otherwise)."""
+    _broadcast_variables(variables, root_rank, "hvd_sparse.broadcast_variables",
+                         "hvd_sparse.tensorflow.broadcast_variables", process_set=process_set)

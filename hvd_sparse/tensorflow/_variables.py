@@ -69,9 +69,20 @@ def unique_variables(candidates, exclude=()):
     return out
 
 
+def wire_dtype(dtype):
+    """What a tensor of ``dtype`` is broadcast as: itself where Horovod has it, else the integer dtype of its item size
+    (bfloat16 -> int16, uint32 -> int32, ...), which :func:`tf.bitcast` reaches and leaves without changing a bit."""
+    dtype = tf.as_dtype(dtype)
+    return dtype if dtype in HVD_DTYPES else _BITS[dtype.size]
+
+
+_BITS = {1: tf.uint8, 2: tf.int16, 4: tf.int32, 8: tf.int64}
+
+
 def broadcastable(variables):
-    """The variables whose dtype Horovod can broadcast (others, e.g. Keras 3's uint32 seed states, are skipped)."""
-    return [v for v in variables if tf.as_dtype(v.dtype) in HVD_DTYPES]
+    """The variables the callbacks and elastic states broadcast: those of a dtype Horovod has, and bfloat16 ones (as
+    their bits); others, e.g. Keras 3's uint32 seed states, stay worker-local."""
+    return [v for v in variables if tf.as_dtype(v.dtype) in HVD_DTYPES or tf.as_dtype(v.dtype) == tf.bfloat16]
 
 
 def broadcast_variables(variables, root_rank, tag, api, device="", process_set=global_process_set):
@@ -79,7 +90,8 @@ def broadcast_variables(variables, root_rank, tag, api, device="", process_set=g
 
     First one allgather of (count, total size) proves every rank has the same variables (else ValueError on every
     rank, instead of pairing wrong tensors or hanging); then one broadcast per dtype of the concatenated variables
-    (sorted dtype names: the same order everywhere), named ``<tag>.<dtype>``.
+    (sorted dtype names: the same order everywhere), named ``<tag>.<dtype>``; a dtype Horovod lacks (bfloat16) travels
+    as its bits (:func:`wire_dtype`).
     """
     variables = list(variables)
     sig = np.array([len(variables), sum(int(np.prod(v.shape)) for v in variables)], dtype=np.int64)
@@ -94,10 +106,12 @@ def broadcast_variables(variables, root_rank, tag, api, device="", process_set=g
         by_dtype.setdefault(tf.as_dtype(var.dtype).name, []).append(var)
     for dtype in sorted(by_dtype):
         group = by_dtype[dtype]
+        wire = wire_dtype(dtype)
         flat = tf.concat([tf.reshape(tf.convert_to_tensor(v), [-1]) for v in group], axis=0)
         with tf.device(device):
-            flat = hvd.broadcast(flat, root_rank, name=f"{tag}.{dtype}", ignore_name_scope=True,
-                                 process_set=process_set)
+            flat = hvd.broadcast(tf.bitcast(flat, wire) if wire != flat.dtype else flat, root_rank,
+                                 name=f"{tag}.{dtype}", ignore_name_scope=True, process_set=process_set)
+        flat = tf.bitcast(flat, tf.as_dtype(dtype)) if wire != tf.as_dtype(dtype) else flat
         pieces = tf.split(flat, [int(np.prod(v.shape)) for v in group]) if len(group) > 1 else [flat]
         for var, piece in zip(group, pieces):
             var.assign(tf.reshape(piece, var.shape))

@@ -2,11 +2,14 @@
 
     optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                           compression=hvds.Compression.topka(density=0.01))
+    hvds.broadcast_parameters(model.state_dict(), root_rank=0)      # Horovod's, for every dtype (bf16 too)
+    hvds.broadcast_optimizer_state(optimizer, root_rank=0)
 """
 
 from . import elastic
 from ..compression import register_horovod_adapter
 from .compression import Compression
+from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .mpi_ops import sparse_allreduce
 from .optimizer import DistributedOptimizer
 
@@ -15,4 +18,5 @@ from .stash import StashAdapter  # noqa: E402
 register_horovod_adapter("torch", StashAdapter)   # a preset as compression= of horovod.torch.DistributedOptimizer
 elastic.register()      # hvd.elastic.TorchState keeps hvd_sparse optimizers' per-rank state (see elastic.py)
 
-__all__ = ["Compression", "DistributedOptimizer", "sparse_allreduce"]
+__all__ = ["Compression", "DistributedOptimizer", "broadcast_object", "broadcast_optimizer_state",
+           "broadcast_parameters", "sparse_allreduce"]

@@ -27,6 +27,7 @@ import torch
 from horovod.torch.mpi_ops import Adasum
 
 from .comm import HorovodTorchCommunicator
+from .functions import HOROVOD_DTYPES
 from ..core.errors import check_op, scale_factors
 
 _API = "horovod.torch.DistributedOptimizer(compression=<hvd_sparse preset>)"
@@ -77,7 +78,9 @@ class StashAdapter:
             raise RuntimeError(f"{_API}: compress() after the exchange of this step started; this happens "
                                "only if a step was left unfinished (an exception inside synchronize())")
         self.stash[opt._parameter_names[p]] = (p, tensor)
-        return torch.ones(1, dtype=tensor.dtype, device=tensor.device), ("hvd_sparse", opt._parameter_names[p])
+        # Horovod allreduces the placeholder: in the gradient's dtype where Horovod has it (not bfloat16)
+        dtype = tensor.dtype if tensor.dtype in HOROVOD_DTYPES else torch.float32
+        return torch.ones(1, dtype=dtype, device=tensor.device), ("hvd_sparse", opt._parameter_names[p])
 
     def decompress(self, output, ctx):
         name = ctx[1]

@@ -39,7 +39,7 @@ import numpy as np
 import tensorflow as tf
 
 from ...core.stats import SparsityWindow, averaged
-from .._variables import HVD_DTYPES, broadcast_variables, keras_flavour, optimizer_variables, same_variable
+from .._variables import broadcast_variables, broadcastable, keras_flavour, optimizer_variables, same_variable
 from ._lr_schedule import LearningRateScheduleCallbackImpl, LearningRateWarmupCallbackImpl, _to_numpy
 
 __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
@@ -54,7 +54,6 @@ _Callback = KERAS.callbacks.Callback
 FLAVOUR = keras_flavour(_Callback)
 
 _PREFIX = "hvd_sparse.keras"
-_HVD_DTYPES = HVD_DTYPES
 _optimizer_variables = optimizer_variables
 _same_variable = same_variable
 
@@ -104,15 +103,13 @@ class BroadcastGlobalVariablesCallbackImpl:
             self._local_vars.append(var)
 
     def _variables(self):
-        seen, out = [], []
+        seen = []
         candidates = list(self.model.variables) + _optimizer_variables(getattr(self.model, "optimizer", None))
         for var in candidates:
             if any(_same_variable(var, s) for s in seen) or any(_same_variable(var, lv) for lv in self._local_vars):
                 continue
             seen.append(var)
-            if tf.as_dtype(var.dtype) in _HVD_DTYPES:
-                out.append(var)
-        return out
+        return broadcastable(seen)
 
     def broadcast(self):
         """Broadcast now (collective: every rank calls it)."""
