@@ -39,11 +39,13 @@ def parse_args(argv=None):
 def train(args, compression, train_set, test_set, label, writer=None):
     torch.manual_seed(args.seed)
     model = Net()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     n = sum(p.numel() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                           compression=compression)
+    # Horovod's recipe, through hvds: the same functions, for every dtype (Horovod's own refuse bfloat16)
+    hvds.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvds.broadcast_optimizer_state(optimizer, root_rank=0)
     # each rank takes its own shard of the training set, reshuffled every epoch (same seed on all ranks)
     x_tr, _ = train_set
     steps_per_epoch = len(epoch_order(len(x_tr), hvd.rank(), hvd.size(), args.seed, 0)) // args.batch_size

@@ -45,13 +45,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def tf_variables(variables):
-    """Horovod's ``broadcast_variables`` runs a ``tf.function`` over its argument, where Keras 3 variables
-    arrive as plain tensors (no ``assign``): pass the ``tf.Variable`` each wraps (``.value``). tf_keras variables
-    are ``tf.Variable``s already."""
-    return [v if isinstance(v, tf.Variable) else v.value for v in variables]
-
-
 def last_step_stats(compression, n):
     """(density, bytes sent by this rank) of the last exchange. The tape keeps its engine in
     ``compression.states`` (unit "model"); Horovod's dense ring allreduce (``none``) sends 2 n (P-1)/P float32
@@ -76,7 +69,8 @@ def main(argv=None):
     n = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     # Same initial weights everywhere: rank 0's. The optimizer's slots start at zero and then only see averaged
     # gradients, so they agree too (the error-feedback residuals are per rank by design).
-    hvd.broadcast_variables(tf_variables(model.variables), root_rank=0)
+    # (hvds.broadcast_variables: Horovod's, also for Keras 3 variables and bfloat16 ones)
+    hvds.broadcast_variables(model.variables, root_rank=0)
 
     shard = np.arange(hvd.rank(), len(x_tr), hvd.size())   # each rank its own shard of the training set
     steps_per_epoch = len(shard) // args.batch_size

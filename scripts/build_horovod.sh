@@ -11,12 +11,14 @@
 #   HVD_SPARSE_FRAMEWORKS   "torch tensorflow" (default) or "torch": the framework ops to build.
 #   HVD_SPARSE_GPU          "none" (default: CPU operations by Gloo; CUDA tensors travel through the host) or
 #                           "nccl" (HOROVOD_GPU_OPERATIONS=NCCL, NCCL from the nvidia-nccl wheel that a CUDA
-#                           torch depends on, linked shared with an rpath to it).
+#                           torch depends on, linked shared with an rpath to it). With both frameworks and a
+#                           TensorFlow without CUDA (tensorflow-cpu), the TensorFlow ops are built apart with Gloo
+#                           and joined to the NCCL PyTorch ops in one wheel (two builds).
 #   HOROVOD_BUILD_CUDA_CC_LIST  compute capabilities of the CUDA kernels; default: those of the GPUs nvidia-smi
 #                           lists (Horovod's own default is every architecture nvcc knows, minutes longer).
 #   MAKEFLAGS               default -j$(nproc).
 # A CUDA build of torch makes Horovod compile its CUDA parts whatever HVD_SPARSE_GPU says: nvcc must be on PATH
-# or under /usr/local/cuda. CMake 4 refuses Gloo's cmake_minimum_required(2.8.12): CMAKE_POLICY_VERSION_MINIMUM
+# or under /usr/local/cuda (the toolkit: HOROVOD_CUDA_HOME, else CUDA_HOME, CUDA_PATH, /usr/local/cuda). CMake 4 refuses Gloo's cmake_minimum_required(2.8.12): CMAKE_POLICY_VERSION_MINIMUM
 # is set to 3.5 (older CMake ignores it).
 set -euo pipefail
 
@@ -30,6 +32,29 @@ GPU=${HVD_SPARSE_GPU:-none}
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+
+if [[ $GPU == nccl && " $FRAMEWORKS " == *" torch "* && " $FRAMEWORKS " == *" tensorflow "* ]] \
+        && ! "$PY" -c 'import sys, tensorflow as tf; sys.exit(0 if tf.test.is_built_with_cuda() else 1)' 2>/dev/null; then
+    # Horovod's TensorFlow ops built with CUDA need TensorFlow's GPU kernels, which tensorflow-cpu lacks (the library
+    # does not load: undefined symbol tensorflow::functor::DenseUpdate<Eigen::GpuDevice, ...>). So the TensorFlow ops
+    # are built with Gloo alone, the PyTorch ops with NCCL, and the two extensions (each holds its own copy of
+    # Horovod's core) go into one wheel, with both frameworks in its metadata.json.
+    HVD_SPARSE_FRAMEWORKS=tensorflow HVD_SPARSE_GPU=none bash "$0" "$SDIST" "$work/tf" "$PY"
+    HVD_SPARSE_FRAMEWORKS=torch bash "$0" "$SDIST" "$work/torch" "$PY"
+    "$PY" -m wheel unpack -d "$work/tf" "$work/tf"/horovod-*.whl >/dev/null
+    "$PY" -m wheel unpack -d "$work/torch" "$work/torch"/horovod-*.whl >/dev/null
+    tf=$(echo "$work"/tf/horovod-*/) torch=$(echo "$work"/torch/horovod-*/)
+    cp "$tf"/horovod/tensorflow/mpi_lib*.so "$torch/horovod/tensorflow/"
+    "$PY" - "$tf/horovod/metadata.json" "$torch/horovod/metadata.json" <<'EOF'
+import json, sys
+merged = {**json.load(open(sys.argv[1])), **json.load(open(sys.argv[2]))}
+json.dump(merged, open(sys.argv[2], "w"))
+EOF
+    "$PY" -m wheel pack -d "$WHEELDIR" "$torch" >/dev/null
+    echo "[build_horovod] one wheel: PyTorch ops with NCCL, TensorFlow ops with Gloo (tensorflow-cpu)" >&2
+    exit 0
+fi
+
 tar xzf "$SDIST" -C "$work"
 src=$(echo "$work"/horovod-*)
 (cd "$src" && patch -p1 -s < "$PATCH")
@@ -47,7 +72,10 @@ if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
     export PATH=/usr/local/cuda/bin:$PATH
 fi
 if command -v nvcc >/dev/null; then
-    export HOROVOD_CUDA_HOME=${HOROVOD_CUDA_HOME:-$(dirname "$(dirname "$(command -v nvcc)")")}
+    # the toolkit's root (headers, cudart): an nvcc on PATH may be a wrapper script elsewhere (/usr/local/bin)
+    cuda_home=${CUDA_HOME:-${CUDA_PATH:-}}
+    [[ -z "$cuda_home" && -x /usr/local/cuda/bin/nvcc ]] && cuda_home=/usr/local/cuda
+    export HOROVOD_CUDA_HOME=${HOROVOD_CUDA_HOME:-${cuda_home:-$(dirname "$(dirname "$(realpath "$(command -v nvcc)")")")}}
     if [[ -z "${HOROVOD_BUILD_CUDA_CC_LIST:-}" ]] && command -v nvidia-smi >/dev/null; then
         ccs=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | tr -d . | sort -u | paste -sd, -)
         [[ -n "$ccs" ]] && export HOROVOD_BUILD_CUDA_CC_LIST=$ccs

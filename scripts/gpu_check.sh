@@ -20,8 +20,8 @@
 #                   the host: what two ranks on one GPU need) and NCCL (HOROVOD_GPU_OPERATIONS=NCCL)
 #   3. tests        pytest -m cuda with the Gloo build: the engine on CUDA against the numpy simulator, and
 #                   float32/bf16/fp16/mixed models through horovodrun -np 2 on the one GPU
-#   4. nccl         the NCCL build: horovodrun --check-build, the CUDA smoke job at -np 1 and at -np 2 (two ranks on
-#                   one GPU: NCCL's answer is recorded, whatever it is)
+#   4. nccl         the NCCL build: horovodrun --check-build, the CUDA smoke job at -np 1 and at -np 2 (with one GPU
+#                   the two ranks share it, which NCCL refuses: recorded, not counted as a failure)
 #   5. benchmarks   bench select --device cuda (25M, 100M), bench engine --device cuda (25M), bench trainstep
 #                   (25M MLP, 2 ranks on the GPU, Gloo build), bench latency (one small collective, 2 and 4 ranks)
 # OUTDIR then holds summary.txt (one line per step: exit code, seconds), logs/, reports/ (JSON, Markdown, PNG) and
@@ -51,9 +51,9 @@ step() {         # step NAME COMMAND...: run it, log to logs/NAME.log, one summa
     shift
     "$@" > "$OUT/logs/$name.log" 2>&1
     rc=$?
-    echo "$name: exit $rc, $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+    echo "$name: exit $rc, $((SECONDS - start)) s${NOTE:+ ($NOTE)}" | tee -a "$OUT/summary.txt"
     tar czf "$ARCHIVE.$BASHPID" -C "$OUT" summary.txt logs reports && mv "$ARCHIVE.$BASHPID" "$ARCHIVE"
-    ((rc == 0)) || failed=1
+    ((rc == 0)) || [[ -n "${NOTE:-}" ]] || failed=1
     return $rc
 }
 
@@ -104,7 +104,7 @@ use() {          # use gloo|nccl: that build's Horovod first on PYTHONPATH and P
 
 if use gloo; then
     step tests timeout 400 "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs "$ROOT/tests/test_cuda.py" \
-        "$ROOT/tests/test_dtypes_horovod.py"
+        "$ROOT/tests/test_dtypes_horovod.py" "$ROOT/tests/test_bench_steps.py"
     step bench_trainstep timeout 300 "$PY" -m hvd_sparse.bench trainstep --workers 2 --device cuda \
         --json "$OUT/reports/trainstep.json" --plot "$OUT/reports/trainstep.png"
     step bench_latency timeout 150 "$PY" -m hvd_sparse.bench latency --workers 2,4 --cycle-times default,0.1 \
@@ -120,8 +120,10 @@ step bench_engine "$PY" -m hvd_sparse.bench engine --device cuda --numel 2500000
 if use nccl; then
     step nccl_check_build horovodrun --check-build
     step nccl_np1 timeout 120 horovodrun -np 1 -H localhost:1 --gloo "$PY" "$ROOT/tests/hvd_workers/gpu_smoke_worker.py"
-    step nccl_np2_one_gpu timeout 60 horovodrun -np 2 -H localhost:2 --gloo "$PY" \
-        "$ROOT/tests/hvd_workers/gpu_smoke_worker.py"
+    # two ranks: on two GPUs a check like the others; on one GPU NCCL refuses (recorded, not counted as a failure)
+    gpus=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+    NOTE=$( ((gpus < 2)) && echo "informational: $gpus GPU, two ranks share it") \
+        step nccl_np2 timeout 60 horovodrun -np 2 -H localhost:2 --gloo "$PY" "$ROOT/tests/hvd_workers/gpu_smoke_worker.py"
 fi
 
 for log in "$OUT"/logs/bench_*.log; do          # the Markdown tables, for reading without JSON

@@ -51,6 +51,18 @@ def _grads(ranks, key):
     return np.stack([r[key] for r in ranks], axis=1)           # (steps, P, n)
 
 
+def test_broadcast_parameters_carries_the_bits_of_dtypes_horovod_lacks(job):
+    r0 = job[0]
+    kinds = [k.rsplit(".", 1)[1] for k in r0 if k.startswith("wire.before.")]
+    assert sorted(kinds) == ["bfloat16", "bool", "complex128", "complex64", "float8", "int16"]
+    for kind in kinds:
+        assert r0[f"wire.before.{kind}"].tobytes() != job[1][f"wire.before.{kind}"].tobytes()   # they did differ
+        for r in job:
+            assert r[f"wire.after.{kind}"].tobytes() == r0[f"wire.before.{kind}"].tobytes(), kind
+    # what hvds.broadcast_parameters is for: Horovod 0.28.1's own refuses bfloat16
+    assert "BFloat16Tensor is not supported" in str(r0["wire.horovod_error"])
+
+
 @pytest.mark.parametrize("model", MODELS)
 def test_a_model_starts_from_rank_0s_parameters_and_optimizer_state(job, model):
     r0 = job[0]

@@ -120,7 +120,7 @@ def markdown(report):
     for r in report["results"]:
         w, g = r["wall_seconds"] * 1e3, r["kernel_seconds"] * 1e3
         ratio = f"{w / g:.2f}" if g > 0 else ""
-        lines.append(f"| {r['name']} | {w:.3f} | {g:.3f} | {ratio} | {r['syncs']:g} | {r['memcpys']:g} |")
+        lines.append(f"| {r['name']} | {w:.3f} | {g:.3f} | {ratio} | {r['syncs']:.3g} | {r['memcpys']:.3g} |")
     return "\n".join(lines)
 
 
@@ -131,7 +131,7 @@ def plot(report, path):
     res = report["results"]
     names = [r["name"] for r in res]
     wall = [r["wall_seconds"] * 1e3 for r in res]
-    fig, ax, y = cli.bar_chart(names, wall, names, [f" {w:.3g} ms, {r['syncs']:g} syncs" for w, r in zip(wall, res)])
+    fig, ax, y = cli.bar_chart(names, wall, names, [f" {w:.3g} ms, {r['syncs']:.3g} syncs" for w, r in zip(wall, res)])
     ax.barh(y, [r["kernel_seconds"] * 1e3 for r in res], color="black", alpha=0.35, label="GPU kernels")
     ax.legend(fontsize=8)
     cli.finish_chart(fig, ax, "milliseconds per step (median)",

@@ -173,7 +173,7 @@ def device_name(buf):
 def markdown(report):
     rows = {r["method"]: r["seconds_median"] for r in report["results"]}
     stream, topk = rows.get("stream"), rows.get("torch.topk")
-    nk = report.get("native_kernel") or {}
+    nk = (report.get("native_kernel") or {}) if report.get("device", "cpu") == "cpu" else {}   # CPU buffers only
     kernel = (f"fused kernel: {nk['simd']}, {nk['threads']} thread(s)" if nk.get("enabled")
               else f"fused kernel off ({nk.get('reason')})" if nk else "")
     lines = [f"Selection on one rank: n = {report['numel']:,}, k = {report['k']:,} (density {report['density']}), "

@@ -15,6 +15,9 @@ layers):
   op          hvds.sparse_allreduce of a tensor of the model's first dtype: inputs and outputs
   guard       consistency_check_every=1 and check_consistency() pass; sparse_stats(average=True)
   resume      STEPS steps straight vs STEPS // 2, a checkpoint written to a real file and read back, the rest
+
+and once: ``wire``, hvds.broadcast_parameters of bool, complex, float8 and int16 tensors, and Horovod's own
+broadcast_parameters refusing a bfloat16 tensor.
 """
 
 import copy
@@ -176,6 +179,29 @@ def scenario_resume(res, model_dtype, device, outdir):
     res["resume.resumed"] = flat(model, lambda p: p)
 
 
+def scenario_wire(res, device):
+    """hvds.broadcast_parameters of tensors of dtypes Horovod lacks (their bytes before and after), and what
+    Horovod's own broadcast_parameters says to a bfloat16 tensor."""
+    g = torch.Generator().manual_seed(hvd.rank())
+    tensors = {"bfloat16": torch.randn(5, generator=g).bfloat16(), "bool": torch.rand(6, generator=g) > 0.5,
+               "complex64": torch.randn(3, dtype=torch.complex64, generator=g),
+               "complex128": torch.randn(3, dtype=torch.complex128, generator=g),
+               "float8": torch.randn(4, generator=g).to(torch.float8_e4m3fn),
+               "int16": torch.randint(-99, 99, (4,), generator=g, dtype=torch.int16)}
+    tensors = {k: v.to(device) for k, v in tensors.items()}
+
+    def raw(t):
+        return t.cpu().reshape(-1).view(torch.uint8).numpy().copy()
+
+    res.update({f"wire.before.{k}": raw(t) for k, t in tensors.items()})
+    hvds.broadcast_parameters(tensors, root_rank=0)
+    res.update({f"wire.after.{k}": raw(t) for k, t in tensors.items()})
+    try:
+        hvd.broadcast_parameters({"w": torch.zeros(2, dtype=torch.bfloat16, device=device)}, root_rank=0)
+    except ValueError as e:
+        res["wire.horovod_error"] = np.array(str(e))
+
+
 if __name__ == "__main__":
     hvd.init()
     torch.set_num_threads(1)
@@ -183,6 +209,7 @@ if __name__ == "__main__":
     if device == "cuda":
         torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
     out = {}
+    scenario_wire(out, device)
     for model_dtype in MODELS:
         res = {}
         scenario_start(res, model_dtype, device)
