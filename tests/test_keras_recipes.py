@@ -3,7 +3,8 @@ through real `horovodrun -np 2` (Gloo), under Keras 3 and tf_keras (TF_USE_LEGAC
 bit-identical weights, or every rank gets the same clear error, within the job's timeout (a hang fails the test).
 
 * mixed_float16 with Keras's LossScaleOptimizer and an overflow on one rank only: the same skip on every rank, the
-  same loss scale, identical weights (the loss scaler around hvd_sparse's optimizer, added by Keras or by hand);
+  same loss scale, identical weights (the loss scaler around hvd_sparse's optimizer, added by Keras or by hand; also
+  with backward_passes_per_step=2);
   the other way round is refused naming the recipe;
 * jit_compile=True (model.compile, and a tape step in tf.function): an error naming hvd_sparse and the fix;
 * a user's optimizer subclass defined in the script: averaged, backward_passes_per_step honoured;
@@ -48,12 +49,14 @@ def same_on_every_rank(ranks, key):
     assert all(r[key].tobytes() == ranks[0][key].tobytes() for r in ranks), f"{key} differs across ranks"
 
 
-@pytest.mark.parametrize("preset", ["topka", "none"])
+@pytest.mark.parametrize("preset", ["topka", "none", "topka.passes2"])
 @pytest.mark.parametrize("how", ["auto", "explicit"])
 def test_loss_scale_overflow_on_one_rank_skips_on_every_rank(job, preset, how):
     ranks = ok(job["loss_scale"])
-    key = f"{preset}.{how}"
+    name, _, passes = preset.partition(".")
+    key = f"{name}.{how}" + (f".{passes}" if passes else "")     # passes2: backward_passes_per_step=2
     same_on_every_rank(ranks, f"{key}.weights")
+    assert bool(ranks[0][f"{key}.moved"])
     scales = [float(r[f"{key}.scale"]) for r in ranks]
     assert scales == [2.0 ** 14] * P          # 2^15 halved once, on every rank, for rank 1's overflow
     assert len({int(r[f"{key}.iterations"]) for r in ranks}) == 1

@@ -5,8 +5,8 @@ as ``error``, not raised, so that the test sees what every rank said).
 
 Scenarios:
   loss_scale   mixed_float16: model.fit with hvd_sparse's optimizer (Keras wraps it in a LossScaleOptimizer), and
-               an explicit LossScaleOptimizer(DistributedOptimizer(...)); rank 1 alone overflows at step 3: the
-               weights, the loss scale and the iteration count of each run
+               an explicit LossScaleOptimizer(DistributedOptimizer(...)), also with backward_passes_per_step=2;
+               rank 1 alone overflows at step 3: the weights, the loss scale and the iteration count of each run
   jit          model.compile(jit_compile=True) + fit, and a tape step in tf.function(jit_compile=True): the errors
   subclass     class MySGD(tf.keras.optimizers.SGD) (defined here, in __main__) with backward_passes_per_step=2 and
                a sparse preset on per-rank data: the weights, the number of exchanges and the iterations
@@ -69,19 +69,25 @@ def scenario_loss_scale(res):
         x[3 * BATCH] = 6e4                  # step 3: float16 activations overflow on this rank only
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        for name, comp in (("topka", lambda: hvds.Compression.topka(0.1)), ("none", lambda: hvds.Compression.none)):
-            for how in ("auto", "explicit"):
-                opt = hvds.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=comp())
-                if how == "explicit":
-                    opt = keras.mixed_precision.LossScaleOptimizer(opt)
-                m = fit(mlp(), opt, x, y)
-                lso = m.optimizer
-                scale = getattr(lso, "dynamic_scale", None)
-                scale = lso.loss_scale if scale is None else scale
-                res[f"{name}.{how}.weights"] = flat(m)
-                res[f"{name}.{how}.scale"] = float(np.asarray(scale))
-                res[f"{name}.{how}.iterations"] = int(lso.iterations.numpy())
-                res[f"{name}.{how}.lso"] = type(lso).__name__
+        runs = [(name, comp, how, 1) for name, comp in (("topka", lambda: hvds.Compression.topka(0.1)),
+                                                         ("none", lambda: hvds.Compression.none))
+                for how in ("auto", "explicit")]
+        runs += [("topka", lambda: hvds.Compression.topka(0.1), how, 2) for how in ("auto", "explicit")]
+        for name, comp, how, passes in runs:
+            opt = hvds.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=comp(),
+                                            backward_passes_per_step=passes)
+            if how == "explicit":
+                opt = keras.mixed_precision.LossScaleOptimizer(opt)
+            m = fit(mlp(), opt, x, y)
+            lso = m.optimizer
+            scale = getattr(lso, "dynamic_scale", None)
+            scale = lso.loss_scale if scale is None else scale
+            key = f"{name}.{how}" + (f".passes{passes}" if passes > 1 else "")
+            res[f"{key}.weights"] = flat(m)
+            res[f"{key}.moved"] = bool((res[f"{key}.weights"] != flat(mlp())).any())
+            res[f"{key}.scale"] = float(np.asarray(scale))
+            res[f"{key}.iterations"] = int(lso.iterations.numpy())
+            res[f"{key}.lso"] = type(lso).__name__
     finally:
         keras.mixed_precision.set_global_policy("float32")
     try:                                    # the other way round is refused with the recipe

@@ -60,7 +60,7 @@ class _Guard:
         self.variables = None
         self.local = []
         self.scale_local_gradients = scale_local_gradients
-        self.pre_reduced = None         # (skipped,) after aggregate_gradients
+        self.pre_reduced = None         # (skipped, ready) after aggregate_gradients (ready: None, or passes > 1)
         self.applying = False           # inside apply_gradients: aggregate_gradients is the inner one
 
 
@@ -131,8 +131,9 @@ class _TFKerasMethods:
 
         guard.applying = True
         try:
+            ready = None
             if pre is not None and kwargs.get("skip_gradients_aggregation"):
-                (skipped,), agg = pre, None      # exchanged already, in aggregate_gradients (a LossScaleOptimizer)
+                (skipped, ready), agg = pre, None   # exchanged already, in aggregate_gradients (a LossScaleOptimizer)
             elif agg is None:
                 grads, skipped = self._hvds_reduce_grads(grads, variables)
             if agg is None and skipped is None:
@@ -142,8 +143,12 @@ class _TFKerasMethods:
             with tf.init_scope():                 # the slots: here, not inside a branch of a tf.cond
                 create = getattr(self, "_create_all_weights", None) or self.build
                 create(variables)
-            if agg is None:
+            if agg is None and ready is None:
                 _unless(skipped, inner(grads), self._hvds_updated)
+                return self.iterations
+            if agg is None:                       # passes > 1 under a LossScaleOptimizer: apply on the reducing call
+                tf.cond(ready, lambda: _unless(skipped, inner(grads), self._hvds_updated),
+                        lambda: _count_iteration(self))
                 return self.iterations
             ready = agg.accumulate(self._hvds_reduce.densify(grads, variables), variables, _API)
 
@@ -160,18 +165,35 @@ class _TFKerasMethods:
     def aggregate_gradients(self, grads_and_vars):
         """tf_keras's cross-replica hook, which a ``LossScaleOptimizer`` calls before it checks the gradients: the
         exchange runs here, so the loss scaler sees the reduced gradients, the same on every rank; the
-        ``apply_gradients(..., skip_gradients_aggregation=True)`` that follows does not exchange again."""
+        ``apply_gradients(..., skip_gradients_aggregation=True)`` that follows does not exchange again.
+
+        With ``backward_passes_per_step = N > 1`` the gradients are summed locally and only every N-th call reduces
+        them; the other calls hand the loss scaler zeros (finite: it lets them through, and the update that follows
+        only counts the iteration), so a NaN or Inf in any pass on any rank reaches the loss scaler at the reducing
+        call, through the reduced gradients, on every rank alike: that step is skipped and the scale halved
+        everywhere."""
         guard = self._hvds_guard
         if guard.applying:                    # our own apply_gradients -> the inner one: reduced already
             return self._hvds_inner.aggregate_gradients(self, grads_and_vars)
-        if self._hvds_agg is not None:
-            raise NotImplementedError(f"{_API}: backward_passes_per_step > 1 under a tf_keras LossScaleOptimizer "
-                                      "(mixed_float16) is not supported; use backward_passes_per_step=1, or Keras 3")
         grads_and_vars = list(grads_and_vars)
         variables = [v for _, v in grads_and_vars]
         guard.variables = variables
-        grads, skipped = self._hvds_reduce_grads([g for g, _ in grads_and_vars], variables)
-        guard.pre_reduced = (skipped,)
+        grads = [g for g, _ in grads_and_vars]
+        agg = self._hvds_agg
+        if agg is None:
+            grads, skipped = self._hvds_reduce_grads(grads, variables)
+            guard.pre_reduced = (skipped, None)
+            return list(zip(grads, variables))
+        grads = self._hvds_reduce.densify(grads, variables)
+        ready = agg.accumulate(grads, variables, _API)
+
+        def reduce_now():
+            reduced, skipped = agg.reduced(self._hvds_reduce_grads, variables)
+            agg.clear()
+            return reduced, tf.constant(False) if skipped is None else skipped
+
+        grads, skipped = tf.cond(ready, reduce_now, lambda: ([tf.zeros_like(g) for g in grads], tf.constant(False)))
+        guard.pre_reduced = (skipped, ready)
         return list(zip(grads, variables))
 
 
