@@ -22,7 +22,7 @@ import inspect
 
 from .core.engine import Engine
 from .core.reducers import Dense, ExDynaReducer, GTopk, OkTopk, Reducer, SparDL, TopkA, TopkDSA
-from .core.reducers.oktopk import FEW_COLLECTIVES_FROM, OKTOPK_PRESETS
+from .core.reducers.oktopk import FEW_COLLECTIVES_FROM
 from .core.sparsifiers import DCT, ExDyna, GaussianK, Sparsifier, ThresholdReuse, TopK
 from .core.state import UnitStates
 
@@ -163,6 +163,54 @@ def _with_training_options(factory):
         inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v)
         for k, v in (("warmup_dense_steps", 0), ("momentum_correction", 0.0)))])
     return make
+
+
+# -- Ok-Topk's variants (Compression.oktopk(variant=...); docs/algorithms.md#oktopk): the arguments of its sparsifier
+# and reducer; the authors' dense warm-up steps (128 / 512 / 0) are not reproduced
+OKTOPK_PRESETS = {
+    # the library's default (Compression.oktopk): the paper's algorithm and balancing, exact-k selection,
+    # controllers that keep |S| <= k and K <= k on reuse steps (the assumptions of the 6k(P-1)/P bound),
+    # region boundaries that split every step's measured load evenly (the bound's third assumption)
+    "library": {
+        "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": 1.15,
+                       "guard_factor": 1.03, "guard_iters": 30, "guard_target": 1.05, "band_lo": 0.95,
+                       "band_relax": 1.03},
+        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "auto",
+                    "select_rule": "ge_nonzero", "global_control": "ladder", "boundaries": "measured"},
+    },
+    # the paper's algorithm: periodic exact re-evaluation only (no guard, no band controllers: 1.0 = off),
+    # balancing iff max c_j > 4·avg, "values above the threshold" with exact k (ge_nonzero)
+    "paper": {
+        "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": None,
+                       "band_relax": 1.0, "band_tighten": 1.0},
+        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "auto", "balance_factor": 4.0,
+                    "global_relax": 1.0, "global_tighten": 1.0, "select_rule": "ge_nonzero",
+                    "global_control": "band"},
+    },
+    "ref_lstm": {
+        "sparsifier": {"threshold_period": 32, "select_rule": "gt", "guard_ratio": 1.5, "guard_factor": 1.03,
+                       "guard_iters": 5, "band_lo": 0.75, "band_hi": 1.25, "band_relax": 1.012,
+                       "band_tighten": 1.012},
+        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "never",
+                    "global_band_lo": 0.75, "global_band_hi": 1.25, "global_relax": 1.01,
+                    "global_tighten": 1.008, "select_rule": "gt", "global_control": "band"},
+    },
+    "ref_vgg": {
+        "sparsifier": {"threshold_period": 32, "select_rule": "gt", "guard_ratio": 4 / 3, "guard_factor": 1.03,
+                       "guard_iters": 5, "band_lo": 2 / 3, "band_hi": 1.25, "band_relax": 1.012,
+                       "band_tighten": 1.012},
+        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "never",
+                    "global_band_lo": 2 / 3, "global_band_hi": 4 / 3, "global_relax": 1.008,
+                    "global_tighten": 1.008, "select_rule": "gt", "global_control": "band"},
+    },
+    "ref_bert": {
+        "sparsifier": {"threshold_period": 128, "select_rule": "gt", "guard_ratio": None, "band_lo": 0.8,
+                       "band_hi": 1.25, "band_relax": 1.025, "band_tighten": 1.025},
+        "reducer": {"threshold_period": 128, "repartition_period": 64, "balance": "always",
+                    "global_band_lo": 0.8, "global_band_hi": 1.25, "global_relax": 1.036,
+                    "global_tighten": 1.025, "select_rule": "gt", "global_control": "band"},
+    },
+}
 
 
 class Compression:

@@ -102,84 +102,18 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
             lacks (bfloat16) are recorded as float32, which holds them exactly.
     """
     api = "hvd_sparse.testing.simulate"
-    record = (record,) if isinstance(record, str) else tuple(record)
-    unknown = [f for f in record if f not in RECORDS]
-    if unknown:
-        raise ValueError(f"{api}: record takes fields of {RECORDS}, got unknown {unknown}")
-    for name, hook in (("before_step", before_step), ("after_step", after_step), ("communicator", communicator)):
-        if hook is not None and not callable(hook):
-            raise TypeError(f"{api}: {name} must be callable, got {hook!r}")
-    if callable(gradients):
-        if steps is None or size is None or int(steps) < 1 or int(size) < 1:
-            raise ValueError(f"{api}: gradients given as a function (t, rank) -> gradient need steps >= 1 and "
-                             f"size >= 1, got steps={steps!r}, size={size!r}")
-        steps, P = int(steps), int(size)
-        first = [gradients(0, 0)]           # its length and dtype size the records; it is step 0 of rank 0
-        if len(np.shape(first[0])) != 1:
-            raise ValueError(f"{api}: gradients(t, rank) must return a 1-D gradient, got shape "
-                             f"{tuple(np.shape(first[0]))} at t=0, rank=0")
-        n, rec_dtype = int(np.shape(first[0])[0]), np.asarray(first[0]).dtype
-
-        def grad(t, r):
-            return first.pop() if first and t == 0 and r == 0 else gradients(t, r)
-    else:
-        g = np.asarray(gradients)
-        if g.ndim != 3:
-            raise ValueError(f"{api}: gradients must have shape (steps, P, n), got {g.shape}")
-        if (steps is not None and steps != g.shape[0]) or (size is not None and size != g.shape[1]):
-            raise ValueError(f"{api}: steps={steps!r}, size={size!r} contradict the gradients' shape {g.shape}")
-        steps, P, n = g.shape
-        rec_dtype = g.dtype
-
-        def grad(t, r):
-            return g[t, r]
+    record = _check_options(record, before_step, after_step, communicator, api)
+    grad, steps, P, n, rec_dtype = _gradient_source(gradients, steps, size, api)
     if shapes is not None and sum(int(np.prod(s)) for s in shapes) != n:
         raise ValueError(f"{api}: shapes {shapes} do not add up to n={n}")
-    if backend not in ("numpy", "torch", "tensorflow"):
-        raise ValueError(f"{api}: backend must be 'numpy', 'torch' or 'tensorflow', got {backend!r}")
-    if (device is not None or dtype is not None) and backend != "torch":
-        raise ValueError(f"{api}: device= and dtype= go with backend='torch', got backend={backend!r}")
-    if backend == "torch":
-        import torch
-
-        def convert(x):
-            return torch.from_numpy(np.array(x)).to(device=device, dtype=dtype)
-    elif backend == "tensorflow":
-        import tensorflow as tf
-
-        def convert(x):
-            return tf.constant(np.array(x))
-    else:
-        def convert(x):
-            return np.ascontiguousarray(x)
-
-    def to_numpy(x):
-        if backend == "torch":
-            x = x.detach().cpu()
-            return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
-        return np.asarray(x) if backend == "numpy" else x.numpy()
-
-    if dtype is not None:                   # the updates' dtype: the gradients' (float32 for bfloat16)
-        rec_dtype = np.float32 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
-
+    convert, to_numpy, rec_dtype = _backend(backend, device, dtype, rec_dtype, api)
     world = SimulatedWorld(P)
     comms = world.communicators()
     engines = [compression.new_engine(communicator(c) if communicator is not None else c) for c in comms]
     if shapes is not None:
         for e in engines:
             e.layout = [int(np.prod(s)) for s in shapes]
-
-    def per_step(field):
-        return [[None] * P for _ in range(steps)] if field in record else None
-
-    updates = np.zeros((steps, P, n), dtype=rec_dtype) if "updates" in record else None
-    residuals = np.zeros((steps, P, n), dtype=np.float32) if "residuals" in record else None
-    selected = np.zeros((steps, P), dtype=np.int64) if "selected" in record else None
-    velocities = (np.zeros((steps, P, n), np.float32)
-                  if "velocities" in record and getattr(compression, "momentum_correction", 0) else None)
-    volume, phases, infos = per_step("volume"), per_step("phases"), per_step("info")
-    sp_states, rd_states = per_step("states"), per_step("states")
-    observed = [[None] * P for _ in range(steps)] if after_step is not None else None
+    res = _records(record, steps, P, n, rec_dtype, getattr(compression, "momentum_correction", 0), after_step)
 
     def run_rank(comm):
         r = comm.rank
@@ -188,29 +122,107 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
             if before_step is not None:
                 before_step(t, r, eng)
             u = eng.step(convert(grad(t, r)), average=average, nonfinite=nonfinite)
-            last = eng.last
-            if updates is not None:
-                updates[t, r] = to_numpy(u)
-            if residuals is not None:
-                res = eng.memory.residual
-                residuals[t, r] = 0.0 if res is None else to_numpy(res)
-            if velocities is not None and eng.memory.velocity is not None:
-                velocities[t, r] = to_numpy(eng.memory.velocity)
-            if volume is not None:
-                volume[t][r] = {k: last[k] for k in ("sent_words", "recv_words", "sent_bytes", "recv_bytes",
-                                                     "collectives")}
-            if phases is not None:
-                phases[t][r] = comm.meter.stats()
-            if selected is not None:
-                selected[t, r] = last["selected"]
-            if infos is not None:
-                infos[t][r] = {k: v for k, v in last["info"].items() if k != "residual"}
-            if sp_states is not None:
-                sp_states[t][r] = copy.deepcopy(eng.sparsifier_state)
-                rd_states[t][r] = copy.deepcopy(eng.reducer_state)
-            if observed is not None:
-                observed[t][r] = after_step(t, r, eng)
+            _record_step(res, t, r, eng, u, comm, to_numpy)
+            if after_step is not None:
+                res.observed[t][r] = after_step(t, r, eng)
 
     world.run(run_rank, comms)
-    return SimulationResult(updates, residuals, volume, selected, phases, infos, velocities, sp_states, rd_states,
-                            observed)
+    return res
+
+
+def _check_options(record, before_step, after_step, communicator, api):
+    """``record`` as a tuple of known fields; the hooks callable (or None)."""
+    record = (record,) if isinstance(record, str) else tuple(record)
+    unknown = [f for f in record if f not in RECORDS]
+    if unknown:
+        raise ValueError(f"{api}: record takes fields of {RECORDS}, got unknown {unknown}")
+    for name, hook in (("before_step", before_step), ("after_step", after_step), ("communicator", communicator)):
+        if hook is not None and not callable(hook):
+            raise TypeError(f"{api}: {name} must be callable, got {hook!r}")
+    return record
+
+
+def _gradient_source(gradients, steps, size, api):
+    """``(grad(t, rank), steps, P, n, dtype)`` of the gradients: an array (steps, P, n) or a function (the first
+    call sizes the records, and is step 0 of rank 0)."""
+    if not callable(gradients):
+        g = np.asarray(gradients)
+        if g.ndim != 3:
+            raise ValueError(f"{api}: gradients must have shape (steps, P, n), got {g.shape}")
+        if (steps is not None and steps != g.shape[0]) or (size is not None and size != g.shape[1]):
+            raise ValueError(f"{api}: steps={steps!r}, size={size!r} contradict the gradients' shape {g.shape}")
+        return (lambda t, r: g[t, r]), *g.shape, g.dtype
+    if steps is None or size is None or int(steps) < 1 or int(size) < 1:
+        raise ValueError(f"{api}: gradients given as a function (t, rank) -> gradient need steps >= 1 and "
+                         f"size >= 1, got steps={steps!r}, size={size!r}")
+    first = [gradients(0, 0)]
+    if len(np.shape(first[0])) != 1:
+        raise ValueError(f"{api}: gradients(t, rank) must return a 1-D gradient, got shape "
+                         f"{tuple(np.shape(first[0]))} at t=0, rank=0")
+
+    def grad(t, r):
+        return first.pop() if first and t == 0 and r == 0 else gradients(t, r)
+
+    return grad, int(steps), int(size), int(np.shape(first[0])[0]), np.asarray(first[0]).dtype
+
+
+def _backend(backend, device, dtype, rec_dtype, api):
+    """``(convert, to_numpy, updates' dtype)``: numpy -> the backend's array (on ``device``, of ``dtype``) and
+    back (bfloat16 as float32, which holds it exactly)."""
+    if backend not in ("numpy", "torch", "tensorflow"):
+        raise ValueError(f"{api}: backend must be 'numpy', 'torch' or 'tensorflow', got {backend!r}")
+    if (device is not None or dtype is not None) and backend != "torch":
+        raise ValueError(f"{api}: device= and dtype= go with backend='torch', got backend={backend!r}")
+    if backend == "numpy":
+        return np.ascontiguousarray, np.asarray, rec_dtype
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        return (lambda x: tf.constant(np.array(x))), (lambda x: x.numpy()), rec_dtype
+    import torch
+
+    def to_numpy(x):
+        x = x.detach().cpu()
+        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+
+    if dtype is not None:                   # the updates' dtype: the gradients' (float32 for bfloat16)
+        rec_dtype = np.float32 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+    return (lambda x: torch.from_numpy(np.array(x)).to(device=device, dtype=dtype)), to_numpy, rec_dtype
+
+
+def _records(record, steps, P, n, dtype, momentum, after_step):
+    """An empty :class:`SimulationResult` with the fields of ``record`` allocated."""
+    def per_step(field):
+        return [[None] * P for _ in range(steps)] if field in record else None
+
+    return SimulationResult(
+        updates=np.zeros((steps, P, n), dtype=dtype) if "updates" in record else None,
+        residuals=np.zeros((steps, P, n), dtype=np.float32) if "residuals" in record else None,
+        volume=per_step("volume"), selected=np.zeros((steps, P), dtype=np.int64) if "selected" in record else None,
+        phases=per_step("phases"), info=per_step("info"),
+        velocities=np.zeros((steps, P, n), np.float32) if "velocities" in record and momentum else None,
+        sparsifier_states=per_step("states"), reducer_states=per_step("states"),
+        observed=[[None] * P for _ in range(steps)] if after_step is not None else None)
+
+
+def _record_step(res, t, r, eng, u, comm, to_numpy):
+    """What rank ``r``'s step ``t`` left, into the fields of ``res`` that are recorded."""
+    last = eng.last
+    if res.updates is not None:
+        res.updates[t, r] = to_numpy(u)
+    if res.residuals is not None:
+        res.residuals[t, r] = 0.0 if eng.memory.residual is None else to_numpy(eng.memory.residual)
+    if res.velocities is not None and eng.memory.velocity is not None:
+        res.velocities[t, r] = to_numpy(eng.memory.velocity)
+    if res.volume is not None:
+        res.volume[t][r] = {k: last[k] for k in ("sent_words", "recv_words", "sent_bytes", "recv_bytes",
+                                                 "collectives")}
+    if res.phases is not None:
+        res.phases[t][r] = comm.meter.stats()
+    if res.selected is not None:
+        res.selected[t, r] = last["selected"]
+    if res.info is not None:
+        res.info[t][r] = {k: v for k, v in last["info"].items() if k != "residual"}
+    if res.sparsifier_states is not None:
+        res.sparsifier_states[t][r] = copy.deepcopy(eng.sparsifier_state)
+        res.reducer_states[t][r] = copy.deepcopy(eng.reducer_state)

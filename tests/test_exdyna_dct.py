@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hvd_sparse.compression import SparseCompression
-from hvd_sparse.core.engine import StepContext
+from hvd_sparse.core.context import StepContext
 from hvd_sparse.core.reducers.exdyna import ExDynaReducer
 from hvd_sparse.core.reducers.topka import TopkA
 from hvd_sparse.core.sparsifiers.dct import DCT, dct_k

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from scipy.special import ndtri
 
 from hvd_sparse.compression import SparseCompression
-from hvd_sparse.core.engine import StepContext
+from hvd_sparse.core.context import StepContext
 from hvd_sparse.core.reducers import Dense, TopkA
 from hvd_sparse.core.reducers.gtopk import GTopk, merge, top_k_list
 from hvd_sparse.core.reducers.base import pack_pairs, unpack_pairs

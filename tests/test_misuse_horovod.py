@@ -117,10 +117,30 @@ def test_parameters_frozen_at_wrapping_and_unfrozen_later_are_averaged(train):
     assert [bb[t].tobytes() != bb[t + 1].tobytes() for t in range(len(bb) - 1)] == [False, False] + [True] * 4
 
 
-def test_sparse_embedding_without_a_gradient_in_some_steps_trains(train):
+@pytest.mark.parametrize("run", ["later", "first"])
+def test_sparse_embedding_without_a_gradient_in_some_steps_trains(train, run):
     rs = ranks(train, "embedding")
-    identical(rs, "params")
-    assert np.isfinite(rs[0]["params"]).all()
+    identical(rs, f"{run}.params")
+    assert np.isfinite(rs[0][f"{run}.params"]).all() and bool(rs[0][f"{run}.moved"])
+
+
+def test_a_script_that_catches_a_disagreement_goes_on_training(train):
+    rs = ranks(train, "after_an_error")
+    assert "RankDisagreementError" in str(rs[0]["msg"]) and str(rs[0]["msg"]) == str(rs[1]["msg"])
+    identical(rs, "a", "b")
+
+
+def test_sparse_allreduce_takes_names_built_at_run_time(train):
+    rs = ranks(train, "after_an_error")
+    identical(rs, "allreduced")
+    assert np.count_nonzero(rs[0]["allreduced"]) > 0
+
+
+def test_torch_compile_around_step_trains_as_without_it(train):
+    rs = ranks(train, "compiled")
+    identical(rs, "compiled")
+    for r in rs:
+        assert r["compiled"].tobytes() == r["plain"].tobytes()
 
 
 def test_plain_grad_scaler_pattern_skips_on_every_rank_and_agrees_on_the_scale(train):

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hvd_sparse.core import native
-from hvd_sparse.core.engine import StepContext
+from hvd_sparse.core.context import StepContext
 from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.core.sparsifiers.exdyna import ExDyna
 from hvd_sparse.core.sparsifiers.gaussiank import GaussianK

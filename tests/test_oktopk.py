@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from hvd_sparse.compression import SparseCompression
 from hvd_sparse.core.reducers.base import wire_index_dtype
-from hvd_sparse.core.reducers.oktopk import (OKTOPK_PRESETS, OkTopk, balance_splits, intersect_sorted,
-                                             pack_pairs, region_split, unpack_pairs)
+from hvd_sparse.compression import OKTOPK_PRESETS
+from hvd_sparse.core.reducers.oktopk import OkTopk, balance_splits, intersect_sorted, pack_pairs, unpack_pairs
+from hvd_sparse.core.reducers.regions import region_split
 from hvd_sparse.core.reducers.topka import TopkA
 from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.core.sparsifiers.threshold_reuse import ThresholdReuse
@@ -689,7 +690,7 @@ def test_region_relative_index_2_24_plus_1_survives(backend):
 def test_region_relative_index_above_2_24_through_a_real_exchange():
     """Region 0 = [0, n-1) of 2^24 + 7 entries: rank 1 sends the region-relative index 2^24 + 1 to owner 0
     through the split alltoall, which must add it at exactly that slot (float packing would round it)."""
-    from hvd_sparse.core.engine import StepContext
+    from hvd_sparse.core.context import StepContext
 
     n = 2**24 + 8
     world = SimulatedWorld(2)
@@ -918,7 +919,7 @@ def test_threshold_reuse_density_within_10_percent_over_200_steps(data):
 
 # -- region boundaries that follow the split load (the library preset) ------------------------------------
 def test_load_boundaries_split_the_measured_load_evenly():
-    from hvd_sparse.core.reducers.oktopk import load_boundaries
+    from hvd_sparse.core.reducers.regions import load_boundaries
 
     # uniform inside a region: half of W = 40 is reached 20/30 of the way through region 0
     assert load_boundaries([0, 100, 200], [30, 10]) == [0, 66, 200]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from hvd_sparse.bench import presets
-from hvd_sparse.core.errors import NonFiniteGradientError, check_nonfinite
+from hvd_sparse.core.errors import NonFiniteGradientError
+from hvd_sparse.core.validate import check_nonfinite
 from hvd_sparse.testing import simulate
 
 from conftest import int_grads

@@ -139,7 +139,7 @@ def test_training_options_through_horovod_equal_simulator(job, preset):
 def test_reduce_op_constants_match_horovod():
     import horovod.torch as hvd_torch
 
-    from hvd_sparse.core.errors import HVD_ADASUM, HVD_AVERAGE, HVD_SUM
+    from hvd_sparse.core.validate import HVD_ADASUM, HVD_AVERAGE, HVD_SUM
 
     assert (HVD_AVERAGE, HVD_SUM, HVD_ADASUM) == (hvd_torch.Average, hvd_torch.Sum, hvd_torch.Adasum)
 

@@ -155,11 +155,18 @@ def _build(args, cfg, steps_total):
         optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                               compression=compression)
         return net, model, optimizer, optimizer.synchronize, lambda: exchange_stats(optimizer, n, P)[1], None
-    rank = cfg.get("powersgd_rank")
-    if rank is None:
+    if cfg.get("powersgd_rank") is None:
         sent = ring_allreduce_bytes(n, P)
         return net, model, optimizer, None, lambda: sent, None
+    return (net, model, optimizer, None) + _powersgd(net, args, cfg["powersgd_rank"], steps_total, P)
+
+
+def _powersgd(net, args, rank, steps_total, P):
+    """PowerSGD's hook of rank ``rank`` on the DDP model ``net``: ``(bytes-of-last-step function, allreduce byte
+    counter)``."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+
+    from .loop import ring_allreduce_bytes
 
     warm = args.powersgd_warmup if args.powersgd_warmup is not None else max(2, steps_total // 10)
     state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=warm,
@@ -171,7 +178,7 @@ def _build(args, cfg, steps_total):
         b, counter[0] = counter[0], 0
         return ring_allreduce_bytes(b, P, 1)
 
-    return net, model, optimizer, None, sent_bytes, counter
+    return sent_bytes, counter
 
 
 def train(args, cfg, train_set, test_shard):

@@ -102,30 +102,11 @@ def run(algorithms, workers, rate, numel=None, model=None, density=0.01, steps=3
 
         say(f"  gradient data: {data_bytes(numel, T) / 2**30:.2f} GiB in {tmp}")
         write_gradient_data(tmp, numel, workers, T, seed, progress)
-        with Network(workers, rate) as net:
-            say(f"  network: {workers} namespaces {net.namespaces[0]}..{net.namespaces[-1]} on bridge "
-                f"{net.bridge} ({net.subnet}.0/24), tbf {rate.text if hasattr(rate, 'text') else rate} "
-                "each way per worker")
-            link = link_check(net, link_check_seconds) if link_check_seconds else None
-            if link is not None:
-                say(f"  link check: {link / 1e6:.1f} MB/s payload, one TCP stream "
-                    f"({net.namespaces[0]} -> {net.namespaces[1]}; line rate {rate / 8e6:.1f} MB/s)")
-            out = Path(tmp) / "result.json"
-            args = ["--algorithms", ",".join(algorithms), "--density", density, "--steps", steps,
-                    "--warmup", warmup, "--seed", seed, "--lr", lr, "--data", tmp, "--out", out]
-            args += ["--model", model] if model else ["--numel", numel]
-            if profile:
-                args += ["--profile", Path(tmp) / "profile"]
-            cmd = worker_cmd or WORKER_CMD or [sys.executable, "-m", WORKER]
-            launch(net, cmd, args, tmp, timeout, PROGRESS, verbose=verbose)
-            if not out.exists():
-                raise WorkerFailed(f"the workers exited normally but rank 0 wrote no result; rank 0's output:\n"
-                                   f"{tail(Path(tmp) / 'rank0.log')}")
-            raw = json.loads(out.read_text())
-            profiles = {}
-            if profile:
-                for p in sorted(Path(tmp).glob("profile*.txt")):
-                    profiles[p.stem] = p.read_text()
+        args = ["--algorithms", ",".join(algorithms), "--density", density, "--steps", steps,
+                "--warmup", warmup, "--seed", seed, "--lr", lr, "--data", tmp]
+        args += ["--model", model] if model else ["--numel", numel]
+        raw, link, profiles = _run_in_network(workers, rate, link_check_seconds, args, tmp, timeout,
+                                              worker_cmd, profile, say, verbose)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report = {"workers": workers, "bandwidth": str(rate), "bandwidth_bits_per_s": int(rate), "numel": numel,
@@ -139,6 +120,28 @@ def run(algorithms, workers, rate, numel=None, model=None, density=0.01, steps=3
     if profiles:
         report["profiles"] = profiles
     return report
+
+
+def _run_in_network(workers, rate, link_check_seconds, args, tmp, timeout, worker_cmd, profile, say, verbose):
+    """Build the namespaces, check a link, run the workers with ``args``; ``(rank 0's result, link check bytes/s,
+    profiles)``. The network is torn down on the way out."""
+    with Network(workers, rate) as net:
+        say(f"  network: {workers} namespaces {net.namespaces[0]}..{net.namespaces[-1]} on bridge "
+            f"{net.bridge} ({net.subnet}.0/24), tbf {rate.text if hasattr(rate, 'text') else rate} "
+            "each way per worker")
+        link = link_check(net, link_check_seconds) if link_check_seconds else None
+        if link is not None:
+            say(f"  link check: {link / 1e6:.1f} MB/s payload, one TCP stream "
+                f"({net.namespaces[0]} -> {net.namespaces[1]}; line rate {rate / 8e6:.1f} MB/s)")
+        out = Path(tmp) / "result.json"
+        args = args + ["--out", out] + (["--profile", Path(tmp) / "profile"] if profile else [])
+        launch(net, worker_cmd or WORKER_CMD or [sys.executable, "-m", WORKER], args, tmp, timeout, PROGRESS,
+               verbose=verbose)
+        if not out.exists():
+            raise WorkerFailed(f"the workers exited normally but rank 0 wrote no result; rank 0's output:\n"
+                               f"{tail(Path(tmp) / 'rank0.log')}")
+        profiles = {p.stem: p.read_text() for p in sorted(Path(tmp).glob("profile*.txt"))} if profile else {}
+        return json.loads(out.read_text()), link, profiles
 
 
 

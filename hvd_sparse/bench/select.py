@@ -69,7 +69,7 @@ def sparsifier_call(name, buf, k, density, layout):
     Also returns ``check(state)``, which raises unless the timed step was the intended one (a reuse step).
     """
     from ..compression import Compression
-    from ..core.engine import StepContext
+    from ..core.context import StepContext
     from ..core.sim import SimulatedWorld
     from ..core.xp import backend_of
 

@@ -8,7 +8,8 @@ meter phase ``nonfinite``) holding
 word  meaning
 ====  ===========================================================================================================
 0     1 if this rank's gradient (or accumulator) holds a NaN or Inf
-1     1 if this rank found a local problem it must report on every rank (e.g. a gradient of another size)
+1     1 if this rank found a local problem it must report on every rank (e.g. a gradient of another size); 2 if
+      it is in an :meth:`~hvd_sparse.core.engine.Engine.gather` (an adapter's exchange before the step)
 2     the unit's step counter (mod 2^31)
 3-6   a 128-bit fingerprint of :func:`describe`: the unit (owner) name, the preset and every argument of its
       sparsifier and reducer (density, periods, ...), op and scaling, the non-finite policy, n and the layout
@@ -45,6 +46,8 @@ DETAIL_SIZES, DETAIL = "agree.sizes", "agree.detail"
 #: phases whose Horovod collective name is shared by every unit (``hvd_sparse.<name>``, no unit prefix)
 SHARED_NAMES = {PHASE: "agree", DETAIL_SIZES: DETAIL_SIZES, DETAIL: DETAIL}
 WORDS = 7
+#: word 1 of a rank that meets the others for :meth:`~hvd_sparse.core.engine.Engine.gather` rather than for a step
+GATHER = 2
 
 
 def _plain(v):
@@ -95,11 +98,11 @@ def vector(nonfinite, local_error, step, fp):
     return [int(bool(nonfinite)), int(bool(local_error)), int(step) & 0x7FFFFFFF, *fp]
 
 
-def agreed(table):
+def agreed(table, flag=0):
     """``table``: the gathered (P, WORDS) int rows. True when every rank reported the same step and fingerprint
-    and no local problem."""
+    and word 1 equal to ``flag`` (0: no local problem; :data:`GATHER`: every rank is in a gather)."""
     first = table[0]
-    return not any(row[1] for row in table) and all(row[2:] == first[2:] for row in table)
+    return all(row[1] == flag for row in table) and all(row[2:] == first[2:] for row in table)
 
 
 def explain(xp, comm, desc, like):
@@ -108,7 +111,7 @@ def explain(xp, comm, desc, like):
     blob = json.dumps(desc, sort_keys=True).encode()
     padded = blob + b" " * (-len(blob) % 4)
     sizes = xp.to_numpy(comm.allgather(xp.asarray([len(padded) // 4], xp.int32, like=like), DETAIL_SIZES)).tolist()
-    words = np.frombuffer(padded, dtype="<i4")
+    words = np.frombuffer(padded, dtype="<i4").copy()          # writable: torch warns on a read-only array
     data = xp.to_numpy(comm.allgather(xp.asarray(words, xp.int32, like=like), DETAIL)).astype("<i4")
     out, off = [], 0
     for m in sizes:

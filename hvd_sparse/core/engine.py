@@ -1,15 +1,19 @@
 """One sparse step of one sparsification unit on one rank: where sparsifier, error feedback, reducer and
 communicator meet (docs/design.md#engine). Framework adapters and the simulator both drive this class.
 
-    step(grad):
-        acc = residual + grad                         # memory.py (float32)
-        S   = sparsifier.select(acc, k, ctx)          # sparsifiers/<scheme>.py, k = max(1, floor(d·n))
-        u, I, info = reducer.reduce(acc, S, comm)     # reducers/<scheme>.py: global sum, included set
-        residual = acc with acc[I] = 0                # memory.py (or info["residual"], e.g. SparDL)
-        sparsifier.update(info, ctx)                  # threshold / partition controllers, if any
-        return u · prescale · postscale / P           # average (op=Average) or u (op=Sum), grad dtype
+    step(grad), one method per stage:
+        1. _plan        what this step is: pieces, reducer, k = max(1, floor(d·n)), a local problem
+        2. _accumulate  acc = residual + grad                         # memory.py (float32)
+        3. _agreement   every rank exchanges the same thing, or all raise; a NaN/Inf anywhere -> _skip
+        4. _reduce      S = sparsifier.select(acc, k, ctx)            # sparsifiers/<scheme>.py
+                        u, I, info = reducer.reduce(acc, S, comm)     # reducers/<scheme>.py: global sum, included set
+        5. _commit      residual = acc with acc[I] = 0                # memory.py (or info["residual"], e.g. SparDL)
+                        sparsifier.update(info, ctx)                  # threshold / partition controllers, if any
+        6. _emit        u · prescale · postscale / P                  # average (op=Average) or u (op=Sum), grad dtype
 
-The dense reducer skips selection and residual. Two options of the compression change the step:
+The modes are data of the plan, not branches of the step: the dense reducer (the ``dense`` preset, and warm-up
+steps) skips selection and residual; an empty gradient and a local problem stop after the agreement. Two options
+of the compression change the step:
 
 * ``warmup_dense_steps = N``: the first N steps are a dense allreduce of ``acc`` (every entry is included, so the
   residual stays empty); the sparsifier and reducer neither run nor change state, and their step counter
@@ -50,12 +54,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import warnings
-from typing import NamedTuple
 
 import numpy as np
 
 from . import agree
-from .errors import NonFiniteGradientError, RankDisagreementError, check_nonfinite, disagreement_message
+from .context import Plan, Prefiltered, StepContext, StepStats
+from .errors import NonFiniteGradientError, RankDisagreementError, disagreement_message
+from .validate import check_nonfinite
 from .memory import ErrorFeedback
 from .reducers.base import SparseSum
 from .reducers.dense import Dense
@@ -94,16 +99,6 @@ def _carry_by_name(flat, old, entries):
     return xp.concat(parts, like=flat) if parts else None
 
 
-class Prefiltered(NamedTuple):
-    """What ``rule`` selects from the step's accumulator at ``threshold``: ``indices`` (int64, ascending) and
-    their ``values`` (float32), in the step's backend; collected by error feedback's add pass."""
-
-    threshold: float
-    rule: str
-    indices: object
-    values: object
-
-
 def _first_change(old, new):
     """How declared ``new`` entries differ from ``old`` ones: the first position that differs, or the count."""
     for i, (a, b) in enumerate(zip(old, new)):
@@ -112,41 +107,6 @@ def _first_change(old, new):
                     f"{b[1]} {b[2]} now but was {a[0]!r} {a[1]} {a[2]}")
     return (f"the tensors exchanged differ from those its state was built for: {len(new)} tensors now but "
             f"{len(old)} then")
-
-
-@dataclasses.dataclass(frozen=True)
-class StepContext:
-    """What a sparsifier or reducer may know about the step besides the data.
-
-    Attributes:
-        rank, size: this rank and the number of ranks (== comm.rank, comm.size).
-        step: 0-based count of previous steps of this unit (identical on every rank).
-        layout: numels of the parameter tensors that make up the flat buffer, in order (sum == n), or
-            ``None`` when unknown (then the buffer is one tensor). Per-tensor schemes (DCT) use it.
-        comm: the Communicator. A sparsifier may issue collectives from ``select``/``update`` (e.g. to
-            agree on a count); every rank calls them in the same order, so that is safe.
-        exact_k: the sparsifier's ``exact_k`` flag: every rank selects at most k entries, so reducers
-            may use fixed-size messages without exchanging counts.
-        prefiltered: None, or a :class:`Prefiltered`: what ``rule`` selects from the step's accumulator at
-            ``threshold``, found by error feedback's add pass because the sparsifier asked for it
-            (:meth:`Sparsifier.prefilter`); saves the sparsifier a read pass over the accumulator.
-    """
-
-    rank: int
-    size: int
-    step: int
-    layout: tuple
-    comm: object
-    exact_k: bool = False
-    prefiltered: Prefiltered = None
-
-
-class StepStats(dict):
-    """Statistics of the last step: ``n, k, selected, density, sent_bytes, recv_bytes, sent_words,
-    recv_words, collectives`` (the algorithm's traffic), ``control_bytes`` (the non-finite flag), ``skipped``
-    (``True`` when a non-finite gradient skipped the step) and ``nonfinite_ranks``."""
-
-    __getattr__ = dict.__getitem__
 
 
 class Engine:
@@ -214,12 +174,18 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------------------------
     def step(self, grad, average=True, prescale=1.0, postscale=1.0, nonfinite="skip", out=None):
-        """Run one step on the flat gradient ``grad``.
+        """Run one step on the flat gradient ``grad``, in the stages of the module docstring:
+
+        1. check -- what this step is (:meth:`_plan`: its pieces, its mode and reducer, a local problem);
+        2. accumulate -- ``acc = residual + grad`` (:meth:`_accumulate`);
+        3. agree -- the agreement (:meth:`_agreement`), or the skip of a non-finite step (:meth:`_skip`);
+        4. reduce -- selection and the reducer's exchange (:meth:`_reduce`);
+        5. commit -- residual, controllers and counters (:meth:`_commit`);
+        6. emit -- the result, scaled, in the gradient's dtype (:meth:`_emit`).
 
         Args:
             grad: a 1-D numpy array / torch tensor / TF tensor, or a list of 1-D ones: the pieces of the flat
-                gradient in layout order (e.g. views of every ``p.grad``; read once, never modified -- no
-                concatenated copy is made on numpy and torch).
+                gradient in layout order (e.g. views of every ``p.grad``; read once, never modified, not copied).
             out: None (default), or a list of 1-D arrays, one per piece and of its size (they may be the very
                 pieces of ``grad``): the result is written into them, cast to each one's dtype. When they are the
                 pieces and the reducer's result is sparse (``Reducer.sparse_result``), the pieces are zeroed as
@@ -228,6 +194,35 @@ class Engine:
             the reduced flat gradient in ``grad``'s dtype (``out`` None), or ``out``; bit-identical on every
             rank (all NaN when a non-finite gradient on any rank skipped the step: see the module docstring).
         """
+        check_nonfinite(nonfinite, "hvd_sparse")
+        plan = self._plan(grad, out)
+        agree_args = (average, prescale, postscale, nonfinite)
+        if plan.local_error is not None:     # reported on every rank: nothing is read, nothing sent
+            self._agreement(plan, True, plan.local_error, *agree_args)
+        if plan.n == 0:                      # an empty gradient: agreed on, nothing to select or send
+            self._agreement(plan, True, None, *agree_args)
+            self.steps += 1
+            self.last = StepStats(n=0, k=0, selected=0, density=0.0, info={}, skipped=False, nonfinite_ranks=[],
+                                  control_bytes=self.comm.meter.totals()["sent_bytes"], sent_bytes=0, recv_bytes=0,
+                                  sent_words=0, recv_words=0, collectives=0)
+            return self._emit(plan.xp, plan.xp.zeros(0, plan.xp.float32, like=plan.pieces[0]), 1.0, plan.pieces, out)
+        acc, finite, plan = self._accumulate(plan)
+        bad = self._agreement(plan, plan.xp.all_finite(acc) if finite is None else finite, None, *agree_args)
+        control = self.comm.meter.totals()["sent_bytes"]
+        self.comm.meter.reset()
+        if bad:
+            return self._skip(plan, acc, bad, nonfinite, control, out)
+        u, included, info, selected = self._reduce(plan, acc)
+        self._commit(plan, acc, included, info)
+        self.last = StepStats(n=plan.n, k=plan.k, selected=selected, density=selected / plan.n, info=info,
+                              skipped=False, nonfinite_ranks=[], control_bytes=control, **self.comm.meter.totals())
+        scale = float(prescale) * float(postscale) / (self.comm.size if average else 1)
+        return self._emit(plan.xp, u, scale, plan.pieces, out, plan.zeroed)
+
+    def _plan(self, grad, out):
+        """Stage 1, check: the step's :class:`~hvd_sparse.core.context.Plan` -- its pieces, the reducer (the preset's, or the dense one of a
+        warm-up step), the context of the sparsifier and reducer, and a local problem to report on every rank (a
+        gradient of another size than declared). At P = 1 a local problem raises at once."""
         pieces = list(grad) if isinstance(grad, (list, tuple)) else [grad]
         if not pieces:
             raise ValueError(f"hvd_sparse engine '{self.bucket}': no gradient pieces")
@@ -237,14 +232,7 @@ class Engine:
         if out is not None and [xp.numel(o) for o in out] != sizes:
             raise ValueError(f"hvd_sparse engine '{self.bucket}': out must hold one array per gradient piece, "
                              f"of sizes {sizes}")
-        check_nonfinite(nonfinite, "hvd_sparse")
-        local_error = self.refused
-        if local_error is None and self.entries is not None and sum(self.layout) != n:
-            local_error = (f"the gradient has {n} entries, but the declared layout holds {sum(self.layout)}")
-        elif local_error is None and self.numel is not None and n != self.numel:
-            local_error = (f"hvd_sparse engine '{self.bucket}': the gradient has {n} entries, but this "
-                           f"compression state was built for {self.numel}; one compression object "
-                           "cannot serve two models (create one per model/optimizer)")
+        local_error = self._local_error(n)
         if local_error is not None and self.comm.size == 1:
             raise ValueError(local_error)
         if local_error is None and self.numel is None:
@@ -256,86 +244,98 @@ class Engine:
         reducer = _DENSE if warm else comp.reducer
         inputs = self.memory.next_velocity(xp, pieces, momentum) if momentum else pieces
         self.comm.meter.reset()
-        # Sparse reducers read the gradient once, into acc = residual + grad (the residual itself is untouched
-        # until the step succeeds). A NaN/Inf in grad makes acc non-finite, and a finite residual (the invariant:
-        # nothing non-finite is ever stored) keeps acc finite otherwise, but for an overflow of residual + grad,
-        # which is caught too (it could not be selected or sent either). A sparse result that goes into the very
-        # gradient buffers lets that pass zero them, too.
-        zeroed = bool(reducer.sparse_result and out is not None and inputs is pieces
-                      and all(o is p for o, p in zip(out, pieces)))
         sparsifier = comp.sparsifier
         ctx = StepContext(self.comm.rank, self.comm.size, self.steps - (0 if warm else warmup),
                           tuple(self.layout) if self.layout is not None else (n,), self.comm,
                           bool(sparsifier is not None and sparsifier.exact_k))
-        pre = None
-        if local_error is not None:          # report it on every rank: nothing is read, nothing sent
-            self._agreement(xp, pieces, n, True, local_error, average, prescale, postscale, nonfinite)
-        if n == 0:                           # an empty gradient: agreed on, nothing to select or send
-            self._agreement(xp, pieces, n, True, None, average, prescale, postscale, nonfinite)
-            self.steps += 1
-            self.last = StepStats(n=0, k=0, selected=0, density=0.0, info={}, skipped=False, nonfinite_ranks=[],
-                                  control_bytes=self.comm.meter.totals()["sent_bytes"], sent_bytes=0, recv_bytes=0,
-                                  sent_words=0, recv_words=0, collectives=0)
-            return self._emit(xp, xp.zeros(0, xp.float32, like=pieces[0]), 1.0, pieces, out)
+        # A sparse result that goes into the very gradient buffers lets the accumulating pass zero them, too.
+        zeroed = bool(reducer.sparse_result and out is not None and inputs is pieces
+                      and all(o is p for o, p in zip(out, pieces)))
+        return Plan(xp, pieces, n, inputs, reducer, warm, momentum, ctx, zeroed, local_error,
+                     sparsifier.k_for(n) if reducer.sparse else n)
+
+    def _local_error(self, n):
+        """What this rank alone knows is wrong with a gradient of ``n`` entries, or None."""
+        if self.refused is not None:
+            return self.refused
+        if self.entries is not None and sum(self.layout) != n:
+            return f"the gradient has {n} entries, but the declared layout holds {sum(self.layout)}"
+        if self.numel is not None and n != self.numel:
+            return (f"hvd_sparse engine '{self.bucket}': the gradient has {n} entries, but this compression state "
+                    f"was built for {self.numel}; one compression object cannot serve two models (create one per "
+                    "model/optimizer)")
+        return None
+
+    def _accumulate(self, plan):
+        """Stage 2: ``(acc, finite, plan)``. Sparse reducers read the gradient once, into ``acc = residual + grad``
+        in error feedback's spare buffer (the residual itself is untouched until the step succeeds), with the
+        candidates of a sparsifier that knows its threshold before the step (Ok-Topk's reuse steps: one read pass
+        less; ``plan.ctx.prefiltered``). A warm-up step's ``acc`` is a fresh array (the allreduce reads it), a dense
+        preset's the gradient itself. ``finite``: whether ``acc`` is finite when the pass could tell, else None."""
+        xp, reducer = plan.xp, plan.reducer
         if reducer.sparse:
-            k = sparsifier.k_for(n)
-            # a sparsifier that knows its threshold before the step (Ok-Topk's reuse steps) gets its candidates
-            # from the add pass: one read of the accumulator less
-            pre = sparsifier.prefilter(self.sparsifier_state, ctx) if reducer.uses_selection else None
-            acc, finite, found = self.memory.compensate(xp, inputs, zero_pieces=zeroed,
-                                                        select=None if pre is None else (*pre, k))
+            sparsifier = self.compression.sparsifier
+            pre = sparsifier.prefilter(self.sparsifier_state, plan.ctx) if reducer.uses_selection else None
+            acc, finite, found = self.memory.compensate(xp, plan.inputs, zero_pieces=plan.zeroed,
+                                                        select=None if pre is None else (*pre, plan.k))
             if found is not None:
-                ctx = dataclasses.replace(ctx, prefiltered=Prefiltered(*pre, *map(xp.from_numpy, found)))
-        elif warm:     # a fresh array (not error feedback's reused buffer): it is what the allreduce reads
-            flat = xp.astype(inputs[0] if len(inputs) == 1 else xp.concat(inputs), xp.float32)
+                ctx = dataclasses.replace(plan.ctx, prefiltered=Prefiltered(*pre, *map(xp.from_numpy, found)))
+                plan = plan._replace(ctx=ctx)
+            return acc, finite, plan
+        if plan.warm:
+            flat = xp.astype(plan.inputs[0] if len(plan.inputs) == 1 else xp.concat(plan.inputs), xp.float32)
             r = self.memory.residual
-            acc, finite = (flat if r is None else xp.add(xp.asarray(r, xp.float32, like=flat), flat)), None
-        else:
-            acc, finite = xp.astype(pieces[0] if len(pieces) == 1 else xp.concat(pieces), xp.float32), None
-        bad = self._agreement(xp, pieces, n, xp.all_finite(acc) if finite is None else finite, None, average,
-                              prescale, postscale, nonfinite)
-        control = self.comm.meter.totals()["sent_bytes"]
-        self.comm.meter.reset()
-        if bad:
-            where = f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
-            if nonfinite == "raise":
-                raise NonFiniteGradientError(
-                    f"hvd_sparse engine '{self.bucket}': non-finite gradient (NaN or Inf) on {where} at step "
-                    f"{self.steps}; raised on every rank (nonfinite='raise'). Pass nonfinite='skip' to skip such "
-                    "steps, or lower the learning rate / use a loss scaler")
-            self.skipped_steps += 1
-            warnings.warn(f"hvd_sparse engine '{self.bucket}': non-finite gradient on {where} at step {self.steps}: "
-                          "this step is skipped on every rank (nonfinite='skip'); sparse state is unchanged",
-                          RuntimeWarning, stacklevel=3)
-            self.last = StepStats(n=n, k=0, selected=0, density=0.0, info={}, skipped=True,
-                                  nonfinite_ranks=bad, control_bytes=control, **self.comm.meter.totals())
-            return self._emit(xp, xp.full(n, float("nan"), xp.float32, like=acc), 1.0, pieces, out)
-        if reducer.sparse:
-            if reducer.uses_selection:
-                idx = sparsifier.select(xp, acc, k, self.sparsifier_state, ctx)
-                selected = xp.numel(idx)
-            else:
-                idx, selected = None, k
-            u, included, info = reducer.reduce(xp, acc, idx, k, self.comm, self.reducer_state, ctx)
+            return (flat if r is None else xp.add(xp.asarray(r, xp.float32, like=flat), flat)), None, plan
+        pieces = plan.pieces
+        return xp.astype(pieces[0] if len(pieces) == 1 else xp.concat(pieces), xp.float32), None, plan
+
+    def _skip(self, plan, acc, bad, nonfinite, control, out):
+        """Stage 3, a non-finite gradient on the ranks ``bad``: raise, or skip the step on every rank alike (no
+        state changes; the result is all NaN)."""
+        where = f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
+        if nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"hvd_sparse engine '{self.bucket}': non-finite gradient (NaN or Inf) on {where} at step "
+                f"{self.steps}; raised on every rank (nonfinite='raise'). Pass nonfinite='skip' to skip such "
+                "steps, or lower the learning rate / use a loss scaler")
+        self.skipped_steps += 1
+        warnings.warn(f"hvd_sparse engine '{self.bucket}': non-finite gradient on {where} at step {self.steps}: "
+                      "this step is skipped on every rank (nonfinite='skip'); sparse state is unchanged",
+                      RuntimeWarning, stacklevel=4)
+        self.last = StepStats(n=plan.n, k=0, selected=0, density=0.0, info={}, skipped=True,
+                              nonfinite_ranks=bad, control_bytes=control, **self.comm.meter.totals())
+        return self._emit(plan.xp, plan.xp.full(plan.n, float("nan"), plan.xp.float32, like=acc), 1.0, plan.pieces,
+                          out)
+
+    def _reduce(self, plan, acc):
+        """Stage 4: ``(u, included, info, selected)`` -- the sparsifier's selection (unless the reducer chooses
+        its own entries, as SparDL), then the reducer's exchange; a dense step reduces everything."""
+        xp, reducer = plan.xp, plan.reducer
+        if not reducer.sparse:
+            u, included, info = reducer.reduce(xp, acc, None, plan.n, self.comm, self.reducer_state, plan.ctx)
+            return u, included, dict(info, warmup=True) if plan.warm else info, plan.n
+        idx, selected = None, plan.k
+        if reducer.uses_selection:
+            idx = self.compression.sparsifier.select(xp, acc, plan.k, self.sparsifier_state, plan.ctx)
+            selected = xp.numel(idx)
+        u, included, info = reducer.reduce(xp, acc, idx, plan.k, self.comm, self.reducer_state, plan.ctx)
+        return u, included, info, selected
+
+    def _commit(self, plan, acc, included, info):
+        """Stage 5: the residual (``acc`` with the included entries zeroed, or the reducer's own), the sparsifier's
+        controllers, the momentum-correction velocity, the step counter."""
+        xp = plan.xp
+        if plan.reducer.sparse:
             if "residual" in info:
                 self.memory.replace(info.pop("residual"))
             else:
                 self.memory.update(xp, acc, included)
-            sparsifier.update(xp, self.sparsifier_state, info, ctx)
-        else:
-            k = selected = n
-            u, included, info = reducer.reduce(xp, acc, None, n, self.comm, self.reducer_state, ctx)
-            if warm:
-                self.memory.update(xp, acc, included)
-                info = dict(info, warmup=True)
-        if momentum:
-            self.memory.commit_velocity(xp, inputs[0], included)
-        scale = float(prescale) * float(postscale) / (self.comm.size if average else 1)
+            self.compression.sparsifier.update(xp, self.sparsifier_state, info, plan.ctx)
+        elif plan.warm:
+            self.memory.update(xp, acc, included)
+        if plan.momentum:
+            self.memory.commit_velocity(xp, plan.inputs[0], included)
         self.steps += 1
-        self.last = StepStats(n=n, k=k, selected=selected, density=selected / n if n else 0.0,
-                              info=info, skipped=False, nonfinite_ranks=[], control_bytes=control,
-                              **self.comm.meter.totals())
-        return self._emit(xp, u, scale, pieces, out, zeroed)
 
     @staticmethod
     def _emit(xp, u, scale, pieces, out, zeroed=False):
@@ -368,10 +368,11 @@ class Engine:
             off += m
         return out
 
-    def _agreement(self, xp, pieces, n, finite, local_error, average, prescale, postscale, nonfinite):
+    def _agreement(self, plan, finite, local_error, average, prescale, postscale, nonfinite):
         """The agreement step (:mod:`hvd_sparse.core.agree`): the ranks (sorted) whose gradient holds a NaN or
         Inf, after proving that every rank exchanges the same thing at the same step; raises
         :class:`RankDisagreementError` on every rank otherwise (and for a ``local_error`` of any rank)."""
+        xp, pieces, n = plan.xp, plan.pieces, plan.n
         if self.comm.size == 1:
             return [] if finite else [self.comm.rank]
         options = (("average", bool(average)), ("prescale", float(prescale)), ("postscale", float(postscale)),
@@ -391,6 +392,24 @@ class Engine:
             per_rank = agree.explain(xp, self.comm, dict(desc, step=self.steps, local_error=local_error), pieces[0])
             raise RankDisagreementError(disagreement_message(per_rank))
         return [r for r, row in enumerate(table) if row[0]]
+
+    def gather(self, obj, like):
+        """Every rank's JSON-able ``obj`` (rank order), exchanged before this unit's next step under the agreement's
+        protection (what an adapter must learn from the other ranks to build the step, e.g. which gradients are
+        sparse): the ranks first meet in the agreement's collective; if all are in a gather of this unit at this
+        step they exchange ``obj`` (two allgathers), else all raise :class:`RankDisagreementError` together, as a
+        failed agreement does. ``like``: an array of the step's backend and device. P = 1: ``[obj]``."""
+        if self.comm.size == 1:
+            return [obj]
+        xp = backend_of(like)
+        # the gather proves the unit and the step; the step's agreement proves the rest (with its precise message)
+        mine = [0, agree.GATHER, self.steps & 0x7FFFFFFF, *agree.fingerprint({"unit": self.unit})]
+        rows = xp.to_numpy(self.comm.allgather(xp.asarray(mine, xp.int32, like=like), agree.PHASE))
+        if agree.agreed(rows.reshape(self.comm.size, agree.WORDS).tolist(), flag=agree.GATHER):
+            return agree.explain(xp, self.comm, obj, like)
+        desc = agree.describe(self.unit, self.compression, self.entries or (), {"gather": True})
+        per_rank = agree.explain(xp, self.comm, dict(desc, step=self.steps, local_error=None), like)
+        raise RankDisagreementError(disagreement_message(per_rank))
 
     # -- state -------------------------------------------------------------------------------------
     def residual_norm(self):

@@ -1,99 +1,15 @@
-"""Shared argument checks and exceptions (one place, so every API words its errors the same way), and the
-checksums the consistency guard of every adapter compares.
-
-Message shape: ``<public api>: <argument> <rule>, got <value>; <fix>``.
-"""
+"""The exceptions every adapter raises alike, their messages (what ranks disagree on), the checksums the consistency
+guard of every adapter compares, and the checks of a restored state's origin. The checks of arguments are in
+:mod:`hvd_sparse.core.validate`."""
 
 from __future__ import annotations
 
-import math
-import numbers
 
 import numpy as np
 
 
-def check_density(density, api):
-    """``density`` as a float in (0, 1], or a ValueError/TypeError naming it."""
-    if isinstance(density, bool) or not isinstance(density, numbers.Real):
-        raise TypeError(f"{api}: density must be a number in (0, 1], got {density!r} "
-                        f"({type(density).__name__}); pass e.g. density=0.01 to keep 1%")
-    d = float(density)
-    if not math.isfinite(d) or not 0.0 < d <= 1.0:
-        hint = f"; pass density={d / 100:g} to keep {d:g}%" if 1.0 < d <= 100.0 else ""
-        raise ValueError(f"{api}: density must be in (0, 1], got {density!r}{hint}")
-    return d
-
-
-def check_positive_int(value, name, api, minimum=1):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{api}: {name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-# Horovod's reduce-op constants (``hvd.Average``, ``hvd.Sum``, ``hvd.Adasum``): values of the C library's
-# enum, identical in horovod.torch and horovod.tensorflow (tests/test_torch_horovod.py checks them).
-HVD_AVERAGE, HVD_SUM, HVD_ADASUM = 0, 1, 2
-
-
-def check_op(op, gradient_predivide_factor, api):
-    """Shared validation of ``op`` and ``gradient_predivide_factor`` for the sparse path."""
-    if op == HVD_ADASUM:
-        raise NotImplementedError(f"{api}: op=hvd.Adasum cannot be combined with sparse compression "
-                                  "(Adasum combines whole dense deltas); use op=hvd.Average or hvd.Sum")
-    if op not in (HVD_AVERAGE, HVD_SUM):
-        raise ValueError(f"{api}: op must be hvd.Average or hvd.Sum, got {op!r}")
-    if gradient_predivide_factor != 1.0 and op != HVD_AVERAGE:
-        raise ValueError(f"{api}: gradient_predivide_factor is only valid with op=hvd.Average, "
-                         f"got op={op!r} and gradient_predivide_factor={gradient_predivide_factor!r}")
-    if not gradient_predivide_factor > 0:
-        raise ValueError(f"{api}: gradient_predivide_factor must be > 0, got {gradient_predivide_factor!r}")
-
-
-def scale_factors(op, gradient_predivide_factor):
-    """Horovod's split of the average: (prescale, postscale, average?)."""
-    if op == HVD_AVERAGE:
-        return 1.0 / gradient_predivide_factor, gradient_predivide_factor, True
-    return 1.0, 1.0, False
-
-
-def check_sparse_allreduce(sparse, op, nonfinite, floating, dtype, compression, api):
-    """The argument checks of every framework's ``sparse_allreduce``, before it touches the engine: ``sparse``
-    (``compression`` is a sparse preset), ``op``, ``nonfinite`` and ``floating`` (the tensor's dtype ``dtype`` is
-    a floating-point one)."""
-    if not sparse:
-        raise TypeError(f"{api}: compression must be a sparse preset such as Compression.topka(0.01), got "
-                        f"{compression!r}; for dense tensors use hvd.allreduce")
-    check_op(op, 1.0, api)
-    check_nonfinite(nonfinite, api)
-    if not floating:
-        raise TypeError(f"{api}: tensor must be floating point (float16, bfloat16, float32, float64), got {dtype}; "
-                        "sparsifying integers would round the average -- use hvd.allreduce")
-
-
-#: ``elastic_residuals=``: what an elastic reset (ranks left or joined) does to this rank's residual
-ELASTIC_RESIDUALS = ("keep", "drop")
-
-
-def check_elastic_residuals(policy, api):
-    """``elastic_residuals=``: ``"keep"`` or ``"drop"``."""
-    if policy not in ELASTIC_RESIDUALS:
-        raise ValueError(f"{api}: elastic_residuals must be 'keep' or 'drop', got {policy!r}")
-    return policy
-
-
-NONFINITE_POLICIES = ("skip", "raise")
-
-
 class NonFiniteGradientError(FloatingPointError):
     """A NaN or Inf reached the sparse exchange under ``nonfinite="raise"`` (raised on every rank alike)."""
-
-
-def check_nonfinite(policy, api):
-    """``nonfinite=``: ``"skip"`` or ``"raise"``."""
-    if policy not in NONFINITE_POLICIES:
-        raise ValueError(f"{api}: nonfinite must be one of {', '.join(map(repr, NONFINITE_POLICIES))}, "
-                         f"got {policy!r}")
-    return policy
 
 
 class ReplicaDivergenceError(RuntimeError):

@@ -52,8 +52,7 @@ class UnitStates:
         """Bind the preset to ``owner`` (an optimizer). Raises ValueError when another live one holds it."""
         held = self.owner()
         if held is not None and held is not owner:
-            raise ValueError(f"{self.compression!r} is already used by another optimizer; a sparse preset keeps "
-                             "per-model state (residuals, thresholds): create one per optimizer")
+            raise already_used(self.compression)
         self._owner = weakref.ref(owner)
 
     # -- engines --------------------------------------------------------------------------------------------
@@ -61,23 +60,22 @@ class UnitStates:
         """The engine of ``unit`` for ``owner``, created on first use over ``make_comm()``; a state restored or kept
         for the unit (load_state_dict, restore, reset) is loaded into it then.
 
-        Raises ValueError when a second owner (another optimizer or model) claims the same unit: its residuals
-        and thresholds would mix with the first one's."""
+        An owner is an object (an optimizer, a model: the same object) or a name (``sparse_allreduce``'s: an equal
+        string, however it was built). Raises ValueError when a second owner (another optimizer or model) claims
+        the same unit: its residuals and thresholds would mix with the first one's."""
         entry = self._engines.get(unit)
         if entry is None:
             entry = self._engines[unit] = (owner, self.compression.new_engine(make_comm(), unit))
             if unit in self._pending:
                 entry[1].load_state_dict(self._pending.pop(unit))
-        elif entry[0] is not owner:
-            raise ValueError(f"{self.compression!r} is already used by another optimizer or model (unit '{unit}'); "
-                             "a compression object keeps per-model state: create one per model, e.g. "
-                             f"Compression.{self.compression.preset.split('(')[0]}(...) again")
+        elif not _same_owner(entry[0], owner):
+            raise already_used(self.compression, unit)
         return entry[1]
 
     def get(self, unit, owner=None):
         """The engine of ``unit`` if it exists (and belongs to ``owner``, when given), else None; creates nothing."""
         entry = self._engines.get(unit)
-        if entry is None or (owner is not None and entry[0] is not owner):
+        if entry is None or (owner is not None and not _same_owner(entry[0], owner)):
             return None
         return entry[1]
 
@@ -147,6 +145,19 @@ class UnitStates:
             else:
                 pending[unit] = state_u
         self._pending = pending
+
+
+def _same_owner(a, b):
+    """Objects by identity (two optimizers are two owners even when equal), names by value."""
+    return a is b or (isinstance(a, str) and a == b)
+
+
+def already_used(compression, unit=None, api=None):
+    """The ValueError for a preset that a second optimizer or model tries to use (its per-model state would mix)."""
+    where = f" (unit '{unit}')" if unit else ""
+    return ValueError(f"{api + ': ' if api else ''}{compression!r} is already used by another optimizer or model"
+                      f"{where}; a sparse preset keeps per-model state (residuals, thresholds): create one per "
+                      f"optimizer or model, e.g. Compression.{compression.preset.split('(')[0]}(...) again")
 
 
 def check_state_format(state, api):

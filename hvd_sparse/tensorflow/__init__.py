@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from horovod.tensorflow import global_process_set
 
-from ..core.errors import ELASTIC_RESIDUALS
+from ..core.validate import ELASTIC_RESIDUALS
 from ._consistency import check_consistency, variable_name
 from ._variables import broadcast_variables as _broadcast_variables
 from .checkpoint import SparseState, load_sparse_state_dict, sparse_state_dict

@@ -6,7 +6,7 @@ import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 
 from ..compression import SparseCompression
-from ..core.errors import check_sparse_allreduce, scale_factors
+from ..core.validate import check_sparse_allreduce, scale_factors
 from ._xla import refuse_xla
 from .reduction import engine_step
 

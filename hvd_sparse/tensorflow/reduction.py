@@ -19,7 +19,7 @@ from horovod.tensorflow import Average
 
 from ..compression import SparseCompression
 from ..core.comm import in_process_set
-from ..core.errors import check_nonfinite, scale_factors
+from ..core.validate import check_nonfinite, scale_factors
 from ._xla import refuse_xla
 from .comm import HorovodTFCommunicator
 

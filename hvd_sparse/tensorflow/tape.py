@@ -7,7 +7,7 @@ from __future__ import annotations
 import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 
-from ..core.errors import check_op
+from ..core.validate import check_op
 from .compression import Compression
 from .reduction import Reduction
 

@@ -33,14 +33,9 @@ from __future__ import annotations
 import copy
 
 from horovod.torch.elastic import state as _state
-from horovod.torch.functions import broadcast_optimizer_state
 
-from ..core.errors import ELASTIC_RESIDUALS  # noqa: F401  (the policies of elastic_residuals=)
-
-
-class SparseOptimizer:
-    """Marker base class of every optimizer :func:`hvd_sparse.torch.DistributedOptimizer` builds for a sparse
-    preset (``isinstance(opt, SparseOptimizer)``)."""
+from .base import SparseOptimizer
+from .functions import broadcast_optimizer_state
 
 
 class SparseOptimizerStateHandler(_state.StateHandler):

@@ -6,7 +6,7 @@ from horovod.torch.mpi_ops import Average, global_process_set
 
 from .comm import HorovodTorchCommunicator
 from .compression import is_sparse
-from ..core.errors import check_sparse_allreduce, scale_factors
+from ..core.validate import check_sparse_allreduce, scale_factors
 
 _API = "hvd_sparse.torch.sparse_allreduce"
 

@@ -53,12 +53,13 @@ import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
 from ..core.comm import in_process_set
-from ..core.errors import check_elastic_residuals, check_nonfinite, check_op, check_positive_int, scale_factors
+from ..core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int, scale_factors
+from ..core.state import already_used
 from . import consistency, recipes
 from .comm import HorovodTorchCommunicator
 from .compression import Compression, is_sparse
-from .elastic import SparseOptimizer
-from .stats import averaged_stats, record
+from .base import SparseOptimizer
+from .stats import record
 
 _API = "hvd_sparse.torch.DistributedOptimizer"
 _OWNERS = itertools.count()      # the n-th sparse optimizer of this process names its collectives after n
@@ -106,6 +107,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hvds_passes = {}
         self._hvds_grad_accs = []
         self._hvds_sparse_dims = {}           # name -> sparse_dim, of parameters whose gradient was torch.sparse
+        self._hvds_seen = set()               # names of parameters some rank has had a gradient of
+        self._hvds_unseen_somewhere = True    # ask every rank which kinds it saw (_hvds_agree_gradient_kinds)
         self._synchronized = False
         self._should_synchronize = True
         self._hvds_exchanges = 0
@@ -153,13 +156,24 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         return self._compression.states.engine(
             "model", self, lambda: HorovodTorchCommunicator(self.process_set, self._hvds_owner))
 
+    def _hvds_current_engine(self):
+        """The engine, rebuilt first if the world changed without a sync (hvd.elastic skips sync() after a graceful
+        host removal)."""
+        engine = self._hvds_engine()
+        if (engine.comm.rank, engine.comm.size) != (self.process_set.rank(), self.process_set.size()):
+            self._hvds_elastic_reset()
+            engine = self._hvds_engine()
+        return engine
+
     def _hvds_has_engine(self):
         return self._compression.states.get("model", self) is not None
 
     def _hvds_elastic_reset(self):
         """After an elastic reset (hvd_sparse.torch.elastic): a fresh engine over the current process set --
         partitions, thresholds and counters start afresh on every rank alike -- and this rank's residual kept
-        or dropped by the ``elastic_residuals`` policy."""
+        or dropped by the ``elastic_residuals`` policy. The kinds of gradients are learnt again from every rank (a
+        joining rank starts knowing none)."""
+        self._hvds_unseen_somewhere = True
         if not self._hvds_has_engine():
             return
         self._compression.states.reset(self._hvds_elastic_residuals == "keep")
@@ -170,14 +184,44 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hvds_exchanges = 0
 
     # -- the exchange ------------------------------------------------------------------------------------
+    @torch.compiler.disable         # an exchange, not a graph: under torch.compile it runs as it is
     def synchronize(self):
-        """Reduce the gradients now (sparse exchange over the process set) and write them into ``p.grad``."""
+        """Reduce the gradients now (sparse exchange over the process set) and write them into ``p.grad``:
+
+        1. the parameters that take part now, each gradient dense or sparse (:meth:`_hvds_split`);
+        2. one engine step over the dense gradients, in place (:meth:`_hvds_exchange_dense`);
+        3. Horovod's own sparse allreduce for each torch.sparse gradient.
+        """
         if not in_process_set(self.process_set, hvd.rank()):
             self._synchronized = True
             return
         self._hvds_skip_step = False
         params = self._hvds_params()
         self._hvds_hook(params)                 # parameters added or unfrozen since construction
+        try:
+            dense_params, sparse_params = self._hvds_split(params)
+            if dense_params:
+                self._hvds_exchange_dense(dense_params, sparse_params)
+            for name, p in sparse_params:
+                handle = hvd.sparse_allreduce_async(p.grad, name=f"hvd_sparse.{self._hvds_owner}.sparse_grad.{name}",
+                                                    op=self.op, process_set=self.process_set)
+                p.grad = handle()
+        finally:            # also after an error every rank raised (RankDisagreementError): a new backward may start
+            for p in self._hvds_passes:
+                self._hvds_passes[p] = 0
+        for group in self.param_groups:          # frozen: no gradient, so the optimizer leaves it alone
+            for p in group["params"]:
+                if not p.requires_grad:
+                    p.grad = None
+        self._hvds_exchanges += 1
+        self._synchronized = True
+
+    def _hvds_split(self, params):
+        """``(dense, sparse)`` lists of ``(name, p)``: a parameter whose gradient has been a torch.sparse tensor on
+        any rank goes through Horovod's sparse allreduce (an empty sparse gradient where it has none), the others
+        through the engine (zeros where they have no gradient, as in Horovod)."""
+        if self._hvds_unseen_somewhere and params and self.process_set.size() > 1:
+            self._hvds_agree_gradient_kinds(params)
         dense_params, sparse_params = [], []
         for name, p in params:
             if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense:
@@ -195,42 +239,43 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)     # unused on this rank: contributes zeros, as in Horovod
                 dense_params.append((name, p))
-        if dense_params:
-            # The engine reads the gradients in place (no concatenated copy) and writes the result back into
-            # them; sparse (sparse_as_dense) and non-contiguous gradients go through a dense contiguous copy.
-            grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad.contiguous() for _, p in dense_params]
-            flats = [g.view(-1) for g in grads]
-            prescale, postscale, average = scale_factors(self.op, self.gradient_predivide_factor)
-            engine = self._hvds_engine()
-            if (engine.comm.rank, engine.comm.size) != (self.process_set.rank(), self.process_set.size()):
-                # the world changed without a sync: hvd.elastic skips sync() after a graceful host removal
-                self._hvds_elastic_reset()
-                engine = self._hvds_engine()
-            # What is exchanged, agreed on by every rank at the engine's first collective (a change -- a group
-            # added, a parameter frozen or unfrozen -- starts the engine afresh, residuals carried by name).
-            engine.declare([(n, tuple(p.shape), p.dtype) for n, p in dense_params],
-                           notes=(("sparse gradients", tuple(sorted(n for n, _ in sparse_params))),))
-            engine.step(flats, average=average, prescale=prescale, postscale=postscale,
-                        nonfinite=self._hvds_nonfinite, out=flats)
-            self._hvds_skip_step = engine.last["skipped"]       # the engine warned, naming the ranks
-            record(self, engine.last)                           # for sparse_stats(average=True)
-            for (_, p), g in zip(dense_params, grads):
-                if p.grad.is_sparse:
-                    p.grad = g.to_sparse()
-                elif g is not p.grad:
-                    p.grad.copy_(g)
-        for name, p in sparse_params:            # Horovod's own allgather-based sparse allreduce
-            handle = hvd.sparse_allreduce_async(p.grad, name=f"hvd_sparse.{self._hvds_owner}.sparse_grad.{name}",
-                                                op=self.op, process_set=self.process_set)
-            p.grad = handle()
-        for group in self.param_groups:          # frozen: no gradient, so the optimizer leaves it alone
-            for p in group["params"]:
-                if not p.requires_grad:
-                    p.grad = None
-        for p in self._hvds_passes:
-            self._hvds_passes[p] = 0
-        self._hvds_exchanges += 1
-        self._synchronized = True
+        return dense_params, sparse_params
+
+    def _hvds_agree_gradient_kinds(self, params):
+        """Which parameters have torch.sparse gradients, learnt from every rank: a rank on which a sparse embedding
+        got no gradient cannot tell it from a dense parameter it did not use. The kinds seen here are gathered from
+        every rank (``Engine.gather``: protected like the agreement, so ranks stepping different optimizers raise
+        instead of hanging), at the first exchange and then as long as some rank has a parameter that no rank has
+        seen a gradient of -- a decision taken from the gathered data, so the same on every rank."""
+        mine = {"sparse": {n: p.grad.sparse_dim() for n, p in params
+                           if p.grad is not None and p.grad.is_sparse and not self.sparse_as_dense},
+                "seen": [n for n, p in params if p.grad is not None], "params": [n for n, _ in params]}
+        every = self._hvds_current_engine().gather(mine, like=params[0][1].detach())
+        for other in every:
+            self._hvds_sparse_dims.update(other["sparse"])
+            self._hvds_seen.update(other["seen"])
+        self._hvds_unseen_somewhere = any(set(other["params"]) - self._hvds_seen for other in every)
+
+    def _hvds_exchange_dense(self, dense_params, sparse_params):
+        """One engine step over the dense gradients, read in place and written back into ``p.grad`` (sparse --
+        ``sparse_as_dense`` -- and non-contiguous gradients through a dense contiguous copy)."""
+        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad.contiguous() for _, p in dense_params]
+        flats = [g.view(-1) for g in grads]
+        prescale, postscale, average = scale_factors(self.op, self.gradient_predivide_factor)
+        engine = self._hvds_current_engine()
+        # What is exchanged, agreed on by every rank at the engine's first collective (a change -- a group added, a
+        # parameter frozen or unfrozen -- starts the engine afresh, residuals carried by name).
+        engine.declare([(n, tuple(p.shape), p.dtype) for n, p in dense_params],
+                       notes=(("sparse gradients", tuple(sorted(n for n, _ in sparse_params))),))
+        engine.step(flats, average=average, prescale=prescale, postscale=postscale,
+                    nonfinite=self._hvds_nonfinite, out=flats)
+        self._hvds_skip_step = engine.last["skipped"]       # the engine warned, naming the ranks
+        record(self, engine.last)                           # for sparse_stats(average=True)
+        for (_, p), g in zip(dense_params, grads):
+            if p.grad.is_sparse:
+                p.grad = g.to_sparse()
+            elif g is not p.grad:
+                p.grad.copy_(g)
 
     @contextmanager
     def skip_synchronize(self):
@@ -254,6 +299,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     # (the plain ``scaler.step(optimizer)`` pattern): the skip is decided by the exchange, the same on every rank.
     _step_supports_amp_scaling = True
 
+    @torch.compiler.disable
     def step(self, closure=None):
         frame = recipes.caller()
         if recipes.is_broadcast_optimizer_state(frame):
@@ -310,55 +356,6 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         return self._hvds_inner.load_state_dict(self, *args, **kwargs)
-
-    # -- sparse state and statistics --------------------------------------------------------------------
-    def sparse_stats(self, average=False):
-        """Statistics of the last exchange on this rank: ``n, k, selected, density, sent_bytes,
-        recv_bytes, sent_words, recv_words, collectives`` (empty before the first step); no communication.
-
-        ``average=True``: a collective (every rank, same point of the loop) that returns ``density``,
-        ``sent_bytes``, ``recv_bytes`` and ``residual_norm`` as floats averaged over the exchanges since the previous
-        such call and over the ranks, for ``SummaryWriter.add_scalars`` (see :mod:`hvd_sparse.torch.stats`)."""
-        if average:
-            return averaged_stats(self)
-        return dict(self._hvds_engine().last) if self._hvds_exchanges else {}
-
-    def residual_norm(self):
-        """L2 norm of this rank's error-feedback residual."""
-        return self._hvds_engine().residual_norm()
-
-    def sparse_state_dict(self):
-        """This rank's sparsification state (residual, thresholds, partitions, counters) for a checkpoint.
-
-        Per rank: save it next to ``state_dict()`` on *every* rank (not only rank 0) and load each rank's own;
-        it is deliberately not part of ``state_dict()``, which Horovod's ``broadcast_optimizer_state`` would
-        overwrite with rank 0's residuals."""
-        self._hvds_engine()                      # the state of step 0 before the first step
-        return self._compression.states.state_dict(self.process_set.rank(), self.process_set.size())
-
-    def skipped_steps(self):
-        """Steps skipped on this rank (and every other) because a gradient was not finite."""
-        return self._hvds_engine().skipped_steps
-
-    def load_sparse_state_dict(self, state):
-        """Restore :meth:`sparse_state_dict`; the run then continues bit for bit as if never interrupted.
-        Raises ValueError (restoring nothing) for a state of another rank, another number of ranks or another
-        compression (scheme, density, periods), as ``hvd_sparse.tensorflow.SparseState`` does."""
-        self._compression.states.load_state_dict(state, self.process_set.rank(), self.process_set.size(),
-                                                 f"{_API}.load_sparse_state_dict")
-        self._hvds_loaded(state["units"])
-
-    def _hvds_snapshot(self):
-        """This rank's units, unchecked (hvd_sparse.torch.elastic's commit); None before the first step."""
-        return self._compression.states.snapshot() or None
-
-    def _hvds_restore(self, units):
-        """Roll back to :meth:`_hvds_snapshot` unchecked (hvd_sparse.torch.elastic, across a world change)."""
-        self._compression.states.restore(units)
-        self._hvds_loaded(units)
-
-    def _hvds_loaded(self, units):
-        self._hvds_exchanges = max(self._hvds_exchanges, 1 if units.get("model", {}).get("steps") else 0)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
@@ -424,8 +421,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if groups is not None and not isinstance(groups, list):
         check_positive_int(groups, "groups", _API, minimum=0)
     if compression.states.in_use():
-        raise ValueError(f"{_API}: {compression!r} is already used by another optimizer; a sparse preset "
-                         "keeps per-model state (residuals, thresholds): create one per optimizer")
+        raise already_used(compression, api=_API)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, SparseOptimizer),
                dict(_SparseDistributedOptimizer.__dict__, _hvds_inner=optimizer.__class__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,

@@ -1,10 +1,15 @@
-"""Who is calling ``optimizer.step()``: Horovod's and PyTorch's recipes that step an optimizer from outside.
+"""Who is calling: the one module of hvd_sparse that reads the interpreter's frames, for the recipes of Horovod and
+PyTorch that leave no public way to tell (each behaviour it relies on is pinned by ``tests/test_recipes.py``, which
+fails when Horovod or PyTorch changes it).
 
 * ``horovod.torch.broadcast_optimizer_state`` steps ranks that have no optimizer state yet, on zero gradients, to
   create it; it skips that only for Horovod's own optimizer classes. The other ranks are not stepping, so an
   exchange there would deadlock (resume, a joining elastic worker) or, when every rank steps (a fresh start), run a
   sparse exchange of zeros that moves thresholds and trajectories (DCT, ExDyna). :func:`caller` lets the optimizer
   recognise the call and run only its inner optimizer.
+* ``horovod.torch.DistributedOptimizer(compression=<preset>)`` calls ``compress(p.grad)`` without the parameter,
+  its name, ``op`` or process set: :func:`compressing_optimizer` finds the Horovod optimizer (and the parameter)
+  that is calling.
 * ``torch.amp.GradScaler.step`` calls ``step()`` on every rank when the optimizer declares
   ``_step_supports_amp_scaling`` (overflow or not), with ``grad_scale`` / ``found_inf`` set: :func:`grad_scaler`
   finds that scaler, so the optimizer can unscale locally, let the exchange decide the skip for every rank and write
@@ -16,16 +21,19 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch._dynamo.eval_frame
 from horovod.torch.functions import broadcast_optimizer_state
 
-_TORCH_OPTIMIZER_FILE = sys.modules[torch.optim.Optimizer.__module__].__file__
+#: files whose frames stand between ``step()`` and its caller: torch's step hooks / profiling wrapper, and the
+#: wrapper of ``torch.compiler.disable`` (which keeps the exchange out of torch.compile's graphs)
+_WRAPPER_FILES = frozenset({sys.modules[torch.optim.Optimizer.__module__].__file__,
+                            torch._dynamo.eval_frame.__file__})
 
 
 def caller(depth=2):
-    """The frame that called ``step()`` (``depth`` frames up from here), past torch's step hooks / profiling
-    wrapper."""
+    """The frame that called ``step()`` (``depth`` frames up from here), past torch's wrappers."""
     frame = sys._getframe(depth)
-    while frame.f_code.co_filename == _TORCH_OPTIMIZER_FILE:
+    while frame.f_code.co_filename in _WRAPPER_FILES:
         frame = frame.f_back
     return frame
 
@@ -52,3 +60,20 @@ def record_skip(scaler, optimizer, skipped):
     """Write the skip every rank agreed on into ``scaler``'s found-inf record of ``optimizer``."""
     for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
         found.fill_(1.0 if skipped else 0.0)
+
+
+def compressing_optimizer(compression, tensor):
+    """``(optimizer, parameter)``: the Horovod optimizer up the stack whose ``_compression`` is ``compression`` (the
+    ``self`` of its ``_allreduce_grad_async``), and its parameter whose gradient is ``tensor`` (that frame's ``p``, or
+    found in ``_parameter_names``; None if none). ``(None, None)`` when no such optimizer is calling."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None and getattr(owner, "_compression", None) is compression \
+                and hasattr(owner, "_parameter_names"):
+            p = frame.f_locals.get("p")
+            if p is None or p.grad is not tensor:
+                p = next((q for q in owner._parameter_names if q.grad is tensor), None)
+            return owner, p
+        frame = frame.f_back
+    return None, None

@@ -11,8 +11,9 @@ compress of a step precedes the first decompress (Horovod 0.28.1's optimizer.py)
   parameter's slice.
 
 Horovod passes the compressor neither parameter names, nor ``op``, nor the process set. We read them from
-the calling optimizer (the frame of Horovod's ``_allreduce_grad_async`` whose ``self._compression`` is this
-preset): Horovod 0.28.1 is its last release, so these attributes are fixed. Configurations in which the
+the calling optimizer, found by :func:`hvd_sparse.torch.recipes.compressing_optimizer` (the frame of Horovod's
+``_allreduce_grad_async`` whose ``self._compression`` is this preset): Horovod 0.28.1 is its last release, so these
+attributes are fixed. Configurations in which the
 exchange cannot be correct raise a clear error: ``op=hvd.Adasum`` (Horovod then compresses parameter
 deltas, not gradients) and ``sparse_as_dense=True`` (Horovod compresses a densified copy it does not
 name). At ``np=1`` Horovod registers no hooks and never calls the compressor: nothing is sparsified --
@@ -21,14 +22,14 @@ use ``hvd_sparse.torch.DistributedOptimizer`` for the same semantics at every si
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from horovod.torch.mpi_ops import Adasum
 
+from . import recipes
 from .comm import HorovodTorchCommunicator
 from .functions import HOROVOD_DTYPES
-from ..core.errors import check_op, scale_factors
+from ..core.validate import check_op, scale_factors
+from ..core.state import already_used
 
 _API = "horovod.torch.DistributedOptimizer(compression=<hvd_sparse preset>)"
 
@@ -42,18 +43,11 @@ class StashAdapter:
 
     def _caller(self, tensor):
         """The Horovod optimizer that called compress(), and the parameter whose gradient ``tensor`` is."""
-        frame = sys._getframe(2)
-        while frame is not None:
-            owner = frame.f_locals.get("self")
-            if owner is not None and getattr(owner, "_compression", None) is self.compression \
-                    and hasattr(owner, "_parameter_names"):
-                break
-            frame = frame.f_back
-        else:
+        opt, p = recipes.compressing_optimizer(self.compression, tensor)
+        if opt is None:
             raise RuntimeError(f"{self.compression!r}: compress() was called outside "
                                "horovod.torch.DistributedOptimizer; for a single tensor use "
                                "hvd_sparse.torch.sparse_allreduce(tensor, compression, name=...)")
-        opt = owner
         if self.optimizer is None:
             if getattr(opt, "op", None) is None:        # _DistributedAdasumOptimizer has no `op`
                 check_op(Adasum, 1.0, _API)
@@ -63,13 +57,9 @@ class StashAdapter:
                                  "use hvd_sparse.torch.DistributedOptimizer(..., sparse_as_dense=True)")
             self.optimizer = opt
         elif opt is not self.optimizer:
-            raise ValueError(f"{self.compression!r} is already used by another optimizer; a sparse preset "
-                             "keeps per-model state (residuals, thresholds): create one per optimizer")
-        p = frame.f_locals.get("p")
-        if p is None or p.grad is not tensor:
-            p = next((q for q in opt._parameter_names if q.grad is tensor), None)
-            if p is None:
-                raise RuntimeError(f"{_API}: compress() received a tensor that is no parameter's gradient")
+            raise already_used(self.compression)
+        if p is None:
+            raise RuntimeError(f"{_API}: compress() received a tensor that is no parameter's gradient")
         return opt, p
 
     def compress(self, tensor):

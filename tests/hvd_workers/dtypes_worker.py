@@ -171,7 +171,7 @@ def scenario_resume(res, model_dtype, device, outdir):
     path = f"{outdir}/{model_dtype}.rank{hvd.rank()}.pt"
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sparse": opt.sparse_state_dict()}, path)
     model, opt = build()                                    # fresh objects, as after a restart
-    ckpt = torch.load(path, weights_only=False)
+    ckpt = torch.load(path)                                # its defaults: weights_only=True
     model.load_state_dict(ckpt["model"])
     opt.load_state_dict(ckpt["opt"])
     opt.load_sparse_state_dict(ckpt["sparse"])

@@ -8,11 +8,13 @@ tell a scenario that hung (no file) from one that failed.
 agree:  compression (oktopk vs topka, topka vs gtopk, oktopk periods), density (topka, oktopk), allreduce_shapes
         (sparse_allreduce with other shapes per rank), two_optimizers (stepped in another order per rank, then in
         the same order)
-train:  add_param_group, unfreeze, embedding (nn.Embedding(sparse=True) without a gradient in some steps),
+train:  add_param_group, unfreeze, embedding (nn.Embedding(sparse=True) without a gradient in some steps, also on one
+        rank in the first step),
         grad_scaler (the plain GradScaler pattern, Inf on rank 1 in step 3), wrap_twice, tied (named_parameters(
         remove_duplicate=False)), state_checks (load_sparse_state_dict of another rank / preset / density),
         broadcast_resume (broadcast_optimizer_state when only rank 0 has optimizer state), broadcast_fresh (the same
-        call on a fresh start, DCT and ExDyna: the run equals the run without it)
+        call on a fresh start, DCT and ExDyna: the run equals the run without it), after_an_error (going on after
+        a RankDisagreementError; sparse_allreduce names built at run time), compiled (torch.compile(opt.step))
 """
 
 import os
@@ -164,20 +166,59 @@ class EmbNet(torch.nn.Module):
 
 
 def embedding(outdir):
-    torch.manual_seed(0)
-    model = EmbNet()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                    named_parameters=model.named_parameters(),
-                                    compression=hvds.Compression.topka(0.5))
-    # used by both ranks, by neither (both None), by rank 0 only (None on rank 1), by both
-    uses = [(True, True), (False, False), (True, False), (True, True)]
-    for t, use in enumerate(uses):
-        opt.zero_grad(set_to_none=True)
-        ids = torch.randint(0, 10, (6,), generator=torch.Generator().manual_seed(t * 10 + hvd.rank()))
-        model(ids, use[hvd.rank()]).pow(2).mean().backward()
-        opt.step()
-    save(outdir, "embedding", params=flat(model))
+    out = {}
+    # used by both ranks, by neither (both None), by rank 0 only (None on rank 1), by both; and from the first step
+    # by rank 0 only (rank 1 cannot tell that its missing gradient would be sparse: every rank says what it saw)
+    for run, uses in {"later": [(True, True), (False, False), (True, False), (True, True)],
+                      "first": [(True, False), (False, True), (True, True)]}.items():
+        torch.manual_seed(0)
+        model = EmbNet()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters(),
+                                        compression=hvds.Compression.topka(0.5))
+        start = flat(model)
+        for t, use in enumerate(uses):
+            opt.zero_grad(set_to_none=True)
+            ids = torch.randint(0, 10, (6,), generator=torch.Generator().manual_seed(t * 10 + hvd.rank()))
+            model(ids, use[hvd.rank()]).pow(2).mean().backward()
+            opt.step()
+        out[f"{run}.params"] = flat(model)
+        out[f"{run}.moved"] = np.array(bool((out[f"{run}.params"] != start).any()))
+    save(outdir, "embedding", **out)
+
+
+def after_an_error(outdir):
+    """Scripts that catch a RankDisagreementError and go on with the same optimizers (zero_grad, then steps in the
+    same order on every rank), and sparse_allreduce under names built at run time (equal, not the same object)."""
+    a, b = mlp(1), mlp(2)
+    opt_a, opt_b = wrap(a, hvds.Compression.topka(0.2)), wrap(b, hvds.Compression.topka(0.2))
+    model, opt = (a, opt_a) if hvd.rank() == 0 else (b, opt_b)      # another optimizer on each rank: an error
+    model(data(0)).pow(2).mean().backward()
+    msg, _ = caught(opt.step)
+    for t in range(1, 4):
+        for m, o in ((a, opt_a), (b, opt_b)):
+            train_step(m, o, t)          # zero_grad() first: the failed step's backward passes no longer count
+    comp, outs = hvds.Compression.topka(0.3), []
+    for t in range(3):
+        for i in range(2):
+            outs.append(hvds.sparse_allreduce(data(t, n=12)[i], comp, name="grad." + str(i)).numpy())
+    save(outdir, "after_an_error", msg=msg, a=flat(a), b=flat(b), allreduced=np.stack(outs))
+
+
+def compiled(outdir):
+    """torch.compile around optimizer.step(): the exchange runs outside the graph, as without it."""
+    runs = {}
+    for how in ("plain", "compiled"):
+        model = mlp(3)
+        opt = wrap(model, hvds.Compression.oktopk(0.2, threshold_period=2))
+        step = torch.compile(opt.step, backend="eager") if how == "compiled" else opt.step
+        for t in range(STEPS):
+            opt.zero_grad()
+            model(data(t)).pow(2).mean().backward()
+            step()
+        runs[how] = flat(model)
+    save(outdir, "compiled", **runs)
 
 
 def grad_scaler(outdir):
@@ -299,7 +340,7 @@ def broadcast_fresh(outdir):
 
 JOBS = {"agree": [compression, density, allreduce_shapes, two_optimizers],
         "train": [add_param_group, unfreeze, embedding, grad_scaler, wrap_twice, tied, state_checks,
-                  broadcast_resume, broadcast_fresh]}
+                  broadcast_resume, broadcast_fresh, after_an_error, compiled]}
 
 if __name__ == "__main__":
     hvd.init()

@@ -110,9 +110,10 @@ def scenario_op(out):
 
 
 def allreduce_op(compression, name, graph):
-    """``sparse_allreduce`` with ``compression`` under ``name``, inside a tf.function when ``graph``."""
+    """``sparse_allreduce`` with ``compression`` under ``name`` -- a new string object at every call, equal by value,
+    as a script builds it (f"grad.{i}") --, inside a tf.function when ``graph``."""
     def op(t):
-        return hvds.sparse_allreduce(t, compression, name=name)
+        return hvds.sparse_allreduce(t, compression, name=(name + ".")[:-1])
     return tf.function(op) if graph else op
 
 

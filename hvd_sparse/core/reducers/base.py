@@ -13,7 +13,7 @@
   the global count, thresholds), handed to ``sparsifier.update`` and kept in the engine's statistics.
   A reducer whose residual is not "acc with the included entries zeroed" (SparDL's global residual
   collection) returns the new residual as ``info["residual"]``;
-* ``ctx``: the :class:`hvd_sparse.core.engine.StepContext` (rank, size, step, layout).
+* ``ctx``: the :class:`hvd_sparse.core.context.StepContext` (rank, size, step, layout).
 
 Reducers issue collectives only through ``comm``, in an order that depends on nothing but data every rank
 holds identically; with ``comm.size == 1`` they issue none (docs/algorithms.md#invariants).
@@ -62,6 +62,18 @@ def unpack_pairs(xp, flat):
     idx = xp.astype(flat[0::2], xp.index_dtype)
     bits = xp.copy(xp.astype(flat[1::2], xp.int32))     # own, contiguous buffer before the bit-cast
     return idx, xp.bitcast(bits, xp.float32)
+
+
+def allgather_count(xp, m, comm, phase, like):
+    """Allgather one count per rank (int64); returns the P counts as Python ints."""
+    return [int(c) for c in xp.to_numpy(comm.allgather(xp.asarray([m], xp.index_dtype, like=like), phase))]
+
+
+def allgather_counts(xp, counts, comm, phase, like):
+    """Allgather a vector of counts per rank; returns a P x len(counts) list of lists."""
+    flat = xp.to_numpy(comm.allgather(xp.asarray(counts, xp.index_dtype, like=like), phase))
+    w = len(counts)
+    return [[int(c) for c in flat[r * w:(r + 1) * w]] for r in range(comm.size)]
 
 
 class Reducer:

@@ -1,31 +1,32 @@
 """Ok-Topk: the O(k) sparse allreduce (docs/algorithms.md#oktopk; Li & Hoefler, PPoPP'22, Algorithm 1).
 
-    oktopk_step(g):                                 # engine: a = eps + g; S = ThresholdReuse.select(a)
-      reev  = (t % tau_p == 0)                      # t = 0 is always a re-eval AND repartition step
-      if t % tau == 0: off = repartition(a, L)      # one allreduce (boundaries="periodic"; with
-                                                    # "result"/"load": t = 0 only, then off = next_off below)
-      ("measured", t > 0: H = allreduce(histogram of S, 2P bins; heavy bins finer); off = even split of H)
-      rho   = split_and_reduce(a, S, off)           # region r of the sum
-      if reev:                                      # global re-evaluation
-          C   = allgather( (x+off[r], rho[x]) for x with rho[x] != 0 )    # identical on all ranks
-          Gam = kth_abs(C.val, min(k, |C|));  G = deterministic top-min(k,|C|) of C
-      else:                                         # threshold reuse
-          mine = ((x+off[r], rho[x]) for x with |rho[x]| > Gam)           # or >= / nonzero per select_rule
-          G    = balance_and_allgatherv(mine)       # sorted by global index
-          Gam  = band_adjust(Gam, |G|, k, lo_G, hi_G, /relax, *tighten)
-      I   = S ∩ G.idx;  eps = a;  eps[I] = 0        # Alg.2 line 6 (engine zeroes I)
-      next_off = even split of avg(load CDF)        # "load": loads[r] = pairs region r received in the split,
-                                                    # one more word in the count allgather; "result": the
-                                                    # P quantiles of G (no word at all); see regions.py
-      t += 1
-      return SparseSum(G.idx, G.val), I             # the SUM, as out[G.idx] = G.val (the engine divides by P)
+    reduce(a, S):                                   # engine: a = eps + g; S = ThresholdReuse.select(a)
+      _start             reev = (t % tau_p == 0)    # t = 0 is always a re-eval AND repartition step
+      _boundaries        if t % tau == 0: off = repartition(a, L)    # one allreduce ("periodic"; "result", "load",
+                                                    # "measured": t = 0 only, then off = next_off below)
+                         ("measured", t > 0: H = allreduce(histogram of S, 2P bins; heavy bins finer);
+                          off = even split of H)
+      _split_and_reduce  rho = region r of the sum of the selections          # alltoall
+      if reev:
+        _reevaluate      C = allgather((x+off[r], rho[x]) for rho[x] != 0)    # identical on all ranks
+                         Gam = kth_abs(C.val, min(k, |C|));  G = deterministic top-min(k,|C|) of C
+      else:
+        _reuse           _global_threshold: Gam ("ladder": the smallest Gam*f^j whose global count <= k, one
+                                            allreduce of 9 counts; "band": the stored Gam)
+                         mine = ((x+off[r], rho[x]) for |rho[x]| >= Gam)        # or > per select_rule
+                         G = _balance_and_allgatherv(mine)                      # sorted by global index
+                         Gam = band_adjust(Gam, |G|, k, lo_G, hi_G, /relax, *tighten)  ("band")
+      _finish            I = S ∩ G;  eps = a;  eps[I] = 0   # Alg.2 line 6 (the engine zeroes I)
+                         next_off = even split of the load  # "load": the pairs region r received, one more word
+                                                            # in the count collective; "result": P quantiles of G
+                         t += 1;  return SparseSum(G.idx, G.val), I   # the SUM (the engine divides by P)
 
     repartition(a, L):
       idx = sorted global indexes of S;  m = len(idx);  c = m // P
       prop[j] = idx[j*c] (j = 1..P-1) if c >= 1 else floor(j*n/P)
       B = allreduce(prop as int64, op=Sum) // P;  return off = [0, B_1, ..., B_{P-1}, n]
 
-    balance_and_allgatherv(mine):
+    _balance_and_allgatherv(mine):
       c = allgather([len(mine)])
       if policy == always or (policy == auto and max(c) > 4 * sum(c) / P):
           T = sum(c); b_q = T//P + (1 if q < T % P else 0); O_r = sum(c[:r]); Bo_q = sum(b[:q])
@@ -62,14 +63,15 @@ P = 1 runs the same algorithm without any collective (G ⊆ S, out = a on G).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ..comm import SUM
-from ..errors import check_positive_int
-from ..sparsifiers.threshold_reuse import band_adjust, check_real, check_select_rule
 from ..selection import intersect_sorted, topk_indices
-from .base import Reducer, SparseSum, pack_pairs, unpack_pairs, wire_index_dtype
-from .regions import load_boundaries, measure_load, measured_boundaries, next_boundaries, refine_load  # noqa: F401
+from ..sparsifiers.threshold_reuse import band_adjust
+from ..validate import check_positive_int, check_real, check_select_rule
+from .base import Reducer, SparseSum, allgather_count, allgather_counts, pack_pairs, unpack_pairs, wire_index_dtype
+from .regions import measure_load, measured_boundaries, next_boundaries, refine_load, region_split
 from .topka import sum_sparse_in_rank_order
 
 BALANCE_POLICIES = ("auto", "always", "never")
@@ -77,22 +79,7 @@ BOUNDARY_POLICIES = ("periodic", "result", "load", "measured")
 FEW_COLLECTIVES_FROM = 1024         # k/P from which a step makes the fewest collectives (the default)
 
 
-# -- index helpers ----------------------------------------------------------------------------------------
-def region_split(xp, idx, offsets):
-    """Split the sorted global indexes ``idx`` by regions ``offsets`` (o_0..o_P, non-decreasing).
-
-    Returns ``(splits, rel)``: ``splits[j] = |idx ∩ [o_j, o_{j+1})|`` (Python ints) and the region-relative
-    indexes ``rel = idx - o_{region(idx)}`` (int64), in the order of ``idx`` (= grouped by region)."""
-    P = len(offsets) - 1
-    bounds = xp.asarray(offsets, xp.index_dtype, like=idx)
-    pos = [int(p) for p in xp.to_numpy(xp.searchsorted(idx, bounds))]
-    splits = [pos[j + 1] - pos[j] for j in range(P)]
-    if xp.numel(idx) == 0:
-        return splits, idx
-    region = xp.searchsorted(bounds[1:P], idx, right=True)     # j with o_j <= x < o_{j+1}
-    return splits, idx - xp.take(bounds, region)
-
-
+# -- helpers --------------------------------------------------------------------------------------------------
 def balance_splits(counts, rank):
     """Send splits of ``rank`` for the balancing alltoall: the interval intersections of
     its slice [O_r, O_r + c_r) of the global concatenation with the balanced blocks [Bo_q, Bo_q + b_q)."""
@@ -121,19 +108,42 @@ def global_topk(xp, c_idx, c_val, k):
     return c_idx, c_val, float(xp.kth_largest(xp.abs(c_val), m))
 
 
-def _allgather_count(xp, m, comm, phase, like):
-    return [int(c) for c in xp.to_numpy(comm.allgather(xp.asarray([m], xp.index_dtype, like=like), phase))]
-
-
-def _allgather_counts(xp, counts, comm, phase, like):
-    """Allgather a vector of counts per rank; returns a P x len(counts) list of lists."""
-    flat = xp.to_numpy(comm.allgather(xp.asarray(counts, xp.index_dtype, like=like), phase))
-    w = len(counts)
-    return [[int(c) for c in flat[r * w:(r + 1) * w]] for r in range(comm.size)]
-
-
 #: exponents j of the Γ ladder Γ·f^j (global_control="ladder")
 LADDER_STEPS = tuple(range(-2, 7))
+
+
+@dataclasses.dataclass
+class _OkStep:
+    """What one step of :meth:`OkTopk.reduce` knows, filled in phase by phase: P, this rank, n, k; the step counter
+    and Γ it starts with; whether it re-evaluates, repartitions, makes few collectives; the regions (and the
+    measured histogram); the split's load and splits; the owners' counts (and loads); G; the Γ used and next."""
+
+    P: int
+    r: int
+    n: int
+    k: int
+    offsets: list
+    t: int
+    gamma: float
+    reev: bool = False
+    few: bool = False
+    repart: bool = False
+    edges: object = None
+    hist: object = None
+    with_load: bool = False
+    load: int = None
+    splits: list = None
+    loads: list = None
+    owner_counts: list = None
+    table: list = None
+    rung: int = None
+    T: int = None
+    g_idx: object = None
+    g_val: object = None
+    used: float = None
+    gamma_next: float = None
+    balanced: bool = False
+    capped: bool = False
 
 
 class OkTopk(Reducer):
@@ -280,173 +290,161 @@ class OkTopk(Reducer):
         nz = xp.nonzero(xp.gt(xp.abs(rho), 0.0))
         return xp.add(xp.take(where, nz), offsets[r]), xp.take(rho, nz), sum(recv_splits) // 2, splits
 
-    def _gather(self, xp, c_idx, c_val, n, comm, phase, like):
-        flat = comm.allgather(pack_pairs(xp, c_idx, c_val, wire_index_dtype(xp, n), like), phase)
-        return unpack_pairs(xp, flat)
-
     # -- one step ----------------------------------------------------------------------------------------
     def reduce(self, xp, acc, idx, k, comm, state, ctx):
-        P, r, n = comm.size, comm.rank, xp.numel(acc)
-        offsets = state.get("offsets")
-        if state.get("size") != P or (offsets is not None and (len(offsets) != P + 1 or offsets[-1] != n)):
-            state.update(t=0, gamma=None, offsets=None, size=P, cdf=None)      # elastic / new layout: start over
-            offsets = None
-        t = state["t"]
-        gamma = state["gamma"]
-        reev = t % self.threshold_period == 0 or gamma is None or not math.isfinite(gamma)
-        if self.boundaries == "periodic":
-            repart = t % self.repartition_period == 0 or offsets is None
-        else:                       # boundaries from the last result; the allreduce only to start
-            repart = offsets is None
+        """One step of Algorithm 1 (the module docstring), a method per phase:
 
-        # many entries per region (k, P: the same on every rank): the step's latency outweighs the words the
-        # histogram and the ladder's allreduce save, and the last steps' load forecasts the next one well
-        few = P > 1 and self.few_collectives_from is not None and k >= self.few_collectives_from * P
-        hist = None
-        if repart:                                                  # repartition
-            offsets = self._repartition(xp, idx, n, comm)
-        elif self.boundaries == "measured" and not few and P > 1:   # this step's load, before the split
-            edges, hist = refine_load(xp, idx, *measure_load(xp, idx, state.get("cdf"), n, comm, acc), comm, acc)
-            offsets = measured_boundaries(edges, hist, state.get("cdf"), n, P) or offsets
-        if P == 1:                                                  # rho = a on S (no collective)
+        1. :meth:`_start`             re-evaluation or reuse step, repartition or not, few collectives or not;
+        2. :meth:`_boundaries`        the regions: the allreduce repartition, or the step's measured load;
+        3. :meth:`_split_and_reduce`  region r of the sum of the selections (P = 1: ``acc`` on S);
+        4. :meth:`_reevaluate`        re-evaluation steps: the exact global top-k of the gathered candidates, or
+           :meth:`_reuse`             the others: the owners' candidates above Γ (:meth:`_global_threshold`: the
+                                      ladder or the band) and :meth:`_balance_and_allgatherv`;
+        5. :meth:`_finish`            I = S ∩ G, the next boundaries and the state.
+        """
+        s = self._start(xp, acc, k, comm, state)
+        self._boundaries(xp, acc, idx, comm, state, s)
+        if s.P == 1:                                                # rho = a on S (no collective)
             vals = xp.take(acc, idx)
             nz = xp.nonzero(xp.gt(xp.abs(vals), 0.0))
             c_idx, c_val = xp.take(idx, nz), xp.take(vals, nz)
-        else:                                                       # split and reduce
-            c_idx, c_val, load, splits = self._split_and_reduce(xp, acc, idx, offsets, comm)
-        # "load" boundaries (and "measured" ones without a histogram): the owners' split loads ride in the
-        # step's count collective (one more word each in an allgather, the senders' splits in the ladder)
-        with_load = P > 1 and hist is None and self.boundaries in ("load", "measured")
-        loads = None
+        else:
+            c_idx, c_val, s.load, s.splits = self._split_and_reduce(xp, acc, idx, s.offsets, comm)
+        if s.reev:
+            self._reevaluate(xp, acc, c_idx, c_val, comm, s)
+        else:
+            self._reuse(xp, acc, c_idx, c_val, comm, s)
+        return self._finish(xp, idx, state, s)
 
-        balanced = capped = False
-        if reev:                                                    # global re-evaluation
-            if P > 1:
-                if with_load:
-                    owner_counts, loads = map(list, zip(*_allgather_counts(xp, [xp.numel(c_idx), load], comm,
+    def _start(self, xp, acc, k, comm, state):
+        """The step's plan (a :class:`_OkStep`); a new world size or layout (elastic, a new model) starts over."""
+        P, n = comm.size, xp.numel(acc)
+        offsets = state.get("offsets")
+        if state.get("size") != P or (offsets is not None and (len(offsets) != P + 1 or offsets[-1] != n)):
+            state.update(t=0, gamma=None, offsets=None, size=P, cdf=None)
+            offsets = None
+        s = _OkStep(P=P, r=comm.rank, n=n, k=k, offsets=offsets, t=state["t"], gamma=state["gamma"])
+        s.reev = s.t % self.threshold_period == 0 or s.gamma is None or not math.isfinite(s.gamma)
+        # many entries per region (k, P: the same on every rank): the step's latency outweighs the words the
+        # histogram and the ladder's allreduce save, and the last steps' load forecasts the next one well
+        s.few = P > 1 and self.few_collectives_from is not None and k >= self.few_collectives_from * P
+        return s
+
+    def _boundaries(self, xp, acc, idx, comm, state, s):
+        """The regions of this step: the paper's repartition (one allreduce) every ``repartition_period`` steps
+        (``periodic``) or to start; with ``measured``, the step's own load counted before the split (histogram,
+        and the refine of its heavy bins) and split evenly."""
+        n = s.n
+        if self.boundaries == "periodic":
+            s.repart = s.t % self.repartition_period == 0 or s.offsets is None
+        else:                       # boundaries from the last result; the allreduce only to start
+            s.repart = s.offsets is None
+        if s.repart:
+            s.offsets = self._repartition(xp, idx, n, comm)
+        elif self.boundaries == "measured" and not s.few and s.P > 1:
+            s.edges, s.hist = refine_load(xp, idx, *measure_load(xp, idx, state.get("cdf"), n, comm, acc), comm,
+                                          acc)
+            s.offsets = measured_boundaries(s.edges, s.hist, state.get("cdf"), n, s.P) or s.offsets
+        # "load" boundaries (and "measured" ones without a histogram): the owners' split loads ride in the step's
+        # count collective (one more word each in an allgather, the senders' splits in the ladder)
+        s.with_load = s.P > 1 and s.hist is None and self.boundaries in ("load", "measured")
+
+    def _reevaluate(self, xp, acc, c_idx, c_val, comm, s):
+        """Global re-evaluation: every owner's candidates gathered (identical on every rank), G their exact
+        top-min(k, |C|), Γ its K-th magnitude."""
+        if s.P > 1:
+            if s.with_load:
+                s.owner_counts, s.loads = map(list, zip(*allgather_counts(xp, [xp.numel(c_idx), s.load], comm,
                                                                            "reeval_count", acc)))
-                else:
-                    owner_counts = _allgather_count(xp, xp.numel(c_idx), comm, "reeval_count", acc)
-                if sum(owner_counts):                               # (skipped when K = 0 everywhere)
-                    c_idx, c_val = self._gather(xp, c_idx, c_val, n, comm, "reeval_gather", acc)
             else:
-                owner_counts = [xp.numel(c_idx)]
-            g_idx, g_val, gamma = global_topk(xp, c_idx, c_val, k)
-            used = gamma_next = gamma
-        else:                                                       # threshold Γ reused + balance
-            used = gamma
-            owned = xp.scan(c_val)                  # the owner's candidates: counts and selection on |c_val|
-            table = None                            # every owner's ladder counts (few collectives)
-            if self.global_control == "ladder":
-                ladder = [gamma * self.ladder_factor ** j for j in LADDER_STEPS]
-                mine = [owned.count(th, self.select_rule) for th in ladder]
-                totals = mine
-                if few:                             # the counts (and the loads) of every owner: one allgather
-                    table = _allgather_counts(xp, mine + [load] if with_load else mine, comm, "count", acc)
-                    loads = [row.pop() for row in table] if with_load else None
-                    totals = [sum(col) for col in zip(*table)]
-                elif P > 1:                         # their totals (and the senders' splits) by one allreduce
-                    totals = [int(v) for v in xp.to_numpy(comm.allreduce(xp.asarray(
-                        mine + splits if with_load else mine, xp.index_dtype, like=acc), SUM, "ladder"))]
-                    totals, loads = totals[:len(ladder)], (totals[len(ladder):] if with_load else None)
-                j = next((j for j, tot in enumerate(totals) if tot <= k), len(ladder) - 1)
-                used = ladder[j]
-            keep = owned.select(used, self.select_rule)[0]
-            m_idx, m_val = xp.take(c_idx, keep), xp.take(c_val, keep)
-            if P > 1:
-                if self.global_control == "ladder":                 # the owners' counts only to balance
-                    T = totals[j]
-                    if table is not None:
-                        owner_counts = [row[j] for row in table]
-                    else:
-                        owner_counts = None if self.balance == "never" else [0] * P if T == 0 else \
-                            _allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
-                elif with_load:
-                    owner_counts, loads = map(list, zip(*_allgather_counts(xp, [xp.numel(m_idx), load], comm,
-                                                                           "count", acc)))
-                else:
-                    owner_counts = _allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
-                if self.global_control != "ladder":
-                    T = sum(owner_counts)
-                if T == 0:                                          # K = 0, known to every rank
-                    g_idx, g_val = m_idx, m_val
-                else:
-                    packed = pack_pairs(xp, m_idx, m_val, wire_index_dtype(xp, n), acc)
-                    balanced = self.balance == "always" or (
-                        self.balance == "auto" and max(owner_counts) * P > self.balance_factor * T)
-                    if balanced:
-                        packed, _ = comm.alltoall(packed, [2 * s for s in balance_splits(owner_counts, r)],
-                                                  "balance")
-                    g_idx, g_val = unpack_pairs(xp, comm.allgather(packed, "gather"))
-            else:
-                owner_counts = [xp.numel(m_idx)]
-                g_idx, g_val = m_idx, m_val
-                T = owner_counts[0]
-            if self.max_select_ratio is not None and T > self.max_select_ratio * k:
-                g_idx, g_val, gamma_next = global_topk(xp, g_idx, g_val, k)    # hard cap
-                capped = True
-            elif self.global_control == "ladder":
-                gamma_next = used
-            else:
-                gamma_next = band_adjust(gamma, T, k, self.global_band_lo, self.global_band_hi,
-                                         self.global_relax, self.global_tighten)
+                s.owner_counts = allgather_count(xp, xp.numel(c_idx), comm, "reeval_count", acc)
+            if sum(s.owner_counts):                                 # (skipped when K = 0 everywhere)
+                packed = pack_pairs(xp, c_idx, c_val, wire_index_dtype(xp, s.n), acc)
+                c_idx, c_val = unpack_pairs(xp, comm.allgather(packed, "reeval_gather"))
+        else:
+            s.owner_counts = [xp.numel(c_idx)]
+        s.g_idx, s.g_val, s.gamma = global_topk(xp, c_idx, c_val, s.k)
+        s.used = s.gamma_next = s.gamma
 
-        # output and included set I = S ∩ G (exact); the sum is G itself (sorted, unique): the engine
-        # scatters it into the outputs, no n-sized buffer here
-        u = SparseSum(g_idx, g_val)
-        included = intersect_sorted(xp, idx, g_idx)
-        nxt = None if self.boundaries == "periodic" or P == 1 else next_boundaries(
-            self.boundaries, xp, g_idx, offsets, loads, n, state, self.boundary_tolerance, self.load_smoothing,
-            hist and (edges, hist))
-        state.update(t=t + 1, gamma=gamma_next, offsets=list(offsets if nxt is None else nxt), size=P)
-        info = {"K": xp.numel(g_idx), "threshold": used, "next_threshold": gamma_next, "reeval": bool(reev),
-                "repartition": bool(repart), "balanced": balanced, "capped": capped, "offsets": list(offsets),
-                "owner_counts": owner_counts, "t": t, "rebalanced": nxt is not None or hist is not None}
+    def _reuse(self, xp, acc, c_idx, c_val, comm, s):
+        """Threshold reuse: each owner keeps its candidates at the global threshold (:meth:`_global_threshold`),
+        G is their balanced allgatherv, and Γ moves for the next step (the cap, the ladder or the band)."""
+        owned = xp.scan(c_val)                      # the owner's candidates: counts and selection on |c_val|
+        self._global_threshold(xp, acc, owned, comm, s)
+        keep = owned.select(s.used, self.select_rule)[0]
+        m_idx, m_val = xp.take(c_idx, keep), xp.take(c_val, keep)
+        if s.P > 1:
+            self._balance_and_allgatherv(xp, acc, m_idx, m_val, comm, s)
+        else:
+            s.owner_counts = [xp.numel(m_idx)]
+            s.g_idx, s.g_val = m_idx, m_val
+            s.T = s.owner_counts[0]
+        if self.max_select_ratio is not None and s.T > self.max_select_ratio * s.k:
+            s.g_idx, s.g_val, s.gamma_next = global_topk(xp, s.g_idx, s.g_val, s.k)    # hard cap
+            s.capped = True
+        elif self.global_control == "ladder":
+            s.gamma_next = s.used
+        else:
+            s.gamma_next = band_adjust(s.gamma, s.T, s.k, self.global_band_lo, self.global_band_hi,
+                                       self.global_relax, self.global_tighten)
+
+    def _global_threshold(self, xp, acc, owned, comm, s):
+        """The Γ this step uses: the stored one (``band``), or the smallest rung Γ·f^j of the ladder whose global
+        count is <= k (the owners' 9 counts summed by one allreduce, or gathered with the loads when few)."""
+        s.used = s.gamma
+        if self.global_control != "ladder":
+            return
+        ladder = [s.gamma * self.ladder_factor ** j for j in LADDER_STEPS]
+        mine = [owned.count(th, self.select_rule) for th in ladder]
+        totals = mine
+        if s.few:                                   # the counts (and the loads) of every owner: one allgather
+            s.table = allgather_counts(xp, mine + [s.load] if s.with_load else mine, comm, "count", acc)
+            s.loads = [row.pop() for row in s.table] if s.with_load else None
+            totals = [sum(col) for col in zip(*s.table)]
+        elif s.P > 1:                               # their totals (and the senders' splits) by one allreduce
+            totals = [int(v) for v in xp.to_numpy(comm.allreduce(xp.asarray(
+                mine + s.splits if s.with_load else mine, xp.index_dtype, like=acc), SUM, "ladder"))]
+            totals, s.loads = totals[:len(ladder)], (totals[len(ladder):] if s.with_load else None)
+        s.rung = next((j for j, tot in enumerate(totals) if tot <= s.k), len(ladder) - 1)
+        s.used, s.T = ladder[s.rung], totals[s.rung]
+
+    def _balance_and_allgatherv(self, xp, acc, m_idx, m_val, comm, s):
+        """G: every owner's kept pairs, gathered in global index order; first balanced by an alltoall when the
+        policy says so (the owners' counts: from the ladder, or one allgather)."""
+        if self.global_control == "ladder":                         # the owners' counts only to balance
+            if s.table is not None:
+                s.owner_counts = [row[s.rung] for row in s.table]
+            else:
+                s.owner_counts = None if self.balance == "never" else [0] * s.P if s.T == 0 else \
+                    allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
+        elif s.with_load:
+            s.owner_counts, s.loads = map(list, zip(*allgather_counts(xp, [xp.numel(m_idx), s.load], comm,
+                                                                       "count", acc)))
+        else:
+            s.owner_counts = allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
+        if self.global_control != "ladder":
+            s.T = sum(s.owner_counts)
+        if s.T == 0:                                                # K = 0, known to every rank
+            s.g_idx, s.g_val = m_idx, m_val
+            return
+        packed = pack_pairs(xp, m_idx, m_val, wire_index_dtype(xp, s.n), acc)
+        s.balanced = self.balance == "always" or (
+            self.balance == "auto" and max(s.owner_counts) * s.P > self.balance_factor * s.T)
+        if s.balanced:
+            packed, _ = comm.alltoall(packed, [2 * c for c in balance_splits(s.owner_counts, s.r)], "balance")
+        s.g_idx, s.g_val = unpack_pairs(xp, comm.allgather(packed, "gather"))
+
+    def _finish(self, xp, idx, state, s):
+        """The output (the sum is G itself, sorted and unique: the engine scatters it), the included set
+        I = S ∩ G (exact), the next boundaries and the state."""
+        u = SparseSum(s.g_idx, s.g_val)
+        included = intersect_sorted(xp, idx, s.g_idx)
+        nxt = None if self.boundaries == "periodic" or s.P == 1 else next_boundaries(
+            self.boundaries, xp, s.g_idx, s.offsets, s.loads, s.n, state, self.boundary_tolerance,
+            self.load_smoothing, s.hist and (s.edges, s.hist))
+        state.update(t=s.t + 1, gamma=s.gamma_next, offsets=list(s.offsets if nxt is None else nxt), size=s.P)
+        info = {"K": xp.numel(s.g_idx), "threshold": s.used, "next_threshold": s.gamma_next, "reeval": bool(s.reev),
+                "repartition": bool(s.repart), "balanced": s.balanced, "capped": s.capped,
+                "offsets": list(s.offsets), "owner_counts": s.owner_counts, "t": s.t,
+                "rebalanced": nxt is not None or s.hist is not None}
         return u, included, info
-
-
-# -- presets (docs/algorithms.md#oktopk); the authors' dense warm-up steps (128 / 512 / 0) are not reproduced ---
-OKTOPK_PRESETS = {
-    # the library's default (Compression.oktopk): the paper's algorithm and balancing, exact-k selection,
-    # controllers that keep |S| <= k and K <= k on reuse steps (the assumptions of the 6k(P-1)/P bound),
-    # region boundaries that split every step's measured load evenly (the bound's third assumption)
-    "library": {
-        "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": 1.15,
-                       "guard_factor": 1.03, "guard_iters": 30, "guard_target": 1.05, "band_lo": 0.95,
-                       "band_relax": 1.03},
-        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "auto",
-                    "select_rule": "ge_nonzero", "global_control": "ladder", "boundaries": "measured"},
-    },
-    # the paper's algorithm: periodic exact re-evaluation only (no guard, no band controllers: 1.0 = off),
-    # balancing iff max c_j > 4·avg, "values above the threshold" with exact k (ge_nonzero)
-    "paper": {
-        "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": None,
-                       "band_relax": 1.0, "band_tighten": 1.0},
-        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "auto", "balance_factor": 4.0,
-                    "global_relax": 1.0, "global_tighten": 1.0, "select_rule": "ge_nonzero",
-                    "global_control": "band"},
-    },
-    "ref_lstm": {
-        "sparsifier": {"threshold_period": 32, "select_rule": "gt", "guard_ratio": 1.5, "guard_factor": 1.03,
-                       "guard_iters": 5, "band_lo": 0.75, "band_hi": 1.25, "band_relax": 1.012,
-                       "band_tighten": 1.012},
-        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "never",
-                    "global_band_lo": 0.75, "global_band_hi": 1.25, "global_relax": 1.01,
-                    "global_tighten": 1.008, "select_rule": "gt", "global_control": "band"},
-    },
-    "ref_vgg": {
-        "sparsifier": {"threshold_period": 32, "select_rule": "gt", "guard_ratio": 4 / 3, "guard_factor": 1.03,
-                       "guard_iters": 5, "band_lo": 2 / 3, "band_hi": 1.25, "band_relax": 1.012,
-                       "band_tighten": 1.012},
-        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "never",
-                    "global_band_lo": 2 / 3, "global_band_hi": 4 / 3, "global_relax": 1.008,
-                    "global_tighten": 1.008, "select_rule": "gt", "global_control": "band"},
-    },
-    "ref_bert": {
-        "sparsifier": {"threshold_period": 128, "select_rule": "gt", "guard_ratio": None, "band_lo": 0.8,
-                       "band_hi": 1.25, "band_relax": 1.025, "band_tighten": 1.025},
-        "reducer": {"threshold_period": 128, "repartition_period": 64, "balance": "always",
-                    "global_band_lo": 0.8, "global_band_hi": 1.25, "global_relax": 1.036,
-                    "global_tighten": 1.025, "select_rule": "gt", "global_control": "band"},
-    },
-}

@@ -17,6 +17,21 @@ import numpy as np
 from ..comm import SUM
 
 
+def region_split(xp, idx, offsets):
+    """Split the sorted global indexes ``idx`` by regions ``offsets`` (o_0..o_P, non-decreasing).
+
+    Returns ``(splits, rel)``: ``splits[j] = |idx ∩ [o_j, o_{j+1})|`` (Python ints) and the region-relative
+    indexes ``rel = idx - o_{region(idx)}`` (int64), in the order of ``idx`` (= grouped by region)."""
+    P = len(offsets) - 1
+    bounds = xp.asarray(offsets, xp.index_dtype, like=idx)
+    pos = [int(p) for p in xp.to_numpy(xp.searchsorted(idx, bounds))]
+    splits = [pos[j + 1] - pos[j] for j in range(P)]
+    if xp.numel(idx) == 0:
+        return splits, idx
+    region = xp.searchsorted(bounds[1:P], idx, right=True)     # j with o_j <= x < o_{j+1}
+    return splits, idx - xp.take(bounds, region)
+
+
 def _non_decreasing(out, n):
     """``out`` (boundaries 0 = o_0 .. o_last = n) made non-decreasing inside [0, n], in place; returns it."""
     for i in range(1, len(out) - 1):

@@ -34,12 +34,33 @@ Every point-to-point step is one ``comm.alltoall`` with single-peer splits (Horo
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
-from ..errors import check_positive_int
+from ..validate import check_positive_int
 from .base import Reducer, wire_index_dtype
 
 _API = "hvd_sparse.SparDL"
+
+
+@dataclasses.dataclass
+class _SparDLStep:
+    """One step's plan (team, blocks, budgets) and working blocks: A, D and the eager selections."""
+
+    d: int
+    Q: int
+    g: int
+    r: int
+    base: int
+    n: int
+    c: int
+    kb: int
+    h: int
+    eager: bool
+    wire: object
+    A: object
+    D: object
+    last: list
 
 
 # -- schedules and controller (pure functions, unit-tested) ------------------------------------------------
@@ -177,20 +198,44 @@ class SparDL(Reducer):
 
     # -- one step -----------------------------------------------------------------------------------------
     def reduce(self, xp, acc, idx, k, comm, state, ctx):
-        P, rank, d = comm.size, comm.rank, self.groups
-        if P % d:
-            raise ValueError(f"{_API}: groups must divide the number of ranks P, got groups={d} with P={P}; "
-                             f"pick a divisor of {P} (e.g. groups=1)")
-        Q = P // d
-        g, r = divmod(rank, Q)
-        base = g * Q
+        """One step of SparDL (the module docstring), a method per phase:
+
+        5.1      :meth:`_start`                       teams, blocks, budgets; the working blocks A (and D)
+        5.2-5.3  :meth:`_spar_reduce_scatter`         the team's blocks reduced, this rank's own block selected
+        5.5      :meth:`_bruck_spar_all_gather` or    across the d teams (B-SAG),
+                 :meth:`_recursive_spar_all_gather`   or pairwise by recursive doubling (R-SAG)
+        5.6      :meth:`_final_all_gather`            every block's final set inside the team
+        5.4      :meth:`_global_residual_collection`  u, the included set, and the residual
+        """
+        if comm.size % self.groups:
+            raise ValueError(f"{_API}: groups must divide the number of ranks P, got groups={self.groups} with "
+                             f"P={comm.size}; pick a divisor of {comm.size} (e.g. groups=1)")
         n = xp.numel(acc)
-        f32, i64 = xp.float32, xp.index_dtype
         if n == 0:
-            return xp.zeros(0, f32, like=acc), xp.zeros(0, i64, like=acc), {"K": 0, "residual": xp.copy(acc)}
-        if Q == 1 and d > 1 and rank == 0 and ctx.step == 0:
+            return (xp.zeros(0, xp.float32, like=acc), xp.zeros(0, xp.index_dtype, like=acc),
+                    {"K": 0, "residual": xp.copy(acc)})
+        s = self._start(xp, acc, k, comm, state, ctx)
+        own_idx, own_vals = self._spar_reduce_scatter(xp, acc, comm, s)
+        info = {"k_b": s.kb, "h": s.h, "srs_pairs": (s.Q - 1) * s.kb}
+        if s.d > 1 and self.sag == "bruck":
+            F_idx, F_vals = self._bruck_spar_all_gather(xp, acc, comm, state, s, own_idx, own_vals, info)
+        elif s.d > 1:
+            F_idx, F_vals = self._recursive_spar_all_gather(xp, acc, comm, s, own_idx, own_vals)
+        else:
+            F_idx, F_vals = own_idx, own_vals
+        all_idx, all_vals = self._final_all_gather(xp, acc, comm, s, F_idx, F_vals)
+        return self._global_residual_collection(xp, acc, s, all_idx, all_vals, info)
+
+    def _start(self, xp, acc, k, comm, state, ctx):
+        """5.1: rank (g, r) of Q = P/d in team g; n in Q blocks of c; the per-block budget k_b and h (the adaptive
+        controller's, or fixed); the working blocks: A = acc zero-padded (lazy: A doubles as D -- a block is
+        selected once, then only dropped values remain in it), eager: a separate D accumulates every drop."""
+        P, d, n = comm.size, self.groups, xp.numel(acc)
+        Q = P // d
+        g, r = divmod(comm.rank, Q)
+        if Q == 1 and d > 1 and comm.rank == 0 and ctx.step == 0:
             warnings.warn(f"{_API}: groups == P = {P}: no Spar-Reduce-Scatter, every rank runs B-SAG over "
-                          "the whole vector (the paper's lowest accuracy); consider groups < P", stacklevel=2)
+                          "the whole vector (the paper's lowest accuracy); consider groups < P", stacklevel=3)
         c = -(-n // Q)                                 # block size; blocks zero-padded to Q·c
         kb = max(1, min(c, (k * c) // n))             # per-block budget k_b (= int(c·ρ) for k = ρn)
         if d == 1 or self.sag == "recursive":
@@ -202,138 +247,136 @@ class SparDL(Reducer):
                 h0 = max(1, kb // d)
                 state.update(k_b=kb, h=h0, h_step=(kb - h0) // 100, inertia=False)
             h = state["h"]
-        h = min(h, c)
-        wire = wire_index_dtype(xp, Q * c)
         eager = self.selection == "eager"
-
-        # 5.1 working blocks (dense); lazy: A doubles as D (a block is selected once, then only dropped
-        # values remain in it; D = A once the SRS is done), eager: a separate D accumulates every drop.
         # Every write rebinds A / D to the result (TensorFlow tensors are immutable).
-        A = xp.concat([acc, xp.zeros(Q * c - n, f32, like=acc)], like=acc) if Q * c > n else xp.copy(acc)
-        D = xp.zeros(Q * c, f32, like=acc) if eager else None
-        last = [None] * Q                              # eager: latest selection (flat indices) per block
+        A = xp.concat([acc, xp.zeros(Q * c - n, xp.float32, like=acc)], like=acc) if Q * c > n else xp.copy(acc)
+        return _SparDLStep(d=d, Q=Q, g=g, r=r, base=g * Q, n=n, c=c, kb=kb, h=min(h, c), eager=eager,
+                           wire=wire_index_dtype(xp, Q * c), A=A,
+                           D=xp.zeros(Q * c, xp.float32, like=acc) if eager else None, last=[None] * Q)
 
-        def select(lo, hi, kk):
-            """5.3 select(b, kk) for the blocks lo..hi-1: (flat int64 indices in block order, values)."""
-            nonlocal A, D
-            seg = A[lo * c:hi * c]
-            cols = xp.topk_rows(xp.reshape(seg, (hi - lo, c)), kk)
-            flat = _flat_index(xp, cols, lo, c, acc)
-            vals = xp.take(A, flat)
-            if eager:
-                dropped = xp.put_(xp.copy(seg), flat - lo * c, 0.0)
-                D = xp.add_slice_(D, lo * c, hi * c, dropped)
-                A = xp.set_slice_(A, lo * c, hi * c, 0.0)
-                A = xp.put_(A, flat, vals)
-                for i in range(hi - lo):
-                    last[lo + i] = flat[i * kk:(i + 1) * kk]
-            else:
-                A = xp.put_(A, flat, 0.0)              # A[b] now holds what was dropped here: D[b]
-            return flat, vals
+    def _select(self, xp, acc, s, lo, hi, kk):
+        """select(b, kk) for the blocks lo..hi-1 (module docstring, 5.1): (flat int64 indices in block order,
+        values); the selected values leave A (lazy: what is left is D[b]; eager: D[b] gets the rest)."""
+        c = s.c
+        seg = s.A[lo * c:hi * c]
+        cols = xp.topk_rows(xp.reshape(seg, (hi - lo, c)), kk)
+        flat = _flat_index(xp, cols, lo, c, acc)
+        vals = xp.take(s.A, flat)
+        if s.eager:
+            dropped = xp.put_(xp.copy(seg), flat - lo * c, 0.0)
+            s.D = xp.add_slice_(s.D, lo * c, hi * c, dropped)
+            s.A = xp.set_slice_(s.A, lo * c, hi * c, 0.0)
+            s.A = xp.put_(s.A, flat, vals)
+            for i in range(hi - lo):
+                s.last[lo + i] = flat[i * kk:(i + 1) * kk]
+        else:
+            s.A = xp.put_(s.A, flat, 0.0)              # A[b] now holds what was dropped here: D[b]
+        return flat, vals
 
-        # 5.2-5.3 Spar-Reduce-Scatter inside the team
-        sched = srs_schedule(Q)
-        if eager and sched:
-            select(0, Q, kb)                           # paper: local top-k/P of every block first
-        for s, (gap, m) in enumerate(sched, start=1):
-            if eager:
-                flat = xp.concat([last[b % Q] for b in range(r + gap, r + gap + m)], like=acc)
-                vals = xp.take(A, flat)
+    def _spar_reduce_scatter(self, xp, acc, comm, s):
+        """5.2-5.3: in ceil(log2 Q) steps each rank sends the blocks of its schedule to (g, r + gap_s) and adds
+        what it receives; then it selects h entries of its own block r."""
+        sched = srs_schedule(s.Q)
+        if s.eager and sched:
+            self._select(xp, acc, s, 0, s.Q, s.kb)       # paper: local top-k/P of every block first
+        for step, (gap, m) in enumerate(sched, start=1):
+            if s.eager:
+                flat = xp.concat([s.last[b % s.Q] for b in range(s.r + gap, s.r + gap + m)], like=acc)
+                vals = xp.take(s.A, flat)
             else:
-                parts = [select(lo, hi, kb) for lo, hi in _segments(r + gap, m, Q)]
+                parts = [self._select(xp, acc, s, lo, hi, s.kb) for lo, hi in _segments(s.r + gap, m, s.Q)]
                 flat = xp.concat([p[0] for p in parts], like=acc)
                 vals = xp.concat([p[1] for p in parts], like=acc)
-            ri, rv = self._exchange(xp, comm, f"srs.{s}", base + (r + gap) % Q, xp.astype(flat, wire), vals)
-            A = xp.scatter_add_(A, xp.astype(ri, i64), rv)  # indices unique within a message
-            if eager:
-                for lo, hi in _segments(r, m, Q):
-                    select(lo, hi, kb)
-        own_idx, own_vals = select(r, r + 1, h)       # final own block, h entries
-        if not eager:
-            D = A                                      # lazy: what is left in A is what this rank dropped
-        info = {"k_b": kb, "h": h, "srs_pairs": (Q - 1) * kb}
+            ri, rv = self._exchange(xp, comm, f"srs.{step}", s.base + (s.r + gap) % s.Q, xp.astype(flat, s.wire),
+                                    vals)
+            s.A = xp.scatter_add_(s.A, xp.astype(ri, xp.index_dtype), rv)    # indices unique within a message
+            if s.eager:
+                for lo, hi in _segments(s.r, m, s.Q):
+                    self._select(xp, acc, s, lo, hi, s.kb)
+        own = self._select(xp, acc, s, s.r, s.r + 1, s.h)  # final own block, h entries
+        if not s.eager:
+            s.D = s.A                                   # lazy: what is left in A is what this rank dropped
+        return own
 
-        # 5.5 Spar-All-Gather across the d teams (ranks {(g', r)})
-        if d > 1 and self.sag == "bruck":
-            bufs = [(xp.astype(own_idx, wire), own_vals)]          # bufs[j] = team (g + j) mod d
-            for s in range(ceil_log2(d)):
-                step = 1 << s
-                m = min(step, d - step)
-                ri, rv = self._exchange(xp, comm, f"sag.{s}", ((g - step) % d) * Q + r,
-                                        xp.concat([b[0] for b in bufs[:m]], like=acc),
-                                        xp.concat([b[1] for b in bufs[:m]], like=acc))
-                for j in range(m):
-                    bufs.append((ri[j * h:(j + 1) * h], rv[j * h:(j + 1) * h]))
-            S = xp.zeros(c, f32, like=acc)
-            mark = xp.zeros(c, f32, like=acc)
-            for t in range(d):                                       # canonical team order (rank-identical sums)
-                bi, bv = bufs[(t - g) % d]
-                loc = xp.astype(bi, i64) - r * c
-                S = xp.scatter_add_(S, loc, bv)
-                mark = xp.put_(mark, loc, 1.0)
-            U = xp.nonzero(xp.gt(mark, 0))
-            u = xp.numel(U)
-            if u > kb:                                               # the trim, identical on all d ranks
-                keep = xp.take(U, xp.reshape(xp.topk_rows(xp.reshape(xp.take(S, U), (1, u)), kb), (-1,)))
-            else:
-                keep = U
-            F_idx, F_vals = keep + r * c, xp.take(S, keep)
-            info["union"] = u
-            if self.h_mode == "adaptive":
-                state["h"], state["h_step"], state["inertia"] = h_controller_step(
-                    state["h"], state["h_step"], state["inertia"], u, kb, d)
-        elif d > 1:                                                  # R-SAG
-            F_idx, F_vals = own_idx, own_vals
-            for s in range(ceil_log2(d)):
-                pg = g ^ (1 << s)
-                ri, rv = self._exchange(xp, comm, f"rsag.{s}", pg * Q + r, xp.astype(F_idx, wire), F_vals)
-                mine, theirs = (F_idx, F_vals), (xp.astype(ri, i64), rv)
-                S = xp.zeros(c, f32, like=acc)
-                mark = xp.zeros(c, f32, like=acc)
-                for bi, bv in ((mine, theirs) if g < pg else (theirs, mine)):   # lower team first
-                    S = xp.scatter_add_(S, bi - r * c, bv)
-                    mark = xp.put_(mark, bi - r * c, 1.0)
-                U = xp.nonzero(xp.gt(mark, 0))
-                u = xp.numel(U)
-                if u > kb:
-                    keep = xp.take(U, xp.reshape(xp.topk_rows(xp.reshape(xp.take(S, U), (1, u)), kb), (-1,)))
-                    mark = xp.put_(mark, keep, 0.0)
-                    drop = xp.nonzero(xp.gt(mark, 0))
-                    D = xp.scatter_add_(D, drop + r * c, xp.mul(xp.take(S, drop), 0.5 ** (s + 1)))
-                else:
-                    keep = U
-                F_idx, F_vals = keep + r * c, xp.take(S, keep)
-        else:
-            F_idx, F_vals = own_idx, own_vals
+    def _union_top(self, xp, acc, s, sets):
+        """The sum S of ``sets`` (added in the order given: identical on every rank that holds them), its support
+        U, and the kept entries: U, or the top-k_b of |S| on U."""
+        S = xp.zeros(s.c, xp.float32, like=acc)
+        mark = xp.zeros(s.c, xp.float32, like=acc)
+        for bi, bv in sets:
+            loc = xp.astype(bi, xp.index_dtype) - s.r * s.c
+            S = xp.scatter_add_(S, loc, bv)
+            mark = xp.put_(mark, loc, 1.0)
+        U = xp.nonzero(xp.gt(mark, 0))
+        u = xp.numel(U)
+        keep = U if u <= s.kb else xp.take(U, xp.reshape(xp.topk_rows(xp.reshape(xp.take(S, U), (1, u)), s.kb),
+                                                          (-1,)))
+        return S, mark, U, keep
 
-        # 5.6 final all-gather of the per-block final sets inside the team
-        if Q == 1:
-            all_idx, all_vals = F_idx, F_vals
-        elif d == 1:                                                 # exactly k_b pairs per rank
-            all_idx, all_vals = self._allgather_fixed(xp, comm, "final", xp.astype(F_idx, wire), F_vals)
-        else:                                                        # Bruck, variable sizes (<= k_b)
-            held_i, held_v = [xp.astype(F_idx, wire)], [F_vals]      # held[j] = block (r + j) mod Q
-            for s in range(ceil_log2(Q)):
-                step = 1 << s
-                m = min(step, Q - step)
-                counts = xp.asarray([xp.numel(x) for x in held_i[:m]], wire, like=acc)
-                ri, rv = self._exchange(xp, comm, f"final.{s}", base + (r - step) % Q,
-                                        xp.concat([counts] + held_i[:m], like=acc),
-                                        xp.concat(held_v[:m], like=acc), header=m)
-                oi, ov = m, 0
-                for cnt in xp.to_numpy(ri[:m]).tolist():
-                    held_i.append(ri[oi:oi + cnt])
-                    held_v.append(rv[ov:ov + cnt])
-                    oi += cnt
-                    ov += cnt
-            all_idx, all_vals = xp.concat(held_i, like=acc), xp.concat(held_v, like=acc)
-        all_idx = xp.astype(all_idx, i64)
-        out = xp.put_(xp.zeros(Q * c, f32, like=acc), all_idx, all_vals)   # F unique; padding carries 0
-        u = out[:n]
+    def _bruck_spar_all_gather(self, xp, acc, comm, state, s, own_idx, own_vals, info):
+        """5.5, B-SAG: a Bruck all-gather of the h-sets among the ranks {(g', r)}, their sum in team order, trimmed
+        to k_b; the adaptive h-controller reads the union's size."""
+        bufs = [(xp.astype(own_idx, s.wire), own_vals)]              # bufs[j] = team (g + j) mod d
+        for step_s in range(ceil_log2(s.d)):
+            step = 1 << step_s
+            m = min(step, s.d - step)
+            ri, rv = self._exchange(xp, comm, f"sag.{step_s}", ((s.g - step) % s.d) * s.Q + s.r,
+                                    xp.concat([b[0] for b in bufs[:m]], like=acc),
+                                    xp.concat([b[1] for b in bufs[:m]], like=acc))
+            for j in range(m):
+                bufs.append((ri[j * s.h:(j + 1) * s.h], rv[j * s.h:(j + 1) * s.h]))
+        S, _, U, keep = self._union_top(xp, acc, s, [bufs[(t - s.g) % s.d] for t in range(s.d)])  # team order
+        info["union"] = u = xp.numel(U)
+        if self.h_mode == "adaptive":
+            state["h"], state["h_step"], state["inertia"] = h_controller_step(
+                state["h"], state["h_step"], state["inertia"], u, s.kb, s.d)
+        return keep + s.r * s.c, xp.take(S, keep)
 
-        # 5.4 Global Residual Collection: own value outside F, what this rank dropped inside F
-        kept = xp.take(D, all_idx)
-        D = xp.put_(xp.set_slice_(D, 0, n, acc), all_idx, kept)
+    def _recursive_spar_all_gather(self, xp, acc, comm, s, own_idx, own_vals):
+        """5.5, R-SAG: pairwise with team g XOR 2^t; the lower team's set first; an entry dropped by the trim adds
+        S[j]/2^(t+1) to D on each of the 2^(t+1) ranks that now hold the set (stored once in the group)."""
+        F_idx, F_vals = own_idx, own_vals
+        for t in range(ceil_log2(s.d)):
+            pg = s.g ^ (1 << t)
+            ri, rv = self._exchange(xp, comm, f"rsag.{t}", pg * s.Q + s.r, xp.astype(F_idx, s.wire), F_vals)
+            mine, theirs = (F_idx, F_vals), (xp.astype(ri, xp.index_dtype), rv)
+            S, mark, U, keep = self._union_top(xp, acc, s, (mine, theirs) if s.g < pg else (theirs, mine))
+            if xp.numel(U) > s.kb:
+                drop = xp.nonzero(xp.gt(xp.put_(mark, keep, 0.0), 0))
+                s.D = xp.scatter_add_(s.D, drop + s.r * s.c, xp.mul(xp.take(S, drop), 0.5 ** (t + 1)))
+            F_idx, F_vals = keep + s.r * s.c, xp.take(S, keep)
+        return F_idx, F_vals
+
+    def _final_all_gather(self, xp, acc, comm, s, F_idx, F_vals):
+        """5.6: every block's final set inside the team: d = 1: one allgather (k_b pairs per rank); d > 1: Bruck
+        alltoalls of variable sizes (a count per buffer leads the message)."""
+        if s.Q == 1:
+            return F_idx, F_vals
+        if s.d == 1:                                                 # exactly k_b pairs per rank
+            return self._allgather_fixed(xp, comm, "final", xp.astype(F_idx, s.wire), F_vals)
+        held_i, held_v = [xp.astype(F_idx, s.wire)], [F_vals]        # held[j] = block (r + j) mod Q
+        for t in range(ceil_log2(s.Q)):
+            step = 1 << t
+            m = min(step, s.Q - step)
+            counts = xp.asarray([xp.numel(x) for x in held_i[:m]], s.wire, like=acc)
+            ri, rv = self._exchange(xp, comm, f"final.{t}", s.base + (s.r - step) % s.Q,
+                                    xp.concat([counts] + held_i[:m], like=acc),
+                                    xp.concat(held_v[:m], like=acc), header=m)
+            oi, ov = m, 0
+            for cnt in xp.to_numpy(ri[:m]).tolist():
+                held_i.append(ri[oi:oi + cnt])
+                held_v.append(rv[ov:ov + cnt])
+                oi += cnt
+                ov += cnt
+        return xp.concat(held_i, like=acc), xp.concat(held_v, like=acc)
+
+    def _global_residual_collection(self, xp, acc, s, all_idx, all_vals, info):
+        """5.4 (GRC) after 5.6: u = the final sets (the engine divides by the world size P); the residual is this
+        rank's own value outside F and what it dropped inside F; I = the support of u."""
+        all_idx = xp.astype(all_idx, xp.index_dtype)
+        out = xp.put_(xp.zeros(s.Q * s.c, xp.float32, like=acc), all_idx, all_vals)   # F unique; padding: 0
+        kept = xp.take(s.D, all_idx)
+        D = xp.put_(xp.set_slice_(s.D, 0, s.n, acc), all_idx, kept)
         included = xp.sort(xp.take(all_idx, xp.nonzero(xp.gt(xp.abs(all_vals), 0))))   # support of u
-        info.update(K=xp.numel(included), final_entries=xp.numel(all_idx), residual=D[:n])
-        return u, included, info
+        info.update(K=xp.numel(included), final_entries=xp.numel(all_idx), residual=D[:s.n])
+        return out[:s.n], included, info

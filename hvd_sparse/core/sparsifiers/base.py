@@ -6,7 +6,7 @@ in the per-rank ``state`` dict the engine passes in, so it can be checkpointed (
     idx = sparsifier.select(xp, acc, k, state, ctx)   # sorted int64 indices into acc, no duplicates
     sparsifier.update(xp, state, info, ctx)           # after the reducer: controllers (thresholds, ...)
 
-``ctx`` is a :class:`hvd_sparse.core.engine.StepContext` (rank, size, step, layout, comm); ``info`` is
+``ctx`` is a :class:`hvd_sparse.core.context.StepContext` (rank, size, step, layout, comm); ``info`` is
 the dict the reducer returned (e.g. global counts).
 
 ``acc`` is the float32 accumulator (residual + gradient), ``k = max(1, floor(density * n))`` the target.
@@ -16,7 +16,7 @@ indices), so that the simulator and a Horovod run agree bit for bit.
 
 from __future__ import annotations
 
-from ..errors import check_density
+from ..validate import check_density
 
 
 class Sparsifier:

@@ -28,7 +28,7 @@ import numbers
 import numpy as np
 
 from ..comm import SUM
-from ..errors import check_positive_int
+from ..validate import check_positive_int
 from .base import Sparsifier
 
 _API = "hvd_sparse.DCT"

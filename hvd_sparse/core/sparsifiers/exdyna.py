@@ -46,7 +46,7 @@ import numbers
 import warnings
 
 from ..comm import MAX, SUM
-from ..errors import check_positive_int
+from ..validate import check_positive_int
 from .base import Sparsifier
 
 _API = "hvd_sparse.ExDyna"

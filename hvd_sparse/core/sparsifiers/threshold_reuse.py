@@ -35,16 +35,11 @@ standalone sparsifier too: with the TopkA reducer it gives "TopkA with a reused 
 
 from __future__ import annotations
 
-import math
-import numbers
 
-from ..errors import check_positive_int
+from ..validate import check_positive_int, check_real, check_select_rule
 from ..selection import topk_indices
 from ..xp.generic import f32
 from .base import Sparsifier
-
-SELECT_RULES = ("ge_nonzero", "gt")
-
 
 def band_adjust(th, cnt, k, lo, hi, relax, tighten):
     """The post-hoc band controller of the authors' code: ``th/relax`` below ``lo·k``, ``th·tighten`` above
@@ -54,24 +49,6 @@ def band_adjust(th, cnt, k, lo, hi, relax, tighten):
     if cnt > hi * k:
         return th * tighten
     return th
-
-
-def check_real(value, name, api, low, low_incl=True, allow_none=False, fix=""):
-    if value is None and allow_none:
-        return None
-    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(float(value))
-          and (float(value) >= low if low_incl else float(value) > low))
-    if not ok:
-        rule = f"must be a finite number {'>=' if low_incl else '>'} {low:g}" + (" or None" if allow_none else "")
-        raise ValueError(f"{api}: {name} {rule}, got {value!r}{'; ' + fix if fix else ''}")
-    return float(value)
-
-
-def check_select_rule(rule, api):
-    if rule not in SELECT_RULES:
-        raise ValueError(f"{api}: select_rule must be one of {SELECT_RULES}, got {rule!r}; use 'ge_nonzero' "
-                         "(exactly k without ties, library default) or 'gt' (strict >, ref-compatible)")
-    return rule
 
 
 class ThresholdReuse(Sparsifier):

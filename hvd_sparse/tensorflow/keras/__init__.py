@@ -33,7 +33,8 @@ import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 
 from ...compression import SparseCompression
-from ...core.errors import check_elastic_residuals, check_op, check_positive_int
+from ...core.validate import check_elastic_residuals, check_op, check_positive_int
+from ...core.state import already_used
 from .. import Compression, SparseState
 from .._consistency import check_now, run_check, variable_name
 from .._variables import keras_flavour, same_variable
@@ -367,8 +368,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     refuse_wrapped(optimizer, _API)
     check_op(op, gradient_predivide_factor, _API)
     if isinstance(compression, SparseCompression) and compression.states.owner() is not None:
-        raise ValueError(f"{_API}: {compression!r} is already used by another optimizer; a sparse preset keeps "
-                         "per-model state (residuals, thresholds): create one per optimizer")
+        raise already_used(compression, api=_API)
     passes = check_positive_int(backward_passes_per_step, "backward_passes_per_step", _API)
     every = check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
     check_elastic_residuals(elastic_residuals, _API)

@@ -1,0 +1,71 @@
+"""What one engine step knows besides the data: the context a sparsifier or reducer receives
+(:class:`StepContext`, with the candidates a fused pass found: :class:`Prefiltered`), the plan the engine's stages
+share (:class:`Plan`) and the statistics a step leaves (:class:`StepStats`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What a sparsifier or reducer may know about the step besides the data.
+
+    Attributes:
+        rank, size: this rank and the number of ranks (== comm.rank, comm.size).
+        step: 0-based count of previous steps of this unit (identical on every rank).
+        layout: numels of the parameter tensors that make up the flat buffer, in order (sum == n), or
+            ``None`` when unknown (then the buffer is one tensor). Per-tensor schemes (DCT) use it.
+        comm: the Communicator. A sparsifier may issue collectives from ``select``/``update`` (e.g. to
+            agree on a count); every rank calls them in the same order, so that is safe.
+        exact_k: the sparsifier's ``exact_k`` flag: every rank selects at most k entries, so reducers
+            may use fixed-size messages without exchanging counts.
+        prefiltered: None, or a :class:`Prefiltered`: what ``rule`` selects from the step's accumulator at
+            ``threshold``, found by error feedback's add pass because the sparsifier asked for it
+            (:meth:`Sparsifier.prefilter`); saves the sparsifier a read pass over the accumulator.
+    """
+
+    rank: int
+    size: int
+    step: int
+    layout: tuple
+    comm: object
+    exact_k: bool = False
+    prefiltered: Prefiltered = None
+
+
+class Prefiltered(NamedTuple):
+    """What ``rule`` selects from the step's accumulator at ``threshold``: ``indices`` (int64, ascending) and
+    their ``values`` (float32), in the step's backend; collected by error feedback's add pass."""
+
+    threshold: float
+    rule: str
+    indices: object
+    values: object
+
+
+class Plan(NamedTuple):
+    """What one step is, fixed by its first stage (:meth:`hvd_sparse.core.engine.Engine._plan`) and read by the others: the backend and
+    the gradient pieces (``n`` entries), the inputs of error feedback (the pieces, or the momentum-corrected
+    velocity), the reducer of this step and whether it is a dense warm-up step, the sparsifier's and reducer's
+    context, whether the accumulating pass zeroes the pieces (a sparse result written back into them), a local
+    problem to report on every rank, and the budget k (n for a dense step)."""
+
+    xp: object
+    pieces: list
+    n: int
+    inputs: list
+    reducer: object
+    warm: bool
+    momentum: float
+    ctx: "StepContext"
+    zeroed: bool
+    local_error: object
+    k: int
+
+
+class StepStats(dict):
+    """Statistics of the last step: ``n, k, selected, density, sent_bytes, recv_bytes, sent_words,
+    recv_words, collectives`` (the algorithm's traffic), ``control_bytes`` (the non-finite flag), ``skipped``
+    (``True`` when a non-finite gradient skipped the step) and ``nonfinite_ranks``."""

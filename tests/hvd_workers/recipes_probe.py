@@ -1,0 +1,62 @@
+"""Run with plain ``python`` (one process, ``hvd.init()`` at size 1): the Horovod and PyTorch behaviours that
+hvd_sparse.torch.recipes reads from the interpreter's frames, each exercised end to end. Prints one JSON object."""
+
+import json
+
+import horovod.torch as hvd
+import torch
+
+import hvd_sparse.torch as hvds
+from hvd_sparse.torch import recipes
+
+
+def model_and_opt(compression, factory=None):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3)
+    opt = (factory or hvds.DistributedOptimizer)(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                                 named_parameters=model.named_parameters(), compression=compression)
+    return model, opt
+
+
+def broadcast_optimizer_state():
+    """Horovod's own broadcast_optimizer_state steps an optimizer without state: recognised, no exchange."""
+    comp = hvds.Compression.topka(0.5)
+    model, opt = model_and_opt(comp)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    return {"state_created": bool(opt.state_dict()["state"]), "exchanges": opt._hvds_exchanges,
+            "engine": comp.states.get("model") is not None}
+
+
+def grad_scaler():
+    """The plain GradScaler pattern: GradScaler.step is found as the caller, its found-inf record written."""
+    model, opt = model_and_opt(hvds.Compression.topka(0.5))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    scales = []
+    for t in range(3):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(2, 6)).pow(2).mean()).backward()
+        if t == 1:
+            model.weight.grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return {"scales": scales, "skipped": opt.skipped_steps()}
+
+
+def compressing_optimizer():
+    """Horovod's optimizer hands compress() p.grad only: its frame gives the optimizer and the parameter."""
+    comp = hvds.Compression.topka(0.5)
+    model, opt = model_and_opt(comp, factory=hvd.DistributedOptimizer)
+    model(torch.ones(2, 6)).sum().backward()
+    found, p = recipes.compressing_optimizer(comp, model.bias.grad)
+    outside = recipes.compressing_optimizer(comp, model.bias.grad)
+    handle = opt._allreduce_grad_async(model.bias)        # what Horovod's hook calls: compress(p.grad) inside
+    hvd.synchronize(handle[0] if isinstance(handle, tuple) else handle)
+    stashed = sorted(comp._horovod_adapter.stash)
+    return {"outside": [x is None for x in outside], "stashed": stashed, "direct": [found is None, p is None]}
+
+
+if __name__ == "__main__":
+    hvd.init()
+    print("RESULT " + json.dumps({"broadcast_optimizer_state": broadcast_optimizer_state(),
+                                  "grad_scaler": grad_scaler(), "compressing_optimizer": compressing_optimizer()}))
