@@ -53,12 +53,12 @@ import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
 from ..core.comm import in_process_set
-from ..core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int, scale_factors
 from ..core.state import already_used
+from ..core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int, scale_factors
 from . import consistency, recipes
+from .base import SparseOptimizer
 from .comm import HorovodTorchCommunicator
 from .compression import Compression, is_sparse
-from .base import SparseOptimizer
 from .stats import record
 
 _API = "hvd_sparse.torch.DistributedOptimizer"

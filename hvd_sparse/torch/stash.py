@@ -28,8 +28,8 @@ from horovod.torch.mpi_ops import Adasum
 from . import recipes
 from .comm import HorovodTorchCommunicator
 from .functions import HOROVOD_DTYPES
-from ..core.validate import check_op, scale_factors
 from ..core.state import already_used
+from ..core.validate import check_op, scale_factors
 
 _API = "horovod.torch.DistributedOptimizer(compression=<hvd_sparse preset>)"
 

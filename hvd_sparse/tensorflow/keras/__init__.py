@@ -33,8 +33,8 @@ import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 
 from ...compression import SparseCompression
-from ...core.validate import check_elastic_residuals, check_op, check_positive_int
 from ...core.state import already_used
+from ...core.validate import check_elastic_residuals, check_op, check_positive_int
 from .. import Compression, SparseState
 from .._consistency import check_now, run_check, variable_name
 from .._variables import keras_flavour, same_variable
