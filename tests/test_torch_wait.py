@@ -1,5 +1,6 @@
-"""How the torch communicator waits for Horovod (hvd_sparse.torch.comm.wait): poll and sleep instead of Horovod's
-spinning synchronize(), its settings, and real collectives with both waits (Horovod size 1, in a subprocess)."""
+"""How the torch communicator waits for Horovod (hvd_sparse.torch.comm.wait): Horovod's spinning synchronize() when
+this host has a core per rank, else poll and sleep; its settings, and real collectives with each wait (Horovod size
+1, in a subprocess)."""
 
 import os
 import subprocess
@@ -22,13 +23,19 @@ def clean_env(monkeypatch):
 
 
 def test_wait_settings_come_from_the_environment_and_bad_values_are_named(clean_env):
-    assert tcomm.wait_max_seconds() == pytest.approx(500e-6)
+    cores = len(os.sched_getaffinity(0))
+    assert tcomm.wait_max_seconds() == pytest.approx(500e-6)              # auto, ranks per host unknown: poll
+    assert tcomm.wait_max_seconds(local_ranks=cores) is None              # auto, a core per rank: spin
+    assert tcomm.wait_max_seconds(local_ranks=cores + 1) == pytest.approx(500e-6)   # more ranks than cores: poll
+    clean_env.setenv("HVD_SPARSE_WAIT", "poll")
+    assert tcomm.wait_max_seconds(local_ranks=1) == pytest.approx(500e-6)
+    clean_env.delenv("HVD_SPARSE_WAIT")
     clean_env.setenv("HVD_SPARSE_WAIT_MAX_US", "2000")
     assert tcomm.wait_max_seconds() == pytest.approx(2e-3)
     clean_env.setenv("HVD_SPARSE_WAIT", "spin")
     assert tcomm.wait_max_seconds() is None
     clean_env.setenv("HVD_SPARSE_WAIT", "busy")
-    with pytest.raises(ValueError, match="HVD_SPARSE_WAIT must be 'poll'"):
+    with pytest.raises(ValueError, match="HVD_SPARSE_WAIT must be 'auto' \\(default\\), 'poll' or 'spin'"):
         tcomm.wait_max_seconds()
     clean_env.setenv("HVD_SPARSE_WAIT", "poll")
     for bad in ("0", "-5", "abc", "2e6"):
@@ -68,7 +75,8 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode, expect", [("poll", "max_sleep 0.0005"), ("spin", "max_sleep None")])
+@pytest.mark.parametrize("mode, expect", [("poll", "max_sleep 0.0005"), ("spin", "max_sleep None"),
+                                          ("auto", "max_sleep None")])          # auto: 1 rank on this host
 def test_real_collectives_with_either_wait(mode, expect):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "HVD_SPARSE_WAIT"))}
     env["HVD_SPARSE_WAIT"] = mode

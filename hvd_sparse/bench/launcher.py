@@ -61,6 +61,9 @@ def launch(net, cmd, worker_args, logdir, timeout, progress, verbose=True, gloo_
     root = str(Path(__file__).resolve().parents[2])        # so that the ranks import this hvd_sparse
     base = dict(os.environ)
     base["PYTHONPATH"] = os.pathsep.join(p for p in (root, base.get("PYTHONPATH")) if p)
+    # every namespace is a host of one rank to Horovod, but all share this machine's cores: hvd_sparse's "auto"
+    # wait would spin (a core per rank on each "host"); poll, as on any machine with more ranks than cores
+    base.setdefault("HVD_SPARSE_WAIT", "poll")
     base.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
                 HOROVOD_GLOO_RENDEZVOUS_ADDR=net.bridge_ip, HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
                 HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",

@@ -5,14 +5,17 @@ Every collective is named ``hvd_sparse.<bucket>.<phase>``: the same on every ran
 splits go as int32 tensors, which Horovod requires. Volume is counted as in ``hvd_sparse.core.comm``.
 
 Waiting: Horovod's ``synchronize(handle)`` spins (``WaitAndClear``: poll, ``std::this_thread::yield()``, poll,
-...) until the background thread has finished the collective. With a core per rank that costs nothing; with
-more ranks than cores (CPU training, several workers per host, a shared machine) the spinning ranks take the
-cores from the ranks that still compute, and every collective waits for the slowest of them. So this
+...) until the background thread has finished the collective. With a core per rank that is the fastest wait;
+with more ranks than cores (CPU training, several workers per host, a shared machine) the spinning ranks take the
+cores from the ranks that still compute, and every collective waits for the slowest of them. There this
 communicator waits politely: it polls the handle and sleeps in between, 20 us at first and doubling up to
-:func:`wait_max_seconds` (``HVD_SPARSE_WAIT_MAX_US``, default 500 us), then takes the result with
-``synchronize`` (which returns at once). ``HVD_SPARSE_WAIT=spin`` restores Horovod's spinning wait.
-docs/benchmarks.md ("Waiting for a collective"): 4 ranks on 2 cores, n = 25M, Ok-Topk's CPU time per rank and
-step is about 300 ms with the spinning wait and 175 ms with this one.
+``HVD_SPARSE_WAIT_MAX_US`` (default 500 us), then takes the result with ``synchronize`` (which returns at once).
+
+``HVD_SPARSE_WAIT`` chooses (:func:`wait_max_seconds`): ``auto`` (default) spins when this host runs no more ranks
+than it has cores for this process, and polls otherwise; ``spin`` and ``poll`` force one. Measured: with a core per
+rank spinning is faster (one small allreduce, 2 ranks: 1.05 ms against 1.50 ms at Horovod's default cycle time on
+16 cores, 1.06 against 1.66 ms on 2; docs/gpu.md); with 4 ranks on 2 cores polling is (n = 25M, Ok-Topk's CPU time
+per rank and step about 175 ms against 300 ms; docs/benchmarks.md, "Waiting for a collective").
 """
 
 from __future__ import annotations
@@ -29,14 +32,17 @@ from ..core.comm import HorovodCommunicator
 WAIT_FIRST_SLEEP = 20e-6
 
 
-def wait_max_seconds():
+def wait_max_seconds(local_ranks=None):
     """The longest sleep between two polls of a pending collective: ``HVD_SPARSE_WAIT_MAX_US`` microseconds
-    (default 500), or None when ``HVD_SPARSE_WAIT=spin`` asks for Horovod's own spinning ``synchronize``."""
-    mode = os.environ.get("HVD_SPARSE_WAIT", "poll").strip().lower()
+    (default 500), or None for Horovod's own spinning ``synchronize``: with ``HVD_SPARSE_WAIT=spin``, and with
+    ``auto`` (the default) when ``local_ranks`` (the ranks on this host) fit the cores this process may use."""
+    mode = os.environ.get("HVD_SPARSE_WAIT", "auto").strip().lower()
+    if mode == "auto":
+        mode = "spin" if local_ranks is not None and local_ranks <= _cores() else "poll"
     if mode == "spin":
         return None
     if mode != "poll":
-        raise ValueError(f"hvd_sparse: HVD_SPARSE_WAIT must be 'poll' (default) or 'spin', got {mode!r}")
+        raise ValueError(f"hvd_sparse: HVD_SPARSE_WAIT must be 'auto' (default), 'poll' or 'spin', got {mode!r}")
     raw = os.environ.get("HVD_SPARSE_WAIT_MAX_US", "500").strip()
     try:
         us = float(raw)
@@ -46,6 +52,11 @@ def wait_max_seconds():
         raise ValueError(f"hvd_sparse: HVD_SPARSE_WAIT_MAX_US must be a number of microseconds in (0, 1e6], "
                          f"got {raw!r}")
     return us * 1e-6
+
+
+def _cores():
+    """The CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def wait(handle, max_sleep=500e-6):
@@ -67,7 +78,7 @@ class HorovodTorchCommunicator(HorovodCommunicator):
         import horovod.torch as hvd
 
         super().__init__(hvd, process_set, bucket)
-        self._max_sleep = wait_max_seconds()
+        self._max_sleep = wait_max_seconds(hvd.local_size())
 
     def _allreduce(self, x, op, kw):
         return wait(self._hvd.allreduce_async(x, op=op, **kw), self._max_sleep)
