@@ -11,9 +11,7 @@ from hvd_sparse.compression import Compression
 from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.testing import simulate
 
-
-def _grads(P, n=200, seed=0):
-    return np.random.default_rng(seed).standard_normal((P, n)).astype(np.float32)
+from oracles import grads
 
 
 def run_ranks(steps_of_rank, P):
@@ -31,7 +29,7 @@ def run_ranks(steps_of_rank, P):
 
 def engines_of(comps, P=2):
     def fn(r, comm):
-        return comps[r].new_engine(comm).step(_grads(P)[r])
+        return comps[r].new_engine(comm).step(grads(1, P, 200, normal=True)[0][r])
     return run_ranks(fn, P)
 
 
@@ -59,7 +57,7 @@ def test_a_disagreement_among_three_ranks_names_the_odd_rank():
 
 
 def test_shapes_dtypes_and_unit_names_are_agreed():
-    g = _grads(2)
+    g = grads(1, 2, 200, normal=True)[0]
 
     def shapes(r, comm):      # the same n, another shape
         e = Compression.topka(0.1).new_engine(comm)
@@ -86,7 +84,7 @@ def test_shapes_dtypes_and_unit_names_are_agreed():
 
 
 def test_a_rank_that_skipped_a_step_is_named_by_the_step_count():
-    g = _grads(2)
+    g = grads(1, 2, 200, normal=True)[0]
 
     def fn(r, comm):
         e = Compression.topka(0.1).new_engine(comm)
@@ -100,7 +98,7 @@ def test_a_rank_that_skipped_a_step_is_named_by_the_step_count():
 
 
 def test_a_local_problem_of_one_rank_is_raised_on_every_rank():
-    g = _grads(2)
+    g = grads(1, 2, 200, normal=True)[0]
 
     def fn(r, comm):
         e = Compression.topka(0.1).new_engine(comm)
@@ -112,7 +110,7 @@ def test_a_local_problem_of_one_rank_is_raised_on_every_rank():
 
 
 def test_layout_change_starts_afresh_and_carries_the_residual_by_name():
-    P, g = 2, _grads(2, n=30)
+    P, g = 2, grads(1, 2, 30, normal=True)[0]
 
     def fn(r, comm):
         e = Compression.topka(0.2).new_engine(comm)
@@ -129,7 +127,7 @@ def test_layout_change_starts_afresh_and_carries_the_residual_by_name():
 
 
 def test_layout_change_carries_the_momentum_correction_velocity_by_name_and_the_step_runs():
-    P, g = 2, _grads(2, n=30)
+    P, g = 2, grads(1, 2, 30, normal=True)[0]
 
     def fn(r, comm):
         e = Compression.topka(0.2, momentum_correction=0.9).new_engine(comm)
@@ -149,7 +147,7 @@ def test_a_fixed_layout_refuses_other_entries_on_every_rank_and_keeps_the_state(
     """declare(..., fixed=True) (TensorFlow: the preset owns the state): other entries at a later step -- here the
     same number of entries in other shapes -- are another model: RankDisagreementError on every rank, nothing
     changed; the first entries then step on."""
-    g = _grads(2, n=30)
+    g = grads(1, 2, 30, normal=True)[0]
     first = [("a", (10,), "float32"), ("b", (20,), "float32")]
 
     def fn(r, comm):
@@ -194,9 +192,9 @@ def test_the_fingerprint_is_computed_only_when_the_layout_or_options_change(monk
         e = Compression.topka(0.1).new_engine(comm)
         e.declare([("a", (100,), "float32")])
         for t in range(3):
-            e.step(_grads(2, n=100)[r])
+            e.step(grads(1, 2, 100, normal=True)[0][r])
         e.declare([("a", (50,), "float32"), ("b", (50,), "float32")])
-        e.step(_grads(2, n=100)[r])
+        e.step(grads(1, 2, 100, normal=True)[0][r])
 
     calls.clear()
     run_ranks(fn, 2)
@@ -206,7 +204,7 @@ def test_the_fingerprint_is_computed_only_when_the_layout_or_options_change(monk
 def test_agreement_is_control_traffic_of_28_bytes():
     def fn(r, comm):
         e = Compression.topka(0.1).new_engine(comm)
-        e.step(_grads(3)[r])
+        e.step(grads(1, 3, 200, normal=True)[0][r])
         return e.last["control_bytes"], e.last["collectives"]
 
     from hvd_sparse.core import agree

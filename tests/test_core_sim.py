@@ -10,28 +10,9 @@ from hvd_sparse.core.selection import topk_indices
 from hvd_sparse.core.xp import backend_of
 from hvd_sparse.testing import simulate
 
-from conftest import int_grads, ref_topk
+from oracles import int_grads, topka_reference
 
 PS = [1, 2, 3, 4, 8]
-
-
-def topka_reference(g, density, average):
-    """TopkA written out directly (docs/algorithms.md#topka): per rank a = eps + g, S = TopK(a), u = sum_r a[S],
-    eps[S] = 0."""
-    steps, P, n = g.shape
-    k = max(1, int(density * n))
-    eps = np.zeros((P, n), np.float32)
-    ups, res = [], []
-    for t in range(steps):
-        u = np.zeros(n, np.float32)
-        for r in range(P):
-            a = eps[r] + g[t, r]
-            m = ref_topk(a, k)
-            u[m] += a[m]
-            eps[r] = np.where(m, 0, a)
-        ups.append(u / P if average else u)
-        res.append(eps.copy())
-    return np.array(ups), np.array(res)
 
 
 @pytest.mark.parametrize("P", PS)
@@ -53,7 +34,7 @@ def test_dense_is_the_mean(P):
 def test_topka_equals_sum_of_local_topk(P, density):
     g = int_grads(4, P, 400, seed=10 + P)
     res = simulate(hvd_sparse.Compression.topka(density), g, average=False)
-    ref_u, ref_eps = topka_reference(g, density, average=False)
+    ref_u, ref_eps, _ = topka_reference(g, density, average=False)
     k = max(1, int(density * 400))
     for t in range(4):
         for r in range(P):
@@ -70,7 +51,7 @@ def test_topka_equals_sum_of_local_topk(P, density):
 def test_topka_average_is_exact_for_powers_of_two(P):
     g = int_grads(2, P, 300, seed=3)
     res = simulate(hvd_sparse.Compression.topka(0.05), g)
-    ref_u, _ = topka_reference(g, 0.05, average=True)
+    ref_u, _, _ = topka_reference(g, 0.05, average=True)
     np.testing.assert_array_equal(res.updates[:, 0], ref_u)
 
 
@@ -102,7 +83,7 @@ def test_single_rank_issues_no_collective_and_keeps_semantics(preset):
     res = simulate(comp, g)
     assert all(v[0]["collectives"] == 0 and v[0]["recv_words"] == 0 for v in res.volume)
     if preset == "topka":
-        ref_u, ref_eps = topka_reference(g, 0.05, average=True)
+        ref_u, ref_eps, _ = topka_reference(g, 0.05, average=True)
         np.testing.assert_array_equal(res.updates[:, 0], ref_u)
         np.testing.assert_array_equal(res.residuals[:, 0], ref_eps[:, 0])
     else:
@@ -123,7 +104,7 @@ def test_all_zero_gradients_give_zero_update_and_residual(P, preset):
 def test_one_rank_all_zero_matches_reference(P):
     g = int_grads(4, P, 300, seed=7, zero_ranks=(P - 1,))
     res = simulate(hvd_sparse.Compression.topka(0.05), g, average=False)
-    ref_u, ref_eps = topka_reference(g, 0.05, average=False)
+    ref_u, ref_eps, _ = topka_reference(g, 0.05, average=False)
     assert (res.selected[:, P - 1] == 0).all()
     np.testing.assert_array_equal(res.updates[:, 0], ref_u)
     np.testing.assert_array_equal(res.residuals, ref_eps)

@@ -1,7 +1,7 @@
 """Simulator tests of ExDyna and DCT-DP (docs/algorithms.md#exdyna, docs/algorithms.md#dct).
 
 ExDyna runs as SparseCompression(ExDyna(d), ExDynaReducer()); DCT as SparseCompression(DCT(d, L), TopkA())
-with ``shapes=`` (per-tensor thresholds). Exact checks use integer-valued float32 data (conftest.int_grads)
+with ``shapes=`` (per-tensor thresholds). Exact checks use integer-valued float32 data (oracles.int_grads)
 or rank-order float32 sums reproduced by the independent references below.
 """
 
@@ -13,18 +13,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hvd_sparse.compression import SparseCompression
-from hvd_sparse.core.context import StepContext
 from hvd_sparse.core.reducers.exdyna import ExDynaReducer
 from hvd_sparse.core.reducers.topka import TopkA
 from hvd_sparse.core.sparsifiers.dct import DCT, dct_k
 from hvd_sparse.core.sparsifiers.exdyna import (ExDyna, adjust_topology, exdyna_geometry, partition_range,
                                                 threshold_factor)
 from hvd_sparse.core.xp import backend_of
-from hvd_sparse.testing import RECORDS, simulate
+from hvd_sparse.testing import simulate
 
-from conftest import int_grads, ref_topk, mean_density_ratio
+from oracles import PS, ctx_of, int_grads, mean_density_ratio, ref_topk, run_world
 
-PS = [1, 2, 3, 4, 5, 8]
 # the warning "num_blk < 4·P" (ExDyna raises the block count) is expected with the small num_blk used here
 pytestmark = pytest.mark.filterwarnings("ignore:hvd_sparse.ExDyna:RuntimeWarning")
 
@@ -57,19 +55,6 @@ class TopkANoCounts(TopkA):
     def reduce(self, xp, acc, idx, k, comm, state, ctx):
         u, inc, info = super().reduce(xp, acc, idx, k, comm, state, ctx)
         return u, inc, {}
-
-
-def run_world(comp, g, shapes=None, backend="numpy", average=False):
-    """``simulate`` ``comp`` on g (steps, P, n); per step and rank: u, residual, sparsifier state, info, phases."""
-    steps, P, _ = g.shape
-    res = simulate(comp, g, shapes=shapes, average=average, backend=backend, record=RECORDS)
-    return [[{"u": res.updates[t, r], "res": res.residuals[t, r], "state": res.sparsifier_states[t][r],
-              "info": res.info[t][r], "phases": res.phases[t][r], "collectives": res.volume[t][r]["collectives"]}
-             for r in range(P)] for t in range(steps)]
-
-
-def ctx_of(rank=0, size=1, step=0, layout=None, comm=None):
-    return StepContext(rank, size, step, layout, comm, False)
 
 
 # ==================================================================================================

@@ -17,133 +17,10 @@ from hvd_sparse.core.reducers.topk_dsa import TopkDSA, regions
 from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.core.sparsifiers import TopK
 from hvd_sparse.core.sparsifiers.gaussiank import GaussianK
-from hvd_sparse.core.xp import backend_of
 from hvd_sparse.testing import simulate
 
-from conftest import int_grads, ref_topk
-
-PS = [1, 2, 3, 4, 5, 8]
-NP = backend_of(np.zeros(1, np.float32))
-
-
-def k_of(density, n):
-    return max(1, int(density * n))
-
-
-# -- independent references (plain numpy, written from docs/algorithms.md) ---------------------------------------
-def gaussian_select_ref(a, density, adjust="lstm"):
-    """Gaussiank's steps 1-4 (hvd_sparse/core/sparsifiers/gaussiank.py) in float64 (comparisons exact); returns
-    (mask, th0, th, iterations)."""
-    n = a.size
-    k = k_of(density, n)
-    a64 = a.astype(np.float64)
-    mu = a64.mean()
-    sd = a64.std(ddof=1) if n > 1 else 0.0
-    th0 = th = float(mu + ndtri(1 - density / 2) * sd)
-    mag = np.abs(a64)
-
-    def cnt(t):
-        return int(((mag > t) & (a != 0)).sum())
-
-    it, k34 = 0, max(1, (3 * k) // 4)          # at least one entry (k = 1), as the library does
-    if adjust == "lstm":
-        for _ in range(50):
-            if cnt(th) < k34:
-                th /= 1.012
-                it += 1
-            else:
-                break
-    elif adjust == "bert":
-        if cnt(th) < k34:
-            while it < 20 and cnt(th) < max(1, (5 * k) // 6):
-                th /= 1.012
-                it += 1
-    else:
-        if cnt(th) < k34:
-            while it < 20 and cnt(th) < k34:
-                th /= 1.02
-                it += 1
-        elif cnt(th) > (5 * k) // 4:
-            while it < 20 and cnt(th) > (5 * k) // 4:
-                th *= 1.02
-                it += 1
-    return (mag > th) & (a != 0), th0, th, it
-
-
-def allgather_reference(g, select):
-    """TopkA-style exchange (Gaussiank, TopkA): u = sum_r a^r[S^r], eps[S] = 0."""
-    steps, P, n = g.shape
-    eps = np.zeros((P, n), np.float32)
-    ups, res, sels = [], [], []
-    for t in range(steps):
-        u = np.zeros(n, np.float32)
-        masks = []
-        for r in range(P):
-            a = eps[r] + g[t, r]
-            m = select(a)
-            u[m] += a[m]
-            eps[r] = np.where(m, 0, a)
-            masks.append(m)
-        ups.append(u)
-        res.append(eps.copy())
-        sels.append(masks)
-    return np.array(ups), np.array(res), sels
-
-
-def tree_merge_ref(A, B, k):
-    D = dict(A)
-    for j, v in B.items():
-        D[j] = np.float32(D[j] + v) if j in D else v
-    best = sorted(D.items(), key=lambda t: (-abs(float(t[1])), t[0]))[:k]
-    return dict(sorted(best))
-
-
-def gtopk_tree_ref(lists, k):
-    """The gTopk tree with the fold-in pre-round: the list rank 0 ends up with."""
-    P = len(lists)
-    L = [dict(x) for x in lists]
-    m = 1 << (P.bit_length() - 1)
-    for r in range(m, P):
-        L[r - m] = tree_merge_ref(L[r - m], L[r], k)
-    step = 1
-    while step < m:
-        for r in range(0, m, 2 * step):
-            L[r] = tree_merge_ref(L[r], L[r + step], k)
-        step *= 2
-    return L[0]
-
-
-def gtopk_reference(g, density):
-    steps, P, n = g.shape
-    k = k_of(density, n)
-    eps = np.zeros((P, n), np.float32)
-    ups, res, Gs = [], [], []
-    for t in range(steps):
-        acc = eps + g[t]
-        masks = [ref_topk(acc[r], k) for r in range(P)]
-        G = gtopk_tree_ref([{int(j): acc[r][j] for j in np.flatnonzero(masks[r])} for r in range(P)], k)
-        u = np.zeros(n, np.float32)
-        inG = np.zeros(n, bool)
-        for j, v in G.items():
-            u[j] = v
-            inG[j] = True
-        for r in range(P):
-            eps[r] = np.where(masks[r] & inG, 0, acc[r])
-        ups.append(u)
-        res.append(eps.copy())
-        Gs.append(G)
-    return np.array(ups), np.array(res), Gs
-
-
-def comp(sparsifier, reducer):
-    return SparseCompression(sparsifier, reducer)
-
-
-def assert_mass_conserved(res, g):
-    for t in range(g.shape[0]):
-        applied = res.updates[: t + 1, 0].sum(axis=0, dtype=np.float64)
-        kept = res.residuals[t].sum(axis=0, dtype=np.float64)
-        np.testing.assert_array_equal(applied + kept, g[: t + 1].sum(axis=(0, 1), dtype=np.float64))
+from oracles import (NP, PS, allgather_reference, assert_mass_conserved, comp, distinct_grads, gaussian_select_ref,
+                     gtopk_reference, int_grads, k_of, ref_topk, topka_reference, tree_merge_ref)
 
 
 # == Gaussiank ============================================================================================
@@ -231,10 +108,6 @@ def test_gaussiank_arguments_are_validated_and_configuration_is_hashable():
 
 
 # == TopkDSA =============================================================================================
-def topka_u(g, density):
-    return allgather_reference(g, lambda a: ref_topk(a, k_of(density, a.size)))
-
-
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("density", [0.01, 0.05, 0.3, 1.0])
 def test_topk_dsa_equals_topka(P, density):
@@ -244,7 +117,7 @@ def test_topk_dsa_equals_topka(P, density):
     d = simulate(comp(TopK(density), TopkDSA()), g, average=False)
     assert d.updates.tobytes() == a.updates.tobytes()
     assert d.residuals.tobytes() == a.residuals.tobytes()
-    ref_u, ref_eps, _ = topka_u(g, density)
+    ref_u, ref_eps, _ = topka_reference(g, density)
     np.testing.assert_array_equal(d.updates[:, 0], ref_u)
     for t in range(4):
         N = int(np.count_nonzero(ref_u[t]))
@@ -288,7 +161,7 @@ def test_topk_dsa_words_received_per_phase(P, density):
     n = 203                                                 # n mod P != 0: a longer last region
     g = int_grads(3, P, n, seed=50 + P)
     d = simulate(comp(TopK(density), TopkDSA()), g, average=False)
-    ref_u, _, sels = topka_u(g, density)
+    ref_u, _, sels = topka_reference(g, density)
     off = regions(n, P)
     assert off[-2] == (P - 1) * (n // P) and off[-1] == n
     for t in range(3):
@@ -330,16 +203,6 @@ def test_wire_pairs_roundtrip_exactly_including_large_indexes_and_special_values
 
 
 # == gTopk ===============================================================================================
-def distinct_grads(steps, P, n, seed):
-    """Integer data with distinct |values| within each (step, rank) row: no ties in any local top-k."""
-    rng = np.random.default_rng(seed)
-    g = np.empty((steps, P, n), np.float32)
-    for t in range(steps):
-        for r in range(P):
-            g[t, r] = rng.permutation(np.arange(1, n + 1)) * rng.choice([-1, 1], n)
-    return g
-
-
 @pytest.mark.parametrize("density", [0.01, 0.1, 0.5])
 def test_gtopk_two_ranks_is_topk_of_sum_of_topks(density):
     n = 400
@@ -468,7 +331,7 @@ def test_density_one_equals_dense_and_leaves_no_residual(P, scheme):
 def test_mass_conservation(P, scheme):
     g = int_grads(10, P, 500, seed=80 + P)
     res = simulate(SCHEMES[scheme](0.02), g, average=False)
-    assert_mass_conserved(res, g)
+    assert_mass_conserved(g, res)
 
 
 def test_gtopk_is_not_mass_conserving():
@@ -482,7 +345,7 @@ def test_gtopk_is_not_mass_conserving():
     applied_plus_kept = res.updates[0, 0] + res.residuals[0].sum(axis=0)
     assert applied_plus_kept.tolist() != g[0].sum(axis=0).tolist()
     # the same input is conserved by TopkDSA
-    assert_mass_conserved(simulate(comp(TopK(1 / 3), TopkDSA()), g, average=False), g)
+    assert_mass_conserved(g, simulate(comp(TopK(1 / 3), TopkDSA()), g, average=False))
 
 
 @pytest.mark.parametrize("P", PS)
@@ -505,7 +368,7 @@ def test_single_rank_issues_no_collective_and_keeps_semantics(scheme):
     elif scheme == "gaussiank":
         ref_u, ref_eps, _ = allgather_reference(g, lambda a: gaussian_select_ref(a, 0.05)[0])
     else:
-        ref_u, ref_eps, _ = topka_u(g, 0.05)
+        ref_u, ref_eps, _ = topka_reference(g, 0.05)
     np.testing.assert_array_equal(res.updates[:, 0], ref_u)
     np.testing.assert_array_equal(res.residuals, ref_eps)
 
@@ -528,7 +391,7 @@ def test_one_rank_all_zero_matches_reference(P, scheme):
     elif scheme == "gaussiank":
         ref_u, ref_eps, _ = allgather_reference(g, lambda a: gaussian_select_ref(a, 0.05)[0])
     else:
-        ref_u, ref_eps, _ = topka_u(g, 0.05)
+        ref_u, ref_eps, _ = topka_reference(g, 0.05)
     assert (res.selected[:, P - 1] == 0).all()
     np.testing.assert_array_equal(res.updates[:, 0], ref_u)
     np.testing.assert_array_equal(res.residuals, ref_eps)
@@ -583,7 +446,7 @@ def test_property_topk_dsa_equals_topka(case):
     d = simulate(comp(TopK(density), TopkDSA()), g, average=False)
     assert d.updates.tobytes() == a.updates.tobytes()
     assert d.residuals.tobytes() == a.residuals.tobytes()
-    assert_mass_conserved(d, g)
+    assert_mass_conserved(g, d)
 
 
 @given(cases)
@@ -607,4 +470,4 @@ def test_property_gaussiank_with_topka(case, adjust):
     ref_u, ref_eps, _ = allgather_reference(g, lambda a: gaussian_select_ref(a, density, adjust)[0])
     np.testing.assert_array_equal(res.updates[:, 0], ref_u)
     np.testing.assert_array_equal(res.residuals, ref_eps)
-    assert_mass_conserved(res, g)
+    assert_mass_conserved(g, res)

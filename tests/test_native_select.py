@@ -23,6 +23,8 @@ from hvd_sparse.core.sparsifiers.gaussiank import GaussianK
 from hvd_sparse.core.sparsifiers.threshold_reuse import ThresholdReuse
 from hvd_sparse.core.xp import backend_of
 
+from oracles import grads
+
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler: the native kernel is unavailable")
 
 SPECIALS = np.array([0.0, -0.0, np.nan, -np.nan, np.inf, -np.inf, 1e-45, -1e-45, 1.1754942e-38,
@@ -528,16 +530,9 @@ def _steps(sp, xs, backend, P=1, rank=0, state=None, update=False):
     return out
 
 
-def _grads(n, steps, seed, heavy=False):
-    rng = np.random.default_rng(seed)
-    xs = []
-    for t in range(steps):
-        x = (rng.standard_normal(n) * (1 + t)).astype(np.float32)
-        x[rng.random(n) < 0.2] = 0.0
-        if heavy:
-            x[: n // 10] *= 30                                    # overshoot: the guard has to raise L
-        xs.append(x)
-    return xs
+#: growing steps (step t ~ N(0, (1 + t)^2)), a fifth of the entries zero; boost=(10, 30) adds the overshoot
+#: (the first tenth times 30) the guard has to raise L for
+DRIFT = dict(normal=True, grow=True, zeros=0.2)
 
 
 THRESHOLD_CONFIGS = {
@@ -555,7 +550,7 @@ THRESHOLD_CONFIGS = {
 @pytest.mark.parametrize("cfg", list(THRESHOLD_CONFIGS))
 def test_threshold_reuse_native_equals_generic(monkeypatch, backend, cfg):
     sp = ThresholdReuse(0.02, threshold_period=1000, **THRESHOLD_CONFIGS[cfg])
-    xs = _grads(20_011, 6, seed=len(cfg), heavy=True)
+    xs = grads(6, 1, 20_011, seed=len(cfg), boost=(10, 30), **DRIFT)[:, 0]
     start = {"threshold": float(np.sort(np.abs(xs[0]))[-40 * 20_011 // 1000]) / 3, "size": 1}   # too low
     got, want = _both_paths(monkeypatch, lambda: _steps(sp, xs, backend, state=start))
     _assert_same(got, want)
@@ -587,7 +582,7 @@ def test_property_threshold_reuse_native_equals_generic(monkeypatch, n, seed, de
 def test_gaussiank_native_equals_generic(monkeypatch, backend, adjust):
     sp = GaussianK(0.01, adjust=adjust)
     if adjust == "vgg":                                            # heavy tail: the fit selects too many
-        xs = _grads(30_000, 3, seed=7, heavy=True)
+        xs = grads(3, 1, 30_000, seed=7, boost=(10, 30), **DRIFT)[:, 0]
     else:                                                          # light tail (uniform): too few
         rng = np.random.default_rng(7)
         xs = [rng.uniform(-1, 1, 30_000).astype(np.float32) for _ in range(3)]
@@ -601,7 +596,7 @@ def test_gaussiank_native_equals_generic(monkeypatch, backend, adjust):
 @pytest.mark.parametrize("P,rank", [(1, 0), (3, 1), (4, 3)])
 def test_exdyna_native_equals_generic(monkeypatch, backend, P, rank):
     sp = ExDyna(0.01, num_blk=64, init_threshold=0.7, threshold_rule="proportional", freeze_tau_on_empty=False)
-    xs = _grads(40_000, 5, seed=P)
+    xs = grads(5, 1, 40_000, seed=P, **DRIFT)[:, 0]
     xs[2][:] = 0.0                                                 # an empty partition: the fallback index
     got, want = _both_paths(monkeypatch, lambda: _steps(sp, xs, backend, P=P, rank=rank, update=P == 1))
     _assert_same(got, want)

@@ -23,172 +23,15 @@ from hvd_sparse.core.reducers.topka import TopkA
 from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.core.sparsifiers.threshold_reuse import ThresholdReuse
 from hvd_sparse.core.xp import backend_of
-from hvd_sparse.testing import RECORDS, simulate
+from hvd_sparse.testing import simulate
 
-from conftest import int_grads, ref_topk, mean_density_ratio
+from oracles import (PS, Recording, acc_of, assert_mass_conserved, distinct_grads, drifting_grads, int_grads,
+                     mean_density_ratio, oktopk_reference, ref_topk, rule_mask)
+from oracles import make_oktopk as make
+from oracles import run_oktopk as run
 
-PS = [1, 2, 3, 4, 5, 8]
 SP_KEYS = ("select_rule", "guard_ratio", "guard_factor", "guard_iters", "band_lo", "band_hi", "band_relax",
            "band_tighten", "max_select_ratio", "guard_target")
-
-
-class Recording(ThresholdReuse):
-    """ThresholdReuse that also leaves its selection in the state (test instrument only)."""
-
-    def select(self, xp, acc, k, state, ctx):
-        idx = super().select(xp, acc, k, state, ctx)
-        state["_sel"] = xp.to_numpy(idx).copy()
-        return idx
-
-
-def make(density, tp=32, rp=64, balance="auto", sp=None, rd=None, record=True):
-    cls = Recording if record else ThresholdReuse
-    return SparseCompression(cls(density, threshold_period=tp, **(sp or {})),
-                             OkTopk(threshold_period=tp, repartition_period=rp, balance=balance, **(rd or {})))
-
-
-def run(comp, g, average=False, torch_backend=False, before_step=None):
-    """``simulate`` ``comp`` on g (steps, P, n) with every record, as a dict of per-step, per-rank tables: the
-    sparsifier's state ("sp"), its selection ("sel", left there by ``Recording``) and the reducer's state ("rd")."""
-    res = simulate(comp, g, average=average, backend="torch" if torch_backend else "numpy", record=RECORDS,
-                   before_step=before_step)
-    sel = [[sp.pop("_sel", None) for sp in row] for row in res.sparsifier_states]
-    return {"updates": res.updates, "residuals": res.residuals, "info": res.info, "sp": res.sparsifier_states,
-            "rd": res.reducer_states, "phases": res.phases, "sel": sel}
-
-
-# -- the algorithm, centrally (no regions) ------------------------------------------------------------------
-def f32(x):
-    return np.float32(x)
-
-
-def rule_mask(a, th, rule):
-    mag = np.abs(a)
-    if rule == "gt":
-        return mag > f32(th)
-    return (mag >= f32(th)) & (a != 0)
-
-
-def band(th, cnt, k, lo, hi, relax, tighten):
-    return th / relax if cnt < lo * k else th * tighten if cnt > hi * k else th
-
-
-def kth_abs(a, k):
-    """k-th largest |a| with the library's convention (0.0 when k >= n or fewer than k nonzeros)."""
-    if k >= a.size:
-        return 0.0
-    return float(np.sort(np.abs(a))[::-1][k - 1])
-
-
-def ref_exact(a, k, rule):
-    """Exact re-evaluation: ge_nonzero = deterministic top-k; gt = |a| > k-th largest |a|."""
-    if rule == "ge_nonzero":
-        return ref_topk(a, k), kth_abs(a, k)
-    th = float(np.sort(np.abs(a))[::-1][min(k, a.size) - 1])
-    return rule_mask(a, th, "gt"), th
-
-
-def oktopk_reference(g, density, tp=32, sp=None, rd=None):
-    """Returns dict(updates (sum), residuals, S, G, L_used, gamma_used, K) for g of shape (steps, P, n)."""
-    spk = dict(select_rule="ge_nonzero", guard_ratio=1.5, guard_factor=1.03, guard_iters=5, band_lo=0.75,
-               band_hi=1.25, band_relax=1.012, band_tighten=1.012, max_select_ratio=None, guard_target=None)
-    spk.update(sp or {})
-    rdk = dict(global_band_lo=0.75, global_band_hi=1.25, global_relax=1.01, global_tighten=1.008,
-               select_rule="ge_nonzero", max_select_ratio=None, global_control="band", ladder_factor=1.1)
-    rdk.update({k: v for k, v in (rd or {}).items() if k in rdk})
-    rule = spk["select_rule"]
-    steps, P, n = g.shape
-    k = max(1, int(density * n))
-    eps = np.zeros((P, n), np.float32)
-    L = [None] * P
-    gam = None
-    out = {"updates": [], "residuals": [], "S": [], "G": [], "L_used": [], "gamma_used": [], "K": []}
-    for t in range(steps):
-        a = eps + g[t]
-        masks, Lu = [], []
-        for r in range(P):
-            th = L[r]
-            if t % tp == 0 or th is None or not th > 0:
-                m, th = ref_exact(a[r], k, rule)
-            else:
-                if spk["guard_ratio"] is not None:
-                    limit = spk["guard_ratio"] * k
-                    for _ in range(spk["guard_iters"]):
-                        if rule_mask(a[r], th, rule).sum() > limit:
-                            th *= spk["guard_factor"]
-                            if spk["guard_target"] is not None:     # once triggered: down to target·k
-                                limit = spk["guard_target"] * k
-                        else:
-                            break
-                m = rule_mask(a[r], th, rule)
-                if spk["max_select_ratio"] is not None and m.sum() > spk["max_select_ratio"] * k:
-                    m, th = ref_exact(a[r], k, rule)
-            masks.append(m)
-            Lu.append(th)
-            L[r] = band(th, int(m.sum()), k, spk["band_lo"], spk["band_hi"], spk["band_relax"],
-                        spk["band_tighten"])
-        rho = np.zeros(n, np.float32)
-        for r in range(P):
-            rho += np.where(masks[r], a[r], 0)
-        if t % tp == 0 or gam is None or not math.isfinite(gam):
-            G = ref_topk(rho, k)
-            gam = float(np.abs(rho[G]).min()) if G.any() else math.inf
-            used = gam
-        else:
-            used = gam
-            if rdk["global_control"] == "ladder":      # smallest gam·f^j (j = -2..6) with count <= k
-                ladder = [gam * rdk["ladder_factor"] ** j for j in range(-2, 7)]
-                counts = [int((rule_mask(rho, th, rdk["select_rule"]) & (rho != 0)).sum()) for th in ladder]
-                used = next((th for th, c in zip(ladder, counts) if c <= k), ladder[-1])
-            G = rule_mask(rho, used, rdk["select_rule"]) & (rho != 0)
-            if rdk["max_select_ratio"] is not None and G.sum() > rdk["max_select_ratio"] * k:
-                G = ref_topk(np.where(G, rho, 0), k)
-                gam = float(np.abs(rho[G]).min())
-            elif rdk["global_control"] == "ladder":
-                gam = used
-            else:
-                gam = band(gam, int(G.sum()), k, rdk["global_band_lo"], rdk["global_band_hi"],
-                           rdk["global_relax"], rdk["global_tighten"])
-        for r in range(P):
-            eps[r] = np.where(masks[r] & G, 0, a[r])
-        out["updates"].append(np.where(G, rho, 0).astype(np.float32))
-        out["residuals"].append(eps.copy())
-        out["S"].append(masks)
-        out["G"].append(G)
-        out["L_used"].append(Lu)
-        out["gamma_used"].append(used)
-        out["K"].append(int(G.sum()))
-    return out
-
-
-def drifting_grads(steps, P, n, seed):
-    """Integer data whose scale jumps between steps (exercises guard, band relax and band tighten)."""
-    g = int_grads(steps, P, n, seed=seed, scale=2**8)
-    scale = np.random.default_rng(seed).choice([1, 1, 2, 4, 8, 16], size=steps).astype(np.float32)
-    return g * scale[:, None, None]
-
-
-def tie_free_grads(steps, P, n, seed):
-    """Distinct magnitudes inside each rank and step (powers-of-two spaced, so no tie survives sums)."""
-    rng = np.random.default_rng(seed)
-    g = np.empty((steps, P, n), np.float32)
-    for t in range(steps):
-        for r in range(P):
-            g[t, r] = (rng.permutation(n) + 1) * rng.choice([-1, 1], size=n) * (2 * r + 1)
-    return g
-
-
-def assert_mass_conserved(g, res):
-    steps = g.shape[0]
-    for t in range(steps):
-        applied = res["updates"][: t + 1, 0].sum(axis=0, dtype=np.float64)
-        kept = res["residuals"][t].sum(axis=0, dtype=np.float64)
-        np.testing.assert_array_equal(applied + kept, g[: t + 1].sum(axis=(0, 1), dtype=np.float64))
-
-
-def acc_of(g, res, t):
-    """a_t^r = eps_{t-1}^r + g_t^r (exact on integer data)."""
-    return g[t] + (res["residuals"][t - 1] if t else 0)
 
 
 # -- reference equivalence ----------------------------------------------------------------------------------
@@ -197,7 +40,7 @@ def acc_of(g, res, t):
 def test_reeval_every_step_is_topk_of_sum_of_local_topk(P, data):
     n, density, steps = 240, 0.05, 5
     g = {"int": lambda: int_grads(steps, P, n, seed=P),
-         "tie_free": lambda: tie_free_grads(steps, P, n, seed=P),
+         "tie_free": lambda: distinct_grads(steps, P, n, seed=P, spread=True),
          "ties": lambda: int_grads(steps, P, n, seed=P, scale=3)}[data]()
     res = run(make(density, tp=1, rp=2), g)
     k = max(1, int(density * n))
@@ -804,7 +647,7 @@ def test_oktopk_preset_passes_max_select_ratio_to_both_halves_for_every_variant(
 
 
 def test_gt_rule_selects_k_minus_1_on_reeval_steps_without_ties():
-    g = tie_free_grads(1, 2, 200, seed=3)
+    g = distinct_grads(1, 2, 200, seed=3, spread=True)
     res = run(make(0.05, tp=1, sp={"select_rule": "gt"}, rd={"select_rule": "gt"}), g)
     assert [res["sel"][0][r].size for r in range(2)] == [9, 9]
     ge = run(make(0.05, tp=1), g)

@@ -12,20 +12,16 @@ from hvd_sparse.core.errors import NonFiniteGradientError
 from hvd_sparse.core.validate import check_nonfinite
 from hvd_sparse.testing import simulate
 
-from conftest import int_grads
+from oracles import int_grads
 
 PRESETS = presets.names()
-
-
-def _grads(P, steps=5, n=240, seed=3):
-    return int_grads(steps, P, n, seed=seed)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("preset", PRESETS)
 def test_nonfinite_on_one_rank_skips_the_step_on_every_rank_and_leaves_all_state_untouched(preset, P, bad):
-    g = _grads(P)
+    g = int_grads(5, P, 240, seed=3)
     poisoned = g.copy()
     poisoned[2, P - 1, 17] = bad                       # one value on the last rank at step 2
     with pytest.warns(RuntimeWarning, match=f"non-finite gradient on rank {P - 1} at step 2"):
@@ -42,16 +38,16 @@ def test_nonfinite_on_one_rank_skips_the_step_on_every_rank_and_leaves_all_state
 
 @pytest.mark.parametrize("preset", ["topka", "oktopk", "exdyna"])
 def test_nonfinite_raise_policy_raises_naming_the_ranks_and_the_step(preset):
-    g = _grads(4)
+    g = int_grads(5, 4, 240, seed=3)
     g[1, 1, 3] = np.nan
     g[1, 3, 9] = np.inf
     with pytest.raises(NonFiniteGradientError, match=r"ranks 1, 3 at step 1"):
         simulate(presets.make(preset, 0.05), g, nonfinite="raise")
-    simulate(presets.make(preset, 0.05), _grads(4), nonfinite="raise")     # finite data: no error
+    simulate(presets.make(preset, 0.05), int_grads(5, 4, 240, seed=3), nonfinite="raise")   # finite data: no error
 
 
 def test_nonfinite_on_a_single_rank_also_skips():
-    g = _grads(1)
+    g = int_grads(5, 1, 240, seed=3)
     g[0, 0, 0] = np.nan
     res = simulate(presets.make("oktopk", 0.05), g)
     assert np.isnan(res.updates[0]).all() and not np.isnan(res.updates[1:]).any()
@@ -62,11 +58,11 @@ def test_nonfinite_policy_is_validated(policy):
     with pytest.raises(ValueError, match="nonfinite must be one of 'skip', 'raise'"):
         check_nonfinite(policy, "api")
     with pytest.raises(ValueError, match="nonfinite"):
-        simulate(presets.make("topka", 0.1), _grads(2, steps=1), nonfinite=policy)
+        simulate(presets.make("topka", 0.1), int_grads(1, 2, 240, seed=3), nonfinite=policy)
 
 
 def test_nonfinite_flag_is_control_traffic_not_algorithm_volume():
-    res = simulate(presets.make("topka", 0.05), _grads(3, steps=1))
+    res = simulate(presets.make("topka", 0.05), int_grads(1, 3, 240, seed=3))
     # topka: one allgather of k (index, value) pairs; the flag is outside the algorithm's words
     k = int(0.05 * 240)
     assert res.volume[0][0]["recv_words"] == 2 * 2 * k

@@ -18,7 +18,7 @@ from hvd_sparse.core.reducers.spardl import SparDL, h_controller_step, srs_sched
 from hvd_sparse.core.sparsifiers import TopK
 from hvd_sparse.testing import simulate
 
-from conftest import int_grads
+from oracles import int_grads
 
 PS = [1, 2, 3, 4, 5, 8]
 # groups == P (P = 2, d = 2) warns by design; the warning itself is tested below

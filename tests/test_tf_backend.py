@@ -26,7 +26,7 @@ from hvd_sparse.core.reducers import OkTopk, SparDL  # noqa: E402
 from hvd_sparse.compression import SparseCompression  # noqa: E402
 from hvd_sparse.testing import simulate  # noqa: E402
 
-from conftest import int_grads  # noqa: E402
+from oracles import int_grads  # noqa: E402
 
 SHAPES = [(12, 20), (20,), (20, 14), (128,)]            # n = 668, several tensors (DCT is per tensor)
 N = sum(int(np.prod(s)) for s in SHAPES)

@@ -10,18 +10,14 @@ import hvd_sparse
 from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.testing import simulate
 
+from oracles import grads
+
 C = hvd_sparse.Compression
 # schemes whose error feedback keeps "acc minus what was sent" (gTopk loses pruned values by design)
 CONSERVING = ("oktopk", "topka", "topk_dsa", "gaussiank", "exdyna", "dct")
-
-
-def _grads(steps, P, n, seed=0, integer=True):
-    rng = np.random.default_rng(seed)
-    if integer:     # small integers: every sum and every product with m = 0.5 is exact in float32
-        g = rng.integers(-64, 65, size=(steps, P, n)).astype(np.float32)
-        g[:, :, : n // 8] *= 8                 # a few large entries, as real gradients have
-        return g
-    return (rng.standard_normal((steps, P, n)) * np.linspace(0.1, 3, n)).astype(np.float32)
+# small integers: every sum and every product with m = 0.5 is exact in float32; a few large entries, as real
+# gradients have
+SMALL_INTS = dict(scale=64, boost=(8, 8))
 
 
 def _make(name, density=0.05, **options):
@@ -46,7 +42,7 @@ def test_options_are_validated_and_named():
 @pytest.mark.parametrize("name", CONSERVING + ("gtopk",))
 def test_warmup_steps_are_the_exact_dense_average_then_the_scheme_starts_at_its_step_0(name):
     P, n, T, W = 4, 600, 10, 3
-    g = _grads(T, P, n, seed=1)
+    g = grads(T, P, n, seed=1, **SMALL_INTS)
     res = simulate(_make(name, warmup_dense_steps=W), g)
     mean = g.sum(axis=1, dtype=np.float32) / np.float32(P)           # rank-order float32 sum, then / P
     for t in range(W):
@@ -65,7 +61,7 @@ def test_warmup_steps_are_the_exact_dense_average_then_the_scheme_starts_at_its_
 
 def test_warmup_steps_send_the_dense_volume():
     P, n = 4, 1000
-    res = simulate(C.topka(0.01, warmup_dense_steps=2), _grads(4, P, n))
+    res = simulate(C.topka(0.01, warmup_dense_steps=2), grads(4, P, n, **SMALL_INTS))
     assert [res.volume[t][0]["collectives"] for t in range(2)] == [1, 1] and res.selected[:2].min() == n
     assert res.selected[2:].max() == 10                                 # then TopkA's k = 1% of n
 
@@ -83,7 +79,7 @@ def _fed_velocities(g, v, m):
 @pytest.mark.parametrize("P", [2, 4])
 def test_momentum_correction_conserves_mass_and_masks_the_velocity_where_entries_were_sent(name, P):
     n, T, m = 512, 12, 0.5
-    g = _grads(T, P, n, seed=P)
+    g = grads(T, P, n, seed=P, **SMALL_INTS)
     res = simulate(_make(name, momentum_correction=m), g, average=False)
     assert res.velocities is not None
     fed = _fed_velocities(g, res.velocities, m)
@@ -106,7 +102,7 @@ def test_momentum_correction_conserves_mass_and_masks_the_velocity_where_entries
 
 def test_momentum_correction_during_dense_warmup_is_momentum_sgd_of_the_average():
     P, n, T, m = 4, 300, 6, 0.5
-    g = _grads(T, P, n, seed=3)
+    g = grads(T, P, n, seed=3, **SMALL_INTS)
     res = simulate(C.oktopk(0.05, warmup_dense_steps=T, momentum_correction=m), g)
     U = np.zeros(n, np.float32)
     for t in range(T):                    # no masking on dense steps: the velocity is the optimizer's momentum
@@ -116,7 +112,7 @@ def test_momentum_correction_during_dense_warmup_is_momentum_sgd_of_the_average(
 
 
 def test_without_the_options_nothing_changes():
-    g = _grads(8, 4, 400, seed=5, integer=False)
+    g = grads(8, 4, 400, seed=5, normal=True, scale=np.linspace(0.1, 3, 400))
     a = simulate(C.oktopk(0.05), g)
     b = simulate(C.oktopk(0.05, warmup_dense_steps=0, momentum_correction=0.0), g)
     np.testing.assert_array_equal(a.updates, b.updates)
@@ -127,7 +123,7 @@ def test_without_the_options_nothing_changes():
 @pytest.mark.parametrize("name", ("oktopk", "topka", "exdyna"))
 def test_torch_and_tensorflow_backends_give_the_same_bits(name, backend):
     pytest.importorskip(backend)
-    g = _grads(10, 4, 700, seed=7, integer=False)
+    g = grads(10, 4, 700, seed=7, normal=True, scale=np.linspace(0.1, 3, 700))
     opts = dict(warmup_dense_steps=2, momentum_correction=0.9)
     a = simulate(_make(name, **opts), g)
     b = simulate(_make(name, **opts), g, backend=backend)
@@ -138,7 +134,7 @@ def test_torch_and_tensorflow_backends_give_the_same_bits(name, backend):
 
 def test_a_skipped_step_leaves_the_velocity_unchanged():
     P, n = 2, 200
-    g = _grads(4, P, n, seed=9, integer=False)
+    g = grads(4, P, n, seed=9, normal=True, scale=np.linspace(0.1, 3, n))
     g[2, 1, 5] = np.nan
     with pytest.warns(RuntimeWarning, match="non-finite"):
         res = simulate(C.topka(0.1, momentum_correction=0.9), g)
@@ -148,7 +144,7 @@ def test_a_skipped_step_leaves_the_velocity_unchanged():
 
 def test_resume_from_state_dict_is_bit_exact():
     P, n, T, cut = 2, 300, 8, 5
-    g = _grads(T, P, n, seed=11, integer=False)
+    g = grads(T, P, n, seed=11, normal=True, scale=np.linspace(0.1, 3, n))
     comp = C.oktopk(0.05, warmup_dense_steps=2, momentum_correction=0.9)
     full = simulate(comp, g)
 
