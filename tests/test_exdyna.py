@@ -1,8 +1,9 @@
-"""Simulator tests of ExDyna and DCT-DP (docs/algorithms.md#exdyna, docs/algorithms.md#dct).
+"""Simulator tests of ExDyna: the sparsifier (hvd_sparse/core/sparsifiers/exdyna.py) and its reducer
+(hvd_sparse/core/reducers/exdyna.py), docs/algorithms.md#exdyna.
 
-ExDyna runs as SparseCompression(ExDyna(d), ExDynaReducer()); DCT as SparseCompression(DCT(d, L), TopkA())
-with ``shapes=`` (per-tensor thresholds). Exact checks use integer-valued float32 data (oracles.int_grads)
-or rank-order float32 sums reproduced by the independent references below.
+ExDyna runs as SparseCompression(ExDyna(d), ExDynaReducer()); the exact checks compare every iteration with
+``exdyna_reference`` below (an independent simulator of the algorithm) on integer-valued float32 data
+(oracles.int_grads).
 """
 
 import math
@@ -15,21 +16,20 @@ from hypothesis import strategies as st
 from hvd_sparse.compression import SparseCompression
 from hvd_sparse.core.reducers.exdyna import ExDynaReducer
 from hvd_sparse.core.reducers.topka import TopkA
-from hvd_sparse.core.sparsifiers.dct import DCT, dct_k
+from hvd_sparse.core.sparsifiers.dct import DCT
 from hvd_sparse.core.sparsifiers.exdyna import (ExDyna, adjust_topology, exdyna_geometry, partition_range,
                                                 threshold_factor)
 from hvd_sparse.core.xp import backend_of
 from hvd_sparse.testing import simulate
 
-from oracles import PS, ctx_of, int_grads, mean_density_ratio, ref_topk, run_world
+from oracles import PS, ctx_of, int_grads, mean_density_ratio, run_world
+
 
 # the warning "num_blk < 4·P" (ExDyna raises the block count) is expected with the small num_blk used here
 pytestmark = pytest.mark.filterwarnings("ignore:hvd_sparse.ExDyna:RuntimeWarning")
 
 
-# ==================================================================================================
-# harness
-# ==================================================================================================
+# -- test doubles ---------------------------------------------------------------------------------------------------
 class RecExDyna(ExDyna):
     """Test double: records the selection and the tau it was made with (state only, like the real one)."""
 
@@ -37,13 +37,6 @@ class RecExDyna(ExDyna):
         idx = super().select(xp, acc, k, state, ctx)
         state["_idx"] = np.array(xp.to_numpy(idx), dtype=np.int64)
         state["_tau_used"] = state["tau"]
-        return idx
-
-
-class RecDCT(DCT):
-    def select(self, xp, acc, k, state, ctx):
-        idx = super().select(xp, acc, k, state, ctx)
-        state["_idx"] = np.array(xp.to_numpy(idx), dtype=np.int64)
         return idx
 
 
@@ -57,10 +50,8 @@ class TopkANoCounts(TopkA):
         return u, inc, {}
 
 
-# ==================================================================================================
-# ExDyna: independent reference simulator of the algorithm (single process, P virtual workers), written from
-# the steps 5.2-5.9 of the module docstring of hvd_sparse/core/sparsifiers/exdyna.py
-# ==================================================================================================
+# -- the reference: the algorithm in one process (P virtual workers), written from the steps 5.2-5.9 of the module
+# docstring of hvd_sparse/core/sparsifiers/exdyna.py -----------------------------------------------------------
 def exdyna_reference(g, density, num_blk=1024, align=32, rule="reference", tau0=None, min_blk_div=4):
     steps, P, n = g.shape
     k = max(1, int(density * n))
@@ -239,9 +230,7 @@ def imbalanced_int_grads(steps, P, n, seed):
     return g * scale + np.float32(0)      # no -0.0 (the engine keeps the first gradient's sign of zero)
 
 
-# ==================================================================================================
-# ExDyna tests
-# ==================================================================================================
+# -- tests ----------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("P", PS)
 def test_exdyna_matches_reference_and_invariants_every_iteration(P):
     n, d, steps = 3000, 0.05, 14
@@ -558,303 +547,6 @@ def test_configuration_objects_are_hashable_and_stateless():
     before = dict(vars(sp))
     run_world(SparseCompression(sp, ExDynaReducer()), int_grads(2, 2, 100))
     assert vars(sp) == before
-
-
-# ==================================================================================================
-# DCT-DP: independent reference of the per-tensor threshold rule + rank-order aggregation (TopkA with counts)
-# ==================================================================================================
-def _k_ref(nl, d6, rounding):
-    """K with the density given in millionths (exact integer arithmetic)."""
-    if rounding == "ceil":
-        K = -(-nl * d6 // 10**6)
-    else:
-        K = nl - (nl * (10**6 - d6)) // 10**6 + 1
-    return min(max(K, 1), nl)
-
-
-def dct_reference(g, layout, d6, L, guard=True, rounding="ceil", sync=False):
-    steps, P, n = g.shape
-    offs = np.concatenate([[0], np.cumsum(layout)]).astype(int)
-    E = np.zeros((P, n), np.float32)
-    tau = [[None] * len(layout) for _ in range(P)]
-    out = []
-    for t in range(steps):
-        Gt = E + g[t]
-        M = np.zeros((P, n), bool)
-        taus_used = []
-        if t % L == 0:
-            for r in range(P):
-                for l, nl in enumerate(layout):
-                    a = np.sort(np.nan_to_num(np.abs(Gt[r, offs[l]:offs[l + 1]]), nan=0, posinf=0, neginf=0))[::-1]
-                    tau[r][l] = float(a[_k_ref(nl, d6, rounding) - 1])
-            if sync and P > 1:
-                for l in range(len(layout)):
-                    s = np.float32(tau[0][l])
-                    for r in range(1, P):
-                        s = np.float32(s + np.float32(tau[r][l]))
-                    for r in range(P):
-                        tau[r][l] = float(s) / P
-        for r in range(P):
-            for l in range(len(layout)):
-                a = np.abs(Gt[r, offs[l]:offs[l + 1]])
-                M[r, offs[l]:offs[l + 1]] = (a > 0) if (guard and tau[r][l] == 0) else (a >= tau[r][l])
-            taus_used.append(list(tau[r]))
-        u = np.zeros(n, np.float32)
-        for r in range(P):
-            u[M[r]] += Gt[r][M[r]]
-        Enew = np.where(M, np.float32(0), Gt)
-        out.append({"u": u, "E": Enew, "M": M, "Gt": Gt, "tau": taus_used, "recompute": t % L == 0})
-        E = Enew
-    return out
-
-
-SHAPES = [(40,), (10, 10), (7,), (300,), (1,)]
-
-
-def check_dct(recs, ref, P, layout, guard=True):
-    offs = np.concatenate([[0], np.cumsum(layout)]).astype(int)
-    for t, (rec, rt) in enumerate(zip(recs, ref)):
-        for r in range(P):
-            st = rec[r]["state"]
-            M = np.zeros(sum(layout), bool)
-            M[st["_idx"]] = True
-            assert M.tolist() == rt["M"][r].tolist(), (t, r)
-            assert st["tau"] == rt["tau"][r], (t, r)
-            assert st["recomputed"] == rt["recompute"]
-            assert st["nnz"] == [int(M[offs[l]:offs[l + 1]].sum()) for l in range(len(layout))]
-            # 1. exact error-feedback identity: Ghat + E_new == G + E_old, Ghat * E_new == 0
-            Gt = rt["Gt"][r]
-            ghat = np.where(M, Gt, np.float32(0))
-            assert rec[r]["res"].tobytes() == rt["E"][r].tobytes()
-            assert (ghat + rec[r]["res"]).tobytes() == Gt.tobytes()
-            assert not (ghat * rec[r]["res"]).any()
-            # 4. output == sum of Ghat in rank order, identical on every rank
-            assert rec[r]["u"].tobytes() == rt["u"].tobytes()
-            assert rec[r]["u"].tobytes() == rec[0]["u"].tobytes()
-
-
-@pytest.mark.parametrize("P", PS)
-@pytest.mark.parametrize("rounding", ["ceil", "paper"])
-def test_dct_matches_reference(P, rounding):
-    layout = [int(np.prod(s)) for s in SHAPES]
-    rng = np.random.default_rng(P)
-    g = rng.standard_normal((8, P, sum(layout))).astype(np.float32)
-    recs = run_world(SparseCompression(RecDCT(0.1, 3, k_rounding=rounding), TopkA()), g, shapes=SHAPES)
-    ref = dct_reference(g, layout, 100000, 3, rounding=rounding)
-    check_dct(recs, ref, P, layout)
-    offs = np.concatenate([[0], np.cumsum(layout)]).astype(int)
-    for t in range(8):
-        for r in range(P):
-            st = recs[t][r]["state"]
-            Gt = ref[t]["Gt"][r]
-            for l, nl in enumerate(layout):
-                a = np.abs(Gt[offs[l]:offs[l + 1]])
-                if t % 3 == 0:   # 2. recompute: nnz == K, tau == sorted(|Gt|, desc)[K-1]
-                    K = _k_ref(nl, 100000, rounding)
-                    assert st["nnz"][l] == K
-                    assert st["tau"][l] == float(np.sort(a)[::-1][K - 1])
-                else:            # 3. tau unchanged, M == (|Gt| >= tau)
-                    assert st["tau"][l] == recs[t - 1][r]["state"]["tau"][l]
-    # exact volume: counts, then nnz_r indices (int32) and values per rank
-    if P > 1:
-        for t in range(8):
-            nnz = [sum(recs[t][r]["state"]["nnz"]) for r in range(P)]
-            for r in range(P):
-                ph = recs[t][r]["phases"]
-                assert ph["sent_words"] == {"count": P - 1, "indices": nnz[r] * (P - 1), "values": nnz[r] * (P - 1)}
-                assert ph["recv_words"]["indices"] == sum(nnz) - nnz[r]
-                assert ph["sent_bytes"]["indices"] == 4 * nnz[r] * (P - 1)
-
-
-def test_dct_stale_threshold_lets_nnz_drift():
-    g = np.random.default_rng(0).standard_normal((6, 2, 1000)).astype(np.float32)
-    recs = run_world(SparseCompression(RecDCT(0.05, 6), TopkA()), g)
-    nnz = [recs[t][0]["state"]["nnz"][0] for t in range(6)]
-    assert nnz[0] == 50 and max(nnz[1:]) > 50           # error feedback grows the unsent entries
-
-
-@pytest.mark.parametrize("P", [1, 2, 3])
-def test_dct_density_one_is_the_dense_sum(P):
-    # density 1: K = n, tau = min|Gt|, all pass, out == sum of G, E stays 0
-    g = int_grads(3, P, 200, seed=P)
-    g[g == 0] = 1
-    recs = run_world(SparseCompression(RecDCT(1.0, 1), TopkA()), g, shapes=[(50,), (150,)])
-    for t in range(3):
-        for r in range(P):
-            assert recs[t][r]["state"]["nnz"] == [50, 150]
-            assert not recs[t][r]["res"].any()
-            np.testing.assert_array_equal(recs[t][r]["u"], g[t].sum(axis=0))
-        assert recs[t][0]["state"]["tau"] == [float(np.abs(g[t, 0, :50]).min()),
-                                                  float(np.abs(g[t, 0, 50:]).min())]
-
-
-@pytest.mark.parametrize("P", [1, 2, 4])
-def test_dct_lifespan_one_is_topk_with_error_feedback(P):
-    # lifespan 1: distinct magnitudes -> per-tensor top-K with memory, every step
-    layout = [64, 200, 36]
-    g = np.random.default_rng(7 + P).standard_normal((6, P, 300)).astype(np.float32)
-    recs = run_world(SparseCompression(RecDCT(0.05, 1), TopkA()), g, shapes=[(s,) for s in layout])
-    E = np.zeros((P, 300), np.float32)
-    offs = [0, 64, 264, 300]
-    for t in range(6):
-        u = np.zeros(300, np.float32)
-        for r in range(P):
-            a = E[r] + g[t, r]
-            m = np.concatenate([ref_topk(a[offs[l]:offs[l + 1]], _k_ref(layout[l], 50000, "ceil"))
-                                for l in range(3)])
-            u[m] += a[m]
-            E[r] = np.where(m, 0, a)
-            assert recs[t][r]["res"].tobytes() == E[r].tobytes()
-        for r in range(P):
-            assert recs[t][r]["u"].tobytes() == u.tobytes()
-
-
-@pytest.mark.parametrize("P", [1, 2, 3])
-def test_dct_all_zero_layer_and_zero_tau_guard(P):
-    # an all-zero layer: tau = 0 selects nothing with zero_tau_guard
-    g = int_grads(3, P, 120, seed=1)
-    g[:, :, 20:70] = 0
-    shapes = [(20,), (50,), (50,)]
-    recs = run_world(SparseCompression(RecDCT(0.1, 2), TopkA()), g, shapes=shapes)
-    for t in range(3):
-        assert recs[t][0]["state"]["nnz"][1] == 0 and not recs[t][0]["u"][20:70].any()
-        if t == 0:
-            assert recs[t][0]["state"]["tau"][1] == 0.0
-    recs = run_world(SparseCompression(RecDCT(0.1, 2, zero_tau_guard=False), TopkA()), g, shapes=shapes)
-    assert recs[0][0]["state"]["nnz"][1] == 50
-    ref = dct_reference(g, [20, 50, 50], 100000, 2, guard=False)
-    check_dct(recs, ref, P, [20, 50, 50])
-    # fully zero gradients with the guard: nothing is sent at all
-    z = np.zeros((3, P, 120), np.float32)
-    recs = run_world(SparseCompression(RecDCT(0.1, 2), TopkA()), z, shapes=shapes)
-    for t in range(3):
-        for r in range(P):
-            assert recs[t][r]["state"]["nnz"] == [0, 0, 0]
-            assert not recs[t][r]["u"].any() and not recs[t][r]["res"].any()
-
-
-@pytest.mark.parametrize("P", [1, 2, 3])
-def test_dct_flush_drain_sends_everything(P):
-    # drain (mode "flush"): out == sum of G + E_old, E == 0
-    g = int_grads(4, P, 90, seed=2)
-    recs = run_world(SparseCompression(RecDCT(0.1, 3, ef_drain_period=1), TopkA()), g)
-    for t in range(4):
-        for r in range(P):
-            assert not recs[t][r]["res"].any()
-            assert recs[t][r]["state"]["drained"]
-            np.testing.assert_array_equal(recs[t][r]["u"], g[t].sum(axis=0))
-    # Bernoulli(1/T_d) draws are rank-identical and deterministic
-    sp = DCT(0.1, 3, ef_drain_period=4, drain_seed=5)
-    draws = [sp._drain_now(t) for t in range(400)]
-    assert draws == [DCT(0.1, 3, ef_drain_period=4, drain_seed=5)._drain_now(t) for t in range(400)]
-    assert 60 < sum(draws) < 140
-    with pytest.raises(ValueError, match="ef_drain_mode"):
-        DCT(0.1, ef_drain_mode="discard")
-
-
-@pytest.mark.parametrize("P", [2, 3, 4, 5])
-def test_dct_sync_threshold(P):
-    # sync_threshold: tau equal on all ranks after each recompute (one allreduce, phase "dct_tau", on those steps)
-    layout = [int(np.prod(s)) for s in SHAPES]
-    g = np.random.default_rng(P).standard_normal((5, P, sum(layout))).astype(np.float32)
-    recs = run_world(SparseCompression(RecDCT(0.1, 2, sync_threshold=True), TopkA()), g, shapes=SHAPES)
-    ref = dct_reference(g, layout, 100000, 2, sync=True)
-    check_dct(recs, ref, P, layout)
-    for t in range(5):
-        for r in range(P):
-            assert recs[t][r]["state"]["tau"] == recs[t][0]["state"]["tau"]
-            assert recs[t][r]["phases"]["calls"].get("dct_tau", 0) == (1 if t % 2 == 0 else 0)
-
-
-def test_dct_worked_example():
-    # worked example: P=1, G=[0.5,-2,0.1,3,-0.2], rho=0.4 (K=2), L=2, E=0
-    f = np.float32
-    G = np.array([0.5, -2, 0.1, 3, -0.2], f)
-    g = np.stack([G[None]] * 3)
-    recs = run_world(SparseCompression(RecDCT(0.4, 2), TopkA()), g, average=True)
-    E = np.zeros(5, f)
-    for t in range(3):
-        st = recs[t][0]["state"]
-        Gt = E + G
-        assert st["tau"] == [2.0] and st["recomputed"] == (t != 1)
-        assert st["_idx"].tolist() == [1, 3]
-        np.testing.assert_array_equal(recs[t][0]["u"], np.array([0, -2, 0, 3, 0], f))
-        E = np.where([False, True, False, True, False], f(0), Gt)
-        np.testing.assert_array_equal(recs[t][0]["res"], E)
-        assert recs[t][0]["collectives"] == 0
-    np.testing.assert_allclose(E, [1.5, 0, 0.3, 0, -0.6], rtol=1e-6)
-    assert dct_k(5, 0.4) == 2 and dct_k(5, 0.4, "paper") == 3
-
-
-def test_dct_k_rounding():
-    assert dct_k(100, 0.07) == 7 and dct_k(1000, 0.001) == 1 and dct_k(3, 0.001) == 1 and dct_k(10, 1.0) == 10
-    assert dct_k(10, 0.25) == 3 and dct_k(10, 0.25, "paper") == 4 and dct_k(10, 1.0, "paper") == 10
-    for nl in range(1, 200):
-        for d6 in (1000, 10000, 70000, 100000, 333333, 500000, 900000):
-            assert dct_k(nl, d6 / 10**6) == _k_ref(nl, d6, "ceil")
-            assert dct_k(nl, d6 / 10**6, "paper") == _k_ref(nl, d6, "paper")
-
-
-def test_dct_layout_change_recomputes_and_nan_is_kept_out_of_tau():
-    sp = DCT(0.2, 100)
-    acc = np.array([1, -5, 3, 2, 8, -1, 0, 4, 2, 6], np.float32)
-    xp = backend_of(acc)
-    state = {}
-    sp.select(xp, acc, 2, state, ctx_of(layout=(10,)))
-    assert state["tau"] == [6.0] and state["recomputed"]
-    idx = sp.select(xp, acc, 2, state, ctx_of(step=1, layout=(10,)))
-    assert not state["recomputed"] and idx.tolist() == [4, 9]
-    idx = sp.select(xp, acc, 2, state, ctx_of(step=2, layout=(5, 5)))
-    assert state["recomputed"] and state["tau"] == [8.0, 6.0] and idx.tolist() == [4, 9]
-    bad = acc.copy()
-    bad[[0, 9]] = [np.nan, np.inf]
-    idx = sp.select(xp, bad, 2, {}, ctx_of(layout=(10,)))
-    assert idx.tolist() == [1, 4, 9]        # tau = 5 (NaN/Inf count as 0); NaN never passes, +Inf does
-    with pytest.raises(ValueError, match="layout"):
-        sp.select(xp, acc, 2, {}, ctx_of(layout=(4,)))
-
-
-def test_dct_single_rank_no_collective():
-    g = int_grads(4, 1, 300, seed=9)
-    res = simulate(SparseCompression(DCT(0.05, 2, sync_threshold=True), TopkA()), g, shapes=[(100,), (200,)])
-    assert all(v[0]["collectives"] == 0 and v[0]["recv_words"] == 0 for v in res.volume)
-
-
-def test_dct_torch_and_numpy_backends_agree():
-    pytest.importorskip("torch")
-    g = np.random.default_rng(3).standard_normal((5, 3, 448)).astype(np.float32)
-    g[:, :, 100:120] = 0
-    comp = SparseCompression(RecDCT(0.07, 2, sync_threshold=True), TopkA())
-    a = run_world(comp, g, shapes=SHAPES)
-    b = run_world(comp, g, shapes=SHAPES, backend="torch")
-    for t in range(5):
-        for r in range(3):
-            assert a[t][r]["u"].tobytes() == b[t][r]["u"].tobytes()
-            assert a[t][r]["res"].tobytes() == b[t][r]["res"].tobytes()
-            assert a[t][r]["state"]["tau"] == b[t][r]["state"]["tau"]
-            assert a[t][r]["state"]["_idx"].tolist() == b[t][r]["state"]["_idx"].tolist()
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(sizes=st.lists(st.integers(1, 80), min_size=1, max_size=5), P=st.integers(1, 5),
-       d6=st.sampled_from([1000, 50000, 100000, 250000, 500000, 1000000]), L=st.integers(1, 4),
-       steps=st.integers(1, 5), guard=st.booleans(), rounding=st.sampled_from(["ceil", "paper"]),
-       sync=st.booleans(), seed=st.integers(0, 99))
-def test_dct_property_matches_reference(sizes, P, d6, L, steps, guard, rounding, sync, seed):
-    g = int_grads(steps, P, sum(sizes), seed=seed, scale=8)       # many ties and zeros
-    sp = RecDCT(d6 / 10**6, L, k_rounding=rounding, zero_tau_guard=guard, sync_threshold=sync)
-    recs = run_world(SparseCompression(sp, TopkA()), g, shapes=[(s,) for s in sizes])
-    ref = dct_reference(g, sizes, d6, L, guard=guard, rounding=rounding, sync=sync)
-    check_dct(recs, ref, P, sizes)
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(lifespan=0), "lifespan"), (dict(k_rounding="floor"), "k_rounding"),
-    (dict(zero_tau_guard=1), "zero_tau_guard"), (dict(sync_threshold="yes"), "sync_threshold"),
-    (dict(ef_drain_period=0), "ef_drain_period"), (dict(drain_seed=-1), "drain_seed")])
-def test_dct_arguments_are_validated(kwargs, match):
-    with pytest.raises((ValueError, TypeError), match=match):
-        DCT(0.01, **kwargs)
 
 
 def test_proportional_threshold_rule_steps_log_tau_by_the_relative_count_error():
