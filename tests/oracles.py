@@ -8,6 +8,7 @@ pytest puts tests/ on sys.path, so a test module imports them as ``from oracles 
 import math
 
 import numpy as np
+from hypothesis import strategies as st
 from scipy.special import ndtri
 
 from hvd_sparse.compression import SparseCompression
@@ -21,6 +22,9 @@ from hvd_sparse.testing import RECORDS, simulate
 PS = [1, 2, 3, 4, 5, 8]
 #: the numpy backend, for calling sparsifiers and reducers directly
 NP = backend_of(np.zeros(1, np.float32))
+#: hypothesis cases of the schemes' property tests: (P, n, density, seed, scale of int_grads)
+cases = st.tuples(st.integers(1, 6), st.integers(1, 160), st.floats(0.005, 1.0), st.integers(0, 2**16),
+                  st.sampled_from([3, 100, 4096]))
 
 
 # == test gradients =============================================================================================
