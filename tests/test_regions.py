@@ -1,0 +1,174 @@
+"""Ok-Topk's region boundaries (hvd_sparse/core/reducers/regions.py), docs/algorithms.md#oktopk: the pure boundary
+functions (load, smoothed load, histogram and its refinement), and the boundary policies of OkTopk (periodic, result,
+load, measured) on the simulator: the same bits whatever the boundaries, the same boundaries on every rank, the words
+of their collectives, and the split balance they keep."""
+
+import numpy as np
+import pytest
+
+from hvd_sparse.core.sim import SimulatedWorld
+from hvd_sparse.core.xp import backend_of
+
+from oracles import assert_mass_conserved, int_grads
+from oracles import make_oktopk as make
+from oracles import run_oktopk as run
+
+
+# -- the boundary functions and policies ----------------------------------------------------------------------------
+def test_load_boundaries_split_the_measured_load_evenly():
+    from hvd_sparse.core.reducers.regions import load_boundaries
+
+    # uniform inside a region: half of W = 40 is reached 20/30 of the way through region 0
+    assert load_boundaries([0, 100, 200], [30, 10]) == [0, 66, 200]
+    # shaped like G inside a region (G = 10, 20, 90 | 150): the boundary lands on a point of G
+    g = [10, 20, 90, 150]
+    assert load_boundaries([0, 100, 200], [30, 10], [0, 3, 4], lambda pos: [g[p] for p in pos]) == [0, 90, 200]
+    # an empty region, equal loads: the boundaries stay non-decreasing and inside [0, n]
+    offs = load_boundaries([0, 10, 10, 40, 50], [5, 0, 5, 10])
+    assert offs[0] == 0 and offs[-1] == 50 and offs == sorted(offs)
+    assert load_boundaries([0, 5, 9], [0, 0]) is None          # nothing received: keep the boundaries
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("tp", [1, 4])
+def test_boundary_policies_do_not_change_results_and_stay_replica_consistent(P, tp):
+    """The regions only decide who reduces what: updates and residuals are the same bits whatever the
+    boundaries (tp = 1: the global top-k of the local top-k), and every rank derives the same ones."""
+    g = int_grads(14, P, 300, seed=70 + P)
+    runs = {b: run(make(0.05, tp=tp, rp=6, rd={"boundaries": b}), g) for b in ("periodic", "result", "load")}
+    for b in ("result", "load"):
+        assert runs[b]["updates"].tobytes() == runs["periodic"]["updates"].tobytes()
+        assert runs[b]["residuals"].tobytes() == runs["periodic"]["residuals"].tobytes()
+        assert_mass_conserved(g, runs[b])
+        for t in range(14):
+            offs = runs[b]["info"][t][0]["offsets"]
+            assert offs[0] == 0 and offs[-1] == 300 and offs == sorted(offs)
+            assert all(runs[b]["info"][t][r]["offsets"] == offs for r in range(P))
+            assert runs[b]["info"][t][0]["repartition"] == (t == 0)     # the allreduce only to start
+    moved = [t for t in range(1, 14) if runs["load"]["info"][t][0]["offsets"] != runs["load"]["info"][0][0]["offsets"]]
+    assert moved                                                        # the load boundaries do move
+    if P > 1:                                                           # one word more in the count allgather
+        phase = "reeval_count" if tp == 1 else "count"
+        assert runs["load"]["phases"][3][0]["recv_words"][phase] == \
+            runs["periodic"]["phases"][3][0]["recv_words"][phase] + (P - 1)
+
+
+def _split_max_per_step(comp, src, P, steps):
+    """Words the busiest owner receives in the split phase, per step (simulated ranks)."""
+    from hvd_sparse.core.sim import SimulatedWorld
+
+    world = SimulatedWorld(P)
+    comms = world.communicators()
+    engines = [comp.new_engine(c) for c in comms]
+    split = np.zeros((steps, P), np.int64)
+
+    def body(comm):
+        for t in range(steps):
+            g = np.array(src.grad(t, comm.rank), np.float32)
+            engines[comm.rank].step(g, out=[g])
+            split[t, comm.rank] = comm.meter.recv_words.get("split", 0)
+
+    world.run(body, comms)
+    return split.max(axis=1)
+
+
+def test_smoothed_load_boundaries_keep_the_split_balanced_at_ten_entries_per_region():
+    """k/P = 10 (the regime of P = 1024): the last step's load alone forecasts the next poorly (the hot
+    entries it clears move the load), its busiest owner receives up to 1.75x its share 2k(P-1)/P after the
+    transient; the exponential average of the load CDFs (load_smoothing = 0.5) keeps it within 1.55x."""
+    import hvd_sparse
+    from hvd_sparse.bench.data import SyntheticGradients
+
+    P, n, steps, density = 64, 32_768, 20, 0.02
+    k, src = int(density * n), SyntheticGradients(n, P, seed=0)
+    share = 2 * k * (P - 1) / P
+    comp = hvd_sparse.Compression.oktopk(density, boundaries="load")
+    assert comp.reducer.load_smoothing == 0.5
+    worst = _split_max_per_step(comp, src, P, steps)[5:].max() / share
+    assert worst <= 1.55, worst
+    comp.reducer.load_smoothing = 0.0                      # the last step only: the same run drifts further
+    assert _split_max_per_step(comp, src, P, steps)[5:].max() / share > 1.6
+
+
+def test_smoothed_load_boundaries_are_an_even_split_of_the_average():
+    from hvd_sparse.core.reducers.regions import smoothed_load_boundaries
+
+    out, st = smoothed_load_boundaries([0, 100, 200], [30, 10], [], None, 0.5, 8)
+    assert out == [0, 67, 200] and len(st) == 9             # uniform inside regions: 2/3 of region 0
+    out, _ = smoothed_load_boundaries([0, 100, 200], [10, 30], [], st, 0.5, 8)
+    assert out == [0, 100, 200]                             # the average of 30:10 and 10:30 is even
+    assert smoothed_load_boundaries([0, 5, 9], [0, 0], [], None, 0.5, 8) == (None, None)
+
+
+def test_measured_boundaries_split_the_histogram_evenly():
+    from hvd_sparse.core.reducers.regions import histogram_edges, measured_boundaries
+
+    edges = histogram_edges(None, 2, 200)
+    assert edges == [0, 50, 100, 150, 200]                  # no forecast yet: equal-width bins, 2 per region
+    assert measured_boundaries(edges, [30, 10, 10, 30], None, 200) == [0, 100, 200]
+    assert measured_boundaries(edges, [60, 0, 0, 20], None, 200) == [0, 33, 200]     # 40 of 60: 2/3 of bin 0
+    # shaped like the forecast inside a bin: its middle point (10) halves the bin's load
+    forecast = [0, 10, 50, 60, 100, 120, 150, 170, 200]
+    assert histogram_edges(forecast, 2, 200) == [0, 50, 100, 150, 200]
+    assert measured_boundaries(edges, [60, 0, 0, 20], forecast, 200) == [0, 23, 200]
+    assert measured_boundaries(edges, [0, 0, 0, 0], forecast, 200) is None
+
+
+def test_a_histogram_bin_heavier_than_a_share_is_counted_again_finer():
+    """refine_load on P = 4 simulated ranks: the one bin that holds most of the load is cut into sub-bins of about a
+    quarter share and counted by one allreduce (the same counts on every rank, summing to the bin's); a histogram
+    whose bins hold at most a share each makes no collective. The boundaries then split the refined load evenly,
+    where the coarse histogram would have spread the heavy bin over its whole width."""
+    from hvd_sparse.core.reducers.regions import measured_boundaries, refine_load
+
+    P, n = 4, 800
+    edges = [0, 100, 200, 300, 400, 500, 600, 700, 800]
+    sel = [np.unique(np.r_[np.arange(r, 80, 2), [150 + r, 450 + r, 650 + r]]).astype(np.int64) for r in range(P)]
+    hist = [int(sum(np.count_nonzero((s >= edges[b]) & (s < edges[b + 1])) for s in sel)) for b in range(2 * P)]
+    W = sum(hist)
+    assert hist == [158, 4, 0, 0, 4, 0, 4, 0] and hist[0] * P > W      # bin 0: 158 of 170, over a share
+
+    world = SimulatedWorld(P)
+    out = world.run(lambda comm: refine_load(backend_of(sel[comm.rank]), sel[comm.rank], edges, hist, comm,
+                                             sel[comm.rank]) + (dict(comm.meter.calls),))
+    e, h, calls = out[0]
+    assert all(o[:2] == (e, h) for o in out)
+    s = -(-4 * P * hist[0] // W)                                      # ceil(4·P·h/W) = 15 sub-bins of bin 0
+    assert e[:s + 1] == [(j * 100) // s for j in range(s + 1)] and e[s:] == edges[1:]
+    assert sum(h[:s]) == hist[0] and h[s:] == hist[1:] and calls == {"refine": 1}
+    assert max(h[:s]) * 2 * P <= W                                     # each sub-bin at most half a share
+    bounds = measured_boundaries(e, h, None, n, P)
+    assert 0 < bounds[1] < bounds[2] < bounds[3] < 80                  # three boundaries where the load is
+    loads = [sum(int(np.count_nonzero((x >= bounds[j]) & (x < bounds[j + 1]))) for x in sel) for j in range(P)]
+    assert max(loads) <= W / P + max(h[:s])                            # a share, give or take one sub-bin
+    assert measured_boundaries(edges, hist, None, n, P)[3] > 80        # unrefined: the last boundary past the load
+
+    for flat in ([10] * 8, [10, 10, 10, 10, 0, 0, 0, 0]):             # half a share each; exactly a share each
+        assert world.run(lambda comm: refine_load(backend_of(sel[0]), sel[0], edges, flat, comm, sel[0]) +
+                         (dict(comm.meter.calls),))[0] == (edges, flat, {})
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("tp", [1, 4])
+@pytest.mark.parametrize("control", ["band", "ladder"])
+def test_measured_boundaries_and_the_ladder_sum_do_not_change_results(P, tp, control):
+    """``measured`` boundaries (this step's histogram, allreduced before the split) and the ladder's counts
+    summed by an allreduce: the same updates and residuals, bit for bit, as the paper's boundaries, the same
+    boundaries on every rank, and exactly the words of their collectives."""
+    g = int_grads(14, P, 300, seed=80 + P)
+    runs = {b: run(make(0.05, tp=tp, rp=6, rd={"boundaries": b, "global_control": control}), g)
+            for b in ("periodic", "measured")}
+    assert runs["measured"]["updates"].tobytes() == runs["periodic"]["updates"].tobytes()
+    assert runs["measured"]["residuals"].tobytes() == runs["periodic"]["residuals"].tobytes()
+    assert_mass_conserved(g, runs["measured"])
+    for t in range(14):
+        offs = runs["measured"]["info"][t][0]["offsets"]
+        assert offs[0] == 0 and offs[-1] == 300 and offs == sorted(offs)
+        assert all(runs["measured"]["info"][t][r]["offsets"] == offs for r in range(P))
+        for b, res in runs.items():
+            rw = res["phases"][t][0]["recv_words"]
+            assert rw.get("histogram", 0) == (2 * (2 * P) * (P - 1) // P if b == "measured" and t else 0)
+            if control == "ladder" and not res["info"][t][0]["reeval"]:
+                assert rw["ladder"] == 2 * 9 * (P - 1) // P and rw.get("count", 0) <= P - 1
+    offsets = [runs["measured"]["info"][t][0]["offsets"] for t in range(14)]
+    assert any(o != offsets[0] for o in offsets[1:])                    # the measured boundaries do move
