@@ -25,6 +25,15 @@ SCHEMES = {
 }
 
 
+def reference(scheme, g, density):
+    """The independent reference of ``scheme`` (a key of SCHEMES) on g: (updates, residuals, selections)."""
+    if scheme == "gtopk":
+        return gtopk_reference(g, density)
+    if scheme == "gaussiank":
+        return allgather_reference(g, lambda a: gaussian_select_ref(a, density)[0])
+    return topka_reference(g, density)
+
+
 @pytest.mark.parametrize("P", PS)
 @pytest.mark.parametrize("scheme", ["topk_dsa", "gtopk"])
 def test_density_one_equals_dense_and_leaves_no_residual(P, scheme):
@@ -63,12 +72,7 @@ def test_single_rank_issues_no_collective_and_keeps_semantics(scheme):
     g = int_grads(5, 1, 200, seed=5)
     res = simulate(SCHEMES[scheme](0.05), g)
     assert all(v[0]["collectives"] == 0 and v[0]["recv_words"] == 0 for v in res.volume)
-    if scheme == "gtopk":
-        ref_u, ref_eps, _ = gtopk_reference(g, 0.05)
-    elif scheme == "gaussiank":
-        ref_u, ref_eps, _ = allgather_reference(g, lambda a: gaussian_select_ref(a, 0.05)[0])
-    else:
-        ref_u, ref_eps, _ = topka_reference(g, 0.05)
+    ref_u, ref_eps, _ = reference(scheme, g, 0.05)
     np.testing.assert_array_equal(res.updates[:, 0], ref_u)
     np.testing.assert_array_equal(res.residuals, ref_eps)
 
@@ -86,12 +90,7 @@ def test_all_zero_gradients(P, scheme):
 def test_one_rank_all_zero_matches_reference(P, scheme):
     g = int_grads(4, P, 300, seed=7, zero_ranks=(P - 1,))
     res = simulate(SCHEMES[scheme](0.05), g, average=False)
-    if scheme == "gtopk":
-        ref_u, ref_eps, _ = gtopk_reference(g, 0.05)
-    elif scheme == "gaussiank":
-        ref_u, ref_eps, _ = allgather_reference(g, lambda a: gaussian_select_ref(a, 0.05)[0])
-    else:
-        ref_u, ref_eps, _ = topka_reference(g, 0.05)
+    ref_u, ref_eps, _ = reference(scheme, g, 0.05)
     assert (res.selected[:, P - 1] == 0).all()
     np.testing.assert_array_equal(res.updates[:, 0], ref_u)
     np.testing.assert_array_equal(res.residuals, ref_eps)
