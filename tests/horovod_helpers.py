@@ -48,6 +48,23 @@ def load_ranks(outdir, scenario, np_):
     return [dict(np.load(Path(outdir) / f"{scenario}.rank{r}.npz")) for r in range(np_)]
 
 
+def scenario_job(tmp_path_factory, name, np_, script, scenarios, prefix="", *, args=None, timeout=300, env=None):
+    """A module's job: ``script <out> <scenarios>`` (or ``<out> <args>``) on ``np_`` local workers, ``out`` a fresh
+    folder ``name``; returns {scenario: what each rank wrote to ``<out>/<prefix><scenario>.rank<r>.npz``}."""
+    out = tmp_path_factory.mktemp(name)
+    horovodrun(np_, script, out, *(scenarios if args is None else args), timeout=timeout, env=env)
+    return {s: load_ranks(out, f"{prefix}{s}", np_) for s in scenarios}
+
+
+def tf_env(flavour="keras3", fusion=True, **extra):
+    """The environment of a TensorFlow job: TensorFlow's start-up log off, Keras 3 or tf_keras (TF_USE_LEGACY_KERAS)
+    by ``flavour``, Horovod's tensor fusion off unless ``fusion`` (the fused layout depends on timing), ``extra``."""
+    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1" if flavour == "tf_keras" else "0", **extra}
+    if not fusion:
+        env["HOROVOD_FUSION_THRESHOLD"] = "0"
+    return env
+
+
 def elastic_survivors(tmp_path, script, *args, env=None, timeout=600):
     """Run ``script args`` under elastic horovodrun: 3 workers on two "hosts" of this machine (localhost:2 and
     127.0.0.1:1, at least 2 kept), the worker scripts kill the one on 127.0.0.1. Fails the test unless the job

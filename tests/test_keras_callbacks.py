@@ -6,7 +6,7 @@ One job per Keras flavour runs every scenario of hvd_workers/keras_callbacks_wor
 import numpy as np
 import pytest
 
-from horovod_helpers import horovodrun, load_ranks, requires_horovod
+from horovod_helpers import requires_horovod, scenario_job, tf_env
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
@@ -20,10 +20,8 @@ INITIAL_LR, WARMUP, COMPILED_LR, MOMENTUM = 0.4, 2, 0.123, 0.9
 @pytest.fixture(scope="module", params=["keras3", "tf_keras"])
 def job(request, tmp_path_factory):
     flavour = request.param
-    out = tmp_path_factory.mktemp(f"kcb_{flavour}")
-    env = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_USE_LEGACY_KERAS": "1" if flavour == "tf_keras" else "0"}
-    horovodrun(P, "keras_callbacks_worker.py", out, *SCENARIOS, timeout=600, env=env)
-    return flavour, {s: load_ranks(out, f"kcb_{flavour}_{s}", P) for s in SCENARIOS}
+    return flavour, scenario_job(tmp_path_factory, f"kcb_{flavour}", P, "keras_callbacks_worker.py", SCENARIOS,
+                                 f"kcb_{flavour}_", timeout=600, env=tf_env(flavour))
 
 
 def same_on_all_ranks(ranks, key):

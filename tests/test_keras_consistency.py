@@ -10,21 +10,16 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
-hvd = pytest.importorskip("horovod.tensorflow")
+pytest.importorskip("horovod.tensorflow")
 
 import hvd_sparse.tensorflow as hvds  # noqa: E402
 import hvd_sparse.tensorflow.keras as hvdk  # noqa: E402
 from hvd_sparse.core.errors import checksums  # noqa: E402
 
-from horovod_helpers import horovodrun, load_ranks, requires_horovod  # noqa: E402
+from horovod_helpers import requires_horovod, scenario_job, tf_env  # noqa: E402
 
 keras = tf.keras
-
-
-@pytest.fixture(scope="module", autouse=True)
-def horovod():
-    hvd.init()
-    yield
+pytestmark = pytest.mark.usefixtures("horovod")  # hvd.init() in this process (conftest.py)
 
 
 def test_consistency_check_every_is_validated_and_off_by_default():
@@ -73,9 +68,8 @@ def test_checksums_of_raw_bytes_are_those_of_the_words():
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    out = tmp_path_factory.mktemp("keras_consistency")
-    horovodrun(2, "keras_consistency_worker.py", out, env={"TF_CPP_MIN_LOG_LEVEL": "3"})
-    return load_ranks(out, "consistency", 2)
+    return scenario_job(tmp_path_factory, "keras_consistency", 2, "keras_consistency_worker.py", ["consistency"],
+                        args=(), env=tf_env())["consistency"]
 
 
 @requires_horovod

@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
-hvd = pytest.importorskip("horovod.tensorflow")
+pytest.importorskip("horovod.tensorflow")
 
 import hvd_sparse.tensorflow as hvds  # noqa: E402
 import hvd_sparse.tensorflow.keras as hvdk  # noqa: E402
@@ -24,12 +24,7 @@ from hvd_sparse.tensorflow.keras import elastic  # noqa: E402
 from horovod_helpers import elastic_survivors, requires_horovod  # noqa: E402
 
 keras = tf.keras
-
-
-@pytest.fixture(scope="module", autouse=True)
-def horovod():
-    hvd.init()
-    yield
+pytestmark = pytest.mark.usefixtures("horovod")  # hvd.init() in this process (conftest.py)
 
 
 def _model_and_optimizer(**kw):

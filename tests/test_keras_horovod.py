@@ -8,7 +8,7 @@ import pytest
 from hvd_sparse.bench import presets
 from hvd_sparse.testing import simulate
 
-from horovod_helpers import horovodrun, load_ranks, requires_horovod
+from horovod_helpers import requires_horovod, scenario_job, tf_env
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
@@ -22,14 +22,9 @@ JOBS = [("keras3", 2, None, BASE + ("bpps", "checkpoint")), ("keras3", 3, "topka
 @pytest.fixture(scope="module", params=JOBS, ids=lambda j: f"{j[0]}-np{j[1]}")
 def job(request, tmp_path_factory):
     flavour, P, wanted, scenarios = request.param
-    out = tmp_path_factory.mktemp(f"{flavour}_np{P}")
-    env = {"HOROVOD_FUSION_THRESHOLD": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    if wanted:
-        env["HVD_SPARSE_TEST_PRESETS"] = wanted
-    if flavour == "tf_keras":
-        env["TF_USE_LEGACY_KERAS"] = "1"
-    horovodrun(P, "keras_worker.py", out, *scenarios, timeout=900, env=env)
-    return P, {s: load_ranks(out, f"keras_{flavour}_{s}", P) for s in scenarios}
+    env = tf_env(flavour, fusion=False, **({"HVD_SPARSE_TEST_PRESETS": wanted} if wanted else {}))
+    return P, scenario_job(tmp_path_factory, f"{flavour}_np{P}", P, "keras_worker.py", scenarios, f"keras_{flavour}_",
+                           timeout=900, env=env)
 
 
 @pytest.mark.parametrize("preset", ["none"] + presets.names())

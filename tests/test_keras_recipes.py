@@ -20,7 +20,7 @@ import re
 import numpy as np
 import pytest
 
-from horovod_helpers import horovodrun, load_ranks, requires_horovod
+from horovod_helpers import requires_horovod, scenario_job, tf_env
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
@@ -31,12 +31,8 @@ SCENARIOS = ("loss_scale", "jit", "subclass", "from_config", "local_vars", "sche
 @pytest.fixture(scope="module", params=["keras3", "tf_keras"])
 def job(request, tmp_path_factory):
     flavour = request.param
-    out = tmp_path_factory.mktemp(f"recipes_{flavour}")
-    env = {"HOROVOD_FUSION_THRESHOLD": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    if flavour == "tf_keras":
-        env["TF_USE_LEGACY_KERAS"] = "1"
-    horovodrun(P, "keras_recipes_worker.py", out, *SCENARIOS, timeout=900, env=env)
-    return {s: load_ranks(out, f"recipes_{flavour}_{s}", P) for s in SCENARIOS}
+    return scenario_job(tmp_path_factory, f"recipes_{flavour}", P, "keras_recipes_worker.py", SCENARIOS,
+                        f"recipes_{flavour}_", timeout=900, env=tf_env(flavour, fusion=False))
 
 
 def ok(ranks):

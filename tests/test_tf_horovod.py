@@ -9,7 +9,7 @@ import pytest
 from hvd_sparse.bench import presets
 from hvd_sparse.testing import simulate
 
-from horovod_helpers import horovodrun, load_ranks, requires_horovod
+from horovod_helpers import requires_horovod, scenario_job, tf_env
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
@@ -20,12 +20,9 @@ FLOAT_ALLREDUCE = {"dense", "exdyna"}
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"np{p}")
 def job(request, tmp_path_factory):
     P = request.param
-    out = tmp_path_factory.mktemp(f"tf_np{P}")
-    env = {"HOROVOD_FUSION_THRESHOLD": "0", "TF_CPP_MIN_LOG_LEVEL": "3"}
-    if P == 3:
-        env["HVD_SPARSE_TEST_PRESETS"] = ",".join(NP3_PRESETS)
-    horovodrun(P, "tf_worker.py", out, "tape", "none", "op", timeout=900, env=env)
-    return P, {s: load_ranks(out, f"tf_{s}", P) for s in ("tape", "none", "op")}
+    env = tf_env(fusion=False, **({"HVD_SPARSE_TEST_PRESETS": ",".join(NP3_PRESETS)} if P == 3 else {}))
+    return P, scenario_job(tmp_path_factory, f"tf_np{P}", P, "tf_worker.py", ("tape", "none", "op"), "tf_", timeout=900,
+                           env=env)
 
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])

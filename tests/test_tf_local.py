@@ -8,17 +8,13 @@ import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 tf = pytest.importorskip("tensorflow")
-hvd = pytest.importorskip("horovod.tensorflow")
+pytest.importorskip("horovod.tensorflow")
 
 import hvd_sparse.tensorflow as hvds  # noqa: E402
 import hvd_sparse.tensorflow.keras as hvdk  # noqa: E402
 from hvd_sparse.testing import simulate  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def horovod():
-    hvd.init()
-    yield
+pytestmark = pytest.mark.usefixtures("horovod")  # hvd.init() in this process (conftest.py)
 
 
 def test_distributed_optimizer_forwards_keras_optimizers_and_rejects_v1():

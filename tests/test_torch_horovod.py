@@ -13,7 +13,7 @@ import hvd_sparse
 from hvd_sparse.bench import presets
 from hvd_sparse.testing import simulate
 
-from horovod_helpers import horovodrun, load_ranks, requires_horovod
+from horovod_helpers import requires_horovod, scenario_job
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
@@ -26,13 +26,12 @@ FLOAT_ALLREDUCE = {"dense", "exdyna"}
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"np{p}")
 def job(request, tmp_path_factory):
     P = request.param
-    out = tmp_path_factory.mktemp(f"torch_np{P}")
     # Tensor fusion packs whatever gradients are ready in the same cycle, so the fused layout -- and at
     # P >= 3 the ring's summation order -- depends on timing: Horovod's own dense result then differs by
     # an ulp from run to run (seen at np=3). Fusion off makes Horovod itself reproducible, so the
     # bit-for-bit comparison with it below is meaningful. The sparse path issues unfused named ops anyway.
-    horovodrun(P, "torch_worker.py", out, *SCENARIOS, timeout=600, env={"HOROVOD_FUSION_THRESHOLD": "0"})
-    return P, {s: load_ranks(out, s, P) for s in SCENARIOS}
+    return P, scenario_job(tmp_path_factory, f"torch_np{P}", P, "torch_worker.py", SCENARIOS, timeout=600,
+                           env={"HOROVOD_FUSION_THRESHOLD": "0"})
 
 
 def test_parameters_bit_identical_on_all_ranks_after_50_steps(job):
