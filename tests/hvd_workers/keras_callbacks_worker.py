@@ -19,7 +19,6 @@ Scenarios:
 """
 
 import os
-import sys
 import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -30,8 +29,9 @@ import tensorflow as tf  # noqa: E402
 
 import hvd_sparse.tensorflow.keras.callbacks as hcb  # noqa: E402
 
+from worker_helpers import KERAS_FLAVOUR as FLAVOUR, run_scenarios  # noqa: E402
+
 keras = tf.keras
-FLAVOUR = "tf_keras" if os.environ.get("TF_USE_LEGACY_KERAS") == "1" else "keras3"
 N, BATCH, EPOCHS = 24, 6, 3            # 4 steps per epoch
 MODES = {"graph": False, "eager": True}
 
@@ -314,7 +314,4 @@ def scenario_flavour(out):
 
 
 if __name__ == "__main__":
-    hvd.init()
-    outdir, scenarios = sys.argv[1], sys.argv[2:]
-    for name in scenarios:
-        globals()[f"scenario_{name}"](f"{outdir}/kcb_{FLAVOUR}_{name}.rank{hvd.rank()}.npz")
+    run_scenarios(hvd, f"kcb_{FLAVOUR}_", globals())

@@ -23,7 +23,6 @@ Scenarios:
 """
 
 import os
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -34,26 +33,12 @@ import tensorflow as tf  # noqa: E402
 
 import hvd_sparse.tensorflow as hvd_tf  # noqa: E402
 import hvd_sparse.tensorflow.keras as hvds  # noqa: E402
-from hvd_sparse.bench.digits import load_arrays  # noqa: E402
+
+from worker_helpers import KERAS_FLAVOUR as FLAVOUR  # noqa: E402
+from worker_helpers import keras_digits, keras_mlp, keras_weights, run_scenarios  # noqa: E402
 
 keras = tf.keras
-FLAVOUR = "tf_keras" if os.environ.get("TF_USE_LEGACY_KERAS") == "1" else "keras3"
 BATCH = 16
-
-
-def digits(steps):
-    (x, y), _ = load_arrays(0)
-    x = x.reshape(len(x), -1)[hvd.rank()::hvd.size()][:steps * BATCH]
-    return x.astype(np.float32), y[hvd.rank()::hvd.size()][:steps * BATCH]
-
-
-def mlp(seed=0):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
-
-
-def flat(m):
-    return np.concatenate([np.asarray(w, dtype=np.float32).reshape(-1) for w in m.get_weights()])
 
 
 def fit(m, opt, x, y, **compile_kwargs):
@@ -64,7 +49,7 @@ def fit(m, opt, x, y, **compile_kwargs):
 
 def scenario_loss_scale(res):
     steps = 6
-    x, y = digits(steps)
+    x, y = keras_digits(hvd, steps * BATCH)
     if hvd.rank() == 1:
         x[3 * BATCH] = 6e4                  # step 3: float16 activations overflow on this rank only
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -78,13 +63,13 @@ def scenario_loss_scale(res):
                                             backward_passes_per_step=passes)
             if how == "explicit":
                 opt = keras.mixed_precision.LossScaleOptimizer(opt)
-            m = fit(mlp(), opt, x, y)
+            m = fit(keras_mlp(), opt, x, y)
             lso = m.optimizer
             scale = getattr(lso, "dynamic_scale", None)
             scale = lso.loss_scale if scale is None else scale
             key = f"{name}.{how}" + (f".passes{passes}" if passes > 1 else "")
-            res[f"{key}.weights"] = flat(m)
-            res[f"{key}.moved"] = bool((res[f"{key}.weights"] != flat(mlp())).any())
+            res[f"{key}.weights"] = keras_weights(m)
+            res[f"{key}.moved"] = bool((res[f"{key}.weights"] != keras_weights(keras_mlp())).any())
             res[f"{key}.scale"] = float(np.asarray(scale))
             res[f"{key}.iterations"] = int(lso.iterations.numpy())
             res[f"{key}.lso"] = type(lso).__name__
@@ -98,14 +83,14 @@ def scenario_loss_scale(res):
 
 
 def scenario_jit(res):
-    x, y = digits(2)
+    x, y = keras_digits(hvd, 2 * BATCH)
     try:
-        fit(mlp(), hvds.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=hvds.Compression.topka(0.1)),
+        fit(keras_mlp(), hvds.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=hvds.Compression.topka(0.1)),
             x, y, jit_compile=True)
         res["fit_error"] = ""
     except Exception as e:     # noqa: BLE001 - recorded for the test
         res["fit_error"] = f"{type(e).__name__}: {e}"
-    m = mlp()
+    m = keras_mlp()
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function(jit_compile=True)
@@ -127,10 +112,10 @@ class MySGD(keras.optimizers.SGD):
 
 
 def scenario_subclass(res):
-    x, y = digits(6)
+    x, y = keras_digits(hvd, 6 * BATCH)
     opt = hvds.DistributedOptimizer(MySGD(0.05), compression=hvds.Compression.topka(0.1), backward_passes_per_step=2)
-    m = fit(mlp(), opt, x, y)
-    res["weights"] = flat(m)
+    m = fit(keras_mlp(), opt, x, y)
+    res["weights"] = keras_weights(m)
     res["iterations"] = int(opt.iterations.numpy())
     engine = opt._hvds_reduce.compression.states.get("model")
     res["exchanges"] = engine.steps if engine else 0
@@ -141,10 +126,10 @@ def scenario_from_config(res):
     cfg = hopt.get_config()
     res["config_equal"] = hopt.from_config(cfg).get_config() == cfg and \
         hopt.__class__.from_config(cfg).get_config() == cfg
-    x, y = digits(4)
+    x, y = keras_digits(hvd, 4 * BATCH)
     copy = type(hopt).from_config(cfg)
-    m = fit(mlp(), copy, x, y)
-    res["weights"] = flat(m)
+    m = fit(keras_mlp(), copy, x, y)
+    res["weights"] = keras_weights(m)
     res["separate_state"] = copy._hvds_reduce.compression is not hopt._hvds_reduce.compression
 
 
@@ -211,11 +196,11 @@ def scenario_schedule(res):
     res["lr"] = np.array(lrs)
     res["initial_lr"] = initial_lr
     res["loss"] = np.array(history.history["loss"])
-    res["weights"] = flat(model)
+    res["weights"] = keras_weights(model)
 
 
 def scenario_disagree(res):
-    x, y = digits(3)
+    x, y = keras_digits(hvd, 3 * BATCH)
     one = hvd.rank() == 1
     fit_cases = {"density": lambda: hvds.Compression.topka(0.3 if one else 0.1),
                  "preset": lambda: (hvds.Compression.topka if one else hvds.Compression.oktopk)(0.1)}
@@ -233,12 +218,12 @@ def scenario_disagree(res):
         res[f"{key}.seconds"] = time.time() - start
 
     for name, comp in fit_cases.items():
-        attempt(f"fit.{name}", lambda: fit(mlp(), hvds.DistributedOptimizer(keras.optimizers.SGD(0.05),
+        attempt(f"fit.{name}", lambda: fit(keras_mlp(), hvds.DistributedOptimizer(keras.optimizers.SGD(0.05),
                                                                             compression=comp()), x, y))
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     for name, comp in tape_cases.items():
         for mode in ("eager", "function"):
-            m, preset = mlp(), comp()
+            m, preset = keras_mlp(), comp()
 
             def step():
                 with tf.GradientTape() as tape:
@@ -249,15 +234,18 @@ def scenario_disagree(res):
             attempt(f"tape.{name}.{mode}", tf.function(step) if mode == "function" else step)
 
 
+def recorded(scenario, path):
+    """Run ``scenario(res)``; write ``res`` with the error it raised, if any (every rank records what it saw), and
+    the seconds it took."""
+    res = {}
+    start = time.time()
+    try:
+        scenario(res)
+    except Exception as e:     # noqa: BLE001 - every rank records what it saw
+        res["error"] = f"{type(e).__name__}: {e}"
+    res["seconds"] = time.time() - start
+    np.savez(path, **res)
+
+
 if __name__ == "__main__":
-    outdir = sys.argv[1]
-    hvd.init()
-    for scenario in sys.argv[2:]:
-        res = {}
-        start = time.time()
-        try:
-            globals()[f"scenario_{scenario}"](res)
-        except Exception as e:     # noqa: BLE001 - every rank records what it saw
-            res["error"] = f"{type(e).__name__}: {e}"
-        res["seconds"] = time.time() - start
-        np.savez(os.path.join(outdir, f"recipes_{FLAVOUR}_{scenario}.rank{hvd.rank()}.npz"), **res)
+    run_scenarios(hvd, f"recipes_{FLAVOUR}_", globals(), run=recorded)

@@ -14,7 +14,6 @@ Scenarios:
 """
 
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -24,23 +23,13 @@ import tensorflow as tf  # noqa: E402
 
 import hvd_sparse.tensorflow as hvd_tf  # noqa: E402
 import hvd_sparse.tensorflow.keras as hvds  # noqa: E402
-from hvd_sparse.bench.digits import load_arrays  # noqa: E402
 from hvd_sparse.bench.presets import make, names  # noqa: E402
 
+from worker_helpers import KERAS_FLAVOUR as FLAVOUR  # noqa: E402
+from worker_helpers import keras_digits, keras_mlp, keras_weights, run_scenarios  # noqa: E402
+
 keras = tf.keras
-FLAVOUR = "tf_keras" if os.environ.get("TF_USE_LEGACY_KERAS") == "1" else "keras3"
 STEPS, BATCH, DENSITY = 6, 32, 0.05
-
-
-def dataset(steps=STEPS):
-    (x, y), _ = load_arrays(0)                 # numpy only: no torch in a TensorFlow job
-    x = x.reshape(len(x), -1)[hvd.rank()::hvd.size()][:steps * BATCH]
-    return x.astype(np.float32), y[hvd.rank()::hvd.size()][:steps * BATCH]
-
-
-def model():
-    keras.utils.set_random_seed(0)            # same initial weights on every rank
-    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)])
 
 
 class Recorder:
@@ -67,13 +56,9 @@ class Recorder:
             return [tf.identity(t) for t in out], skipped
 
 
-def flat_weights(m):
-    return np.concatenate([w.reshape(-1) for w in m.get_weights()])
-
-
 def fit(compression, run_eagerly=False, batch=BATCH, info=None, **kwargs):
-    x, y = dataset()
-    m = model()
+    x, y = keras_digits(hvd, STEPS * BATCH)
+    m = keras_mlp()
     opt = hvds.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=compression, **kwargs)
     assert type(opt).__name__ == "SGD" and isinstance(opt, keras.optimizers.SGD)
     rec = opt._hvds_reduce = Recorder(opt._hvds_reduce)
@@ -84,8 +69,8 @@ def fit(compression, run_eagerly=False, batch=BATCH, info=None, **kwargs):
     assert type(rebuilt) is type(opt)
     if info is not None:
         info["iterations"] = int(opt.iterations.numpy())
-        info["w0"] = flat_weights(model())
-    return np.array(rec.raw), np.array(rec.red), flat_weights(m)
+        info["w0"] = keras_weights(keras_mlp())
+    return np.array(rec.raw), np.array(rec.red), keras_weights(m)
 
 
 def scenario_fit(out):
@@ -94,7 +79,7 @@ def scenario_fit(out):
     for name in ["none"] + (wanted.split(",") if wanted else names()):
         comp = hvds.Compression.none if name == "none" else make(name, DENSITY)
         res[f"{name}.raw"], res[f"{name}.red"], res[f"{name}.weights"] = fit(comp)
-    res["layout"] = np.array([int(np.prod(v.shape)) for v in model().trainable_variables])
+    res["layout"] = np.array([int(np.prod(v.shape)) for v in keras_mlp().trainable_variables])
     np.savez(out, **res)
 
 
@@ -121,13 +106,13 @@ def scenario_bpps(out):
     res["sparse2.raw"], res["sparse2.red"], res["sparse2.weights"] = fit(
         make("oktopk", DENSITY), backward_passes_per_step=2, info=info)
     res["sparse2.iterations"] = info["iterations"]
-    res["layout"] = np.array([int(np.prod(v.shape)) for v in model().trainable_variables])
+    res["layout"] = np.array([int(np.prod(v.shape)) for v in keras_mlp().trainable_variables])
     np.savez(out, **res)
 
 
 def scenario_checkpoint(out):
     outdir = os.path.dirname(out)
-    x, y = dataset(12)
+    x, y = keras_digits(hvd, 12 * BATCH)
     half = 6 * BATCH
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -146,7 +131,7 @@ def scenario_checkpoint(out):
     res = {}
     m, opt = build(0)                                     # 12 uninterrupted steps
     m.fit(x, y, batch_size=BATCH, shuffle=False, verbose=0)
-    res["straight"] = flat_weights(m)
+    res["straight"] = keras_weights(m)
     m, opt = build(0)                                     # 6 steps, then a checkpoint per rank
     m.fit(x[:half], y[:half], batch_size=BATCH, shuffle=False, verbose=0)
     path = ckpt(m, opt).write(f"{outdir}/ckpt_rank{hvd.rank()}")
@@ -154,12 +139,12 @@ def scenario_checkpoint(out):
     m, opt = build(1)                                     # rebuilt from scratch (other initial weights)
     ckpt(m, opt).read(path).assert_consumed()
     m.fit(x[half:], y[half:], batch_size=BATCH, shuffle=False, verbose=0)
-    res["resumed"] = flat_weights(m)
+    res["resumed"] = keras_weights(m)
     res["resumed_iterations"] = int(opt.iterations.numpy())
     m, opt = build(1)                                     # cold restart: model and optimizer only
     tf.train.Checkpoint(model=m, optimizer=opt).read(path).expect_partial()
     m.fit(x[half:], y[half:], batch_size=BATCH, shuffle=False, verbose=0)
-    res["cold"] = flat_weights(m)
+    res["cold"] = keras_weights(m)
     msgs = []
     other = f"{outdir}/ckpt_rank{(hvd.rank() + 1) % hvd.size()}"
     for comp in (None, hvds.Compression.topka(DENSITY)):   # the other rank's file; another preset
@@ -188,7 +173,7 @@ def scenario_misuse(out):
         msgs.append(str(e))
     assert first is not None
     comp = make("topka", 0.1)
-    x, y = dataset()
+    x, y = keras_digits(hvd, STEPS * BATCH)
     for width in (16, 24):                     # one preset, two models through the TF tape path: layout check
         keras.utils.set_random_seed(0)
         m = keras.Sequential([keras.Input((64,)), keras.layers.Dense(width), keras.layers.Dense(10)])
@@ -215,7 +200,4 @@ def scenario_misuse(out):
 
 
 if __name__ == "__main__":
-    hvd.init()
-    outdir, scenarios = sys.argv[1], sys.argv[2:]
-    for name in scenarios:
-        globals()[f"scenario_{name}"](f"{outdir}/keras_{FLAVOUR}_{name}.rank{hvd.rank()}.npz")
+    run_scenarios(hvd, f"keras_{FLAVOUR}_", globals())

@@ -17,7 +17,6 @@ train:  add_param_group, unfreeze, embedding (nn.Embedding(sparse=True) without 
         a RankDisagreementError; sparse_allreduce names built at run time), compiled (torch.compile(opt.step))
 """
 
-import os
 import sys
 import time
 
@@ -27,32 +26,9 @@ import torch
 
 import hvd_sparse.torch as hvds
 
+from worker_helpers import data, flat, mlp, save, wrap
+
 STEPS = 6
-
-
-def save(outdir, scenario, **arrays):
-    np.savez(os.path.join(outdir, f"{scenario}.rank{hvd.rank()}.npz"), **arrays)
-
-
-def flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
-
-
-def data(step, rank=None, n=20):
-    g = torch.Generator().manual_seed(100 * step + (hvd.rank() if rank is None else rank))
-    return torch.randn(8, n, generator=g)
-
-
-def mlp(seed=0):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    return model
-
-
-def wrap(model, compression, params=None, **kw):
-    opt = torch.optim.SGD(model.parameters() if params is None else params, lr=0.1, momentum=0.9)
-    return hvds.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression, **kw)
 
 
 def train_step(model, opt, t):

@@ -29,35 +29,20 @@ import hvd_sparse
 import hvd_sparse.torch as hvds
 from hvd_sparse.bench import presets
 
+from worker_helpers import data, flat, mlp, save, wrap
+
 STEPS = 6
 
 
 def build(seed=0, **kw):
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(20, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     compression = kw.pop("compression", None) or hvds.Compression.oktopk(0.1, threshold_period=2)
-    opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                    named_parameters=model.named_parameters(), compression=compression, **kw)
-    return model, opt
-
-
-def data(step):
-    g = torch.Generator().manual_seed(100 * step + hvd.rank())
-    return torch.randn(8, 20, generator=g)
-
-
-def flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+    model = mlp(seed)
+    return model, wrap(model, compression, **kw)
 
 
 def poison(model, step, at, rank, value):
     if step == at and hvd.rank() == rank:
         next(model.parameters()).grad.view(-1)[5] = value
-
-
-def save(outdir, scenario, **arrays):
-    np.savez(os.path.join(outdir, f"{scenario}.rank{hvd.rank()}.npz"), **arrays)
 
 
 def skip(outdir):

@@ -8,7 +8,6 @@ Scenarios:
 """
 
 import os
-import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -18,6 +17,8 @@ import tensorflow as tf  # noqa: E402
 
 import hvd_sparse.tensorflow as hvds  # noqa: E402
 from hvd_sparse.bench.presets import make, names  # noqa: E402
+
+from worker_helpers import run_scenarios  # noqa: E402
 
 STEPS = 8
 DENSITY = 0.05
@@ -128,7 +129,4 @@ def moving_load(rank, steps=4, n=66):
 
 
 if __name__ == "__main__":
-    hvd.init()
-    outdir, scenarios = sys.argv[1], sys.argv[2:]
-    for name in scenarios:
-        globals()[f"scenario_{name}"](f"{outdir}/tf_{name}.rank{hvd.rank()}.npz")
+    run_scenarios(hvd, "tf_", globals())

@@ -10,13 +10,14 @@ Scenarios:
 """
 
 import json
-import sys
 
 import horovod.torch as hvd
 import numpy as np
 import torch
 
 import hvd_sparse.torch as hvds
+
+from worker_helpers import run_scenarios
 
 STEPS = 50
 DENSITY = 0.05
@@ -252,9 +253,6 @@ def scenario_errors(out):
 
 
 if __name__ == "__main__":
-    hvd.init()
     torch.set_num_threads(1)
-    outdir, scenarios = sys.argv[1], sys.argv[2:]
-    for name in scenarios:
-        globals()[f"scenario_{name}"](f"{outdir}/{name}.rank{hvd.rank()}.npz")
+    run_scenarios(hvd, "", globals())
     hvd.shutdown()
