@@ -26,10 +26,13 @@ requires_horovod = pytest.mark.skipif(not horovodrun_available(), reason="horovo
 
 
 def job_env(**extra):
-    """The environment of a test's horovodrun job: this venv's binaries, one thread per worker, the repo."""
+    """The environment of a test's horovodrun job: this venv's binaries, one thread per worker, the repo, and the
+    polling wait: the suite runs several ranks per core (jobs side by side, hosts emulated on one machine), where
+    hvd_sparse's "auto" wait could spin; tests/test_torch_wait.py covers "auto" itself."""
     path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
-    return dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1", PYTHONPATH=path,
-                **extra)
+    env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1", PYTHONPATH=path)
+    env.setdefault("HVD_SPARSE_WAIT", "poll")
+    return dict(env, **extra)
 
 
 def horovodrun(np_, script, *args, timeout=300, env=None):
