@@ -84,7 +84,7 @@ def test_torch_and_numpy_backends_agree():
 def test_region_sums_of_more_sources_than_one_merge_takes_stay_in_rank_order(runs):
     """P > 256 (the native merge's limit): the chunked merge gives every sum as 0 + v_0 + v_1 + ... in rank
     order, bit for bit (float32 additions do not associate: a different grouping would show)."""
-    from hvd_sparse.core.reducers.topka import sum_sparse_in_rank_order
+    from hvd_sparse.core.reducers.base import sum_sparse_in_rank_order
 
     rng = np.random.default_rng(runs)
     idx, val, counts = [], [], []

@@ -70,9 +70,9 @@ from ..comm import SUM
 from ..selection import intersect_sorted, topk_indices
 from ..sparsifiers.threshold_reuse import band_adjust
 from ..validate import check_positive_int, check_real, check_select_rule
-from .base import Reducer, SparseSum, allgather_count, allgather_counts, pack_pairs, unpack_pairs, wire_index_dtype
+from .base import (Reducer, SparseSum, allgather_count, allgather_counts, pack_pairs, sum_sparse_in_rank_order,
+                   unpack_pairs, wire_index_dtype)
 from .regions import measure_load, measured_boundaries, next_boundaries, refine_load, region_split
-from .topka import sum_sparse_in_rank_order
 
 BALANCE_POLICIES = ("auto", "always", "never")
 BOUNDARY_POLICIES = ("periodic", "result", "load", "measured")

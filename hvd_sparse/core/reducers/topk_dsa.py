@@ -25,8 +25,7 @@ metered as 2 words. Volume received by rank r:
 
 from __future__ import annotations
 
-from .base import Reducer, pack_pairs, unpack_pairs, wire_index_dtype
-from .topka import sum_in_rank_order
+from .base import Reducer, pack_pairs, sum_in_rank_order, unpack_pairs, wire_index_dtype
 
 
 def regions(n, P):

@@ -16,7 +16,7 @@ rank receives exactly 2k(P-1) words. Output support <= min(n, Pk) (fill-in; no g
 
 from __future__ import annotations
 
-from .base import Reducer, wire_index_dtype
+from .base import Reducer, sum_in_rank_order, wire_index_dtype
 
 
 def allgather_selection(xp, acc, idx, comm, pad_to=None):
@@ -49,24 +49,6 @@ def allgather_selection(xp, acc, idx, comm, pad_to=None):
     all_idx = comm.allgather(send_idx, "indices")
     all_vals = comm.allgather(vals, "values")
     return all_idx, all_vals, counts
-
-
-def sum_in_rank_order(xp, n, all_idx, all_vals, counts, like):
-    """u[j] = sum over sources s = 0..P-1 of their value at j (one add per source; indices are unique
-    within a source except the padding slot n, which only ever receives zeros and is dropped)."""
-    u = xp.zeros(n + 1, xp.float32, like=like)      # slot n takes the padding
-    return xp.add_runs_(u, all_idx, all_vals, counts)[:n]
-
-
-def sum_sparse_in_rank_order(xp, idx, vals, counts, like):
-    """The same sums as :func:`sum_in_rank_order`, on their support only: ``(sorted unique indexes, sums)``.
-
-    Costs O(m log m) in the m received pairs instead of O(n) in the length of the vector: the indexes are
-    mapped to slots of their sorted distinct values, and the sources are added in rank order 0..P-1 into
-    those slots (``0 + v_0 + v_1 + ...``: the very additions of the dense version, so the sums match it bit
-    for bit). ``xp.merge_add``: on the CPU, when every source's pairs are in ascending index order (as the
-    reducers send them), one pass of the merge kernel does it (the same additions); any number of sources."""
-    return xp.merge_add(idx, vals, counts, like=like)
 
 
 class TopkA(Reducer):
