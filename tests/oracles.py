@@ -8,6 +8,7 @@ pytest puts tests/ on sys.path, so a test module imports them as ``from oracles 
 import math
 
 import numpy as np
+import pytest
 from hypothesis import strategies as st
 from scipy.special import ndtri
 
@@ -309,6 +310,15 @@ def oktopk_reference(g, density, tp=32, sp=None, rd=None):
 
 
 # == invariants ===================================================================================================
+def on_backend(backend, *arrays):
+    """``arrays`` as they are (``"numpy"``), or as torch tensors sharing their memory (``"torch"``; the test is
+    skipped without torch)."""
+    if backend != "torch":
+        return arrays
+    torch = pytest.importorskip("torch")
+    return tuple(torch.from_numpy(a) for a in arrays)
+
+
 def assert_mass_conserved(g, res):
     """Error feedback loses nothing: after every step t, what was applied (the sums, rank 0's copy) plus what the
     ranks keep equals the sum of all gradients so far, exactly (float64; integer data). ``res``: a ``simulate``

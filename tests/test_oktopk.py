@@ -26,7 +26,7 @@ from hvd_sparse.core.xp import backend_of
 from hvd_sparse.testing import simulate
 
 from oracles import (PS, acc_of, assert_mass_conserved, distinct_grads, drifting_grads, int_grads, oktopk_reference,
-                     ref_topk)
+                     on_backend, ref_topk)
 from oracles import make_oktopk as make
 from oracles import run_oktopk as run
 
@@ -448,11 +448,7 @@ def test_int64_indexes_above_2_31_round_trip(backend):
     idx = np.sort(rng.choice(2**33, size=1000, replace=False) + 2**31).astype(np.int64)
     vals = rng.standard_normal(1000).astype(np.float32)
     vals[:3] = [-0.0, np.float32(3.4e38), np.float32(1e-45)]
-    if backend == "torch":
-        torch = pytest.importorskip("torch")
-        idx_x, vals_x = torch.from_numpy(idx), torch.from_numpy(vals)
-    else:
-        idx_x, vals_x = idx, vals
+    idx_x, vals_x = on_backend(backend, idx, vals)
     xp = backend_of(vals_x)
     n = 2**34
     wire = wire_index_dtype(xp, n)

@@ -8,7 +8,7 @@ import pytest
 from hvd_sparse.core.reducers.base import pack_pairs, unpack_pairs, wire_index_dtype
 from hvd_sparse.core.xp import backend_of
 
-from oracles import NP
+from oracles import NP, on_backend
 
 
 def test_wire_pairs_roundtrip_exactly_including_large_indexes_and_special_values():
@@ -29,11 +29,7 @@ def test_region_relative_index_2_24_plus_1_survives(backend):
     rel = np.array([0, 2**24 + 1, 2**31 - 3], np.int64)
     assert int(np.float32(2**24 + 1)) != 2**24 + 1                             # float packing would round it
     vals = np.array([1.5, -2.25, 7.0], np.float32)
-    if backend == "torch":
-        torch = pytest.importorskip("torch")
-        rel_x, vals_x = torch.from_numpy(rel), torch.from_numpy(vals)
-    else:
-        rel_x, vals_x = rel, vals
+    rel_x, vals_x = on_backend(backend, rel, vals)
     xp = backend_of(vals_x)
     wire = wire_index_dtype(xp, 2**31 - 2)
     assert wire == xp.int32
