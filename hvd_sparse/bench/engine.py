@@ -23,21 +23,11 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 #: reference rows beside the presets
 REFERENCES = ("stream", "torch.topk")
 _SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 _COPIES = ("cudaMemcpy", "cudaMemcpyAsync")
-
-
-def _timed(fn, sync, before):
-    before()
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - t0
 
 
 def _profiled(fn, steps, cuda):
@@ -84,14 +74,14 @@ def run(n, density, repeat, names, device="cpu", warmup=2, profile_steps=3, seed
     import torch
 
     from .data import SyntheticGradients
-    from .select import device_name
+    from .select import device_name, time_one
 
     data = SyntheticGradients(n, 1, seed=seed)
     source = torch.from_numpy(data.grad(0, 0)).to(device)
     layout = list(data.layout)
     del data
     cuda = source.is_cuda
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = torch.cuda.synchronize if cuda else None
     k = max(1, int(density * n))
     calls = {"stream": lambda: torch.amax(source), "torch.topk": lambda: torch.topk(source.abs(), k)}
     rows = []
@@ -103,7 +93,7 @@ def run(n, density, repeat, names, device="cpu", warmup=2, profile_steps=3, seed
             fn()
         else:
             refill, fn = _preset_step(name, density, source, layout, warmup)
-        wall = statistics.median(_timed(fn, sync, refill) for _ in range(repeat))
+        wall = statistics.median(time_one(lambda: (refill(), fn)[1], sync) for _ in range(repeat))  # refill untimed
         both = _profiled(lambda: (refill(), fn()), profile_steps, cuda)      # the refill's share taken out
         kernel, syncs, copies = (a - b for a, b in zip(both, _profiled(refill, profile_steps, cuda)))
         rows.append({"name": name, "wall_seconds": wall, "kernel_seconds": kernel, "syncs": syncs,

@@ -49,7 +49,7 @@ SPARSIFIERS = {
 }
 
 
-def _time_one(make_call, sync=None):
+def time_one(make_call, sync=None):
     """Seconds of one call of ``make_call()``'s result (its set-up, e.g. copying the state, is not timed); ``sync``
     (``torch.cuda.synchronize`` on a GPU) runs before the clock starts and before it stops."""
     call = make_call()
@@ -143,7 +143,7 @@ def run(n, density, repeat, seed=0, verbose=True, device="cpu"):
         say(f"\r  round {rnd + 1}/{repeat} ({time.perf_counter() - t0:.0f} s)      ", end="")
         for method in METHODS:
             c0 = native.calls()
-            secs[method].append(_time_one(calls[method][0], sync))
+            secs[method].append(time_one(calls[method][0], sync))
             if native.calls() > c0:
                 used.add(method)
     say("")

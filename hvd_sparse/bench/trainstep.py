@@ -25,6 +25,7 @@ BASELINES = ("compute", "dense")
 def run(workers, algorithms, device="cuda", layers=(2048, 4096, 4096, 10), batch_size=256, steps=20, warmup=5,
         density=0.01, seed=0, verbose=True):
     from .convergence import JobFailed, launch
+    from .loop import ring_allreduce_bytes
 
     args = ["--algorithms", ",".join(algorithms), "--density", density, "--seed", seed, "--layers",
             ",".join(map(str, layers)), "--batch-size", batch_size, "--steps", steps, "--warmup", warmup,
@@ -40,7 +41,7 @@ def run(workers, algorithms, device="cuda", layers=(2048, 4096, 4096, 10), batch
         step = [max(rank["seconds"][t] for rank in r["ranks"]) for t in range(steps)]
         recv = statistics.fmean(rank["recv_bytes"] for rank in r["ranks"])
         if r["algorithm"] == "dense":
-            recv = 2 * raw["numel"] * (workers - 1) // workers * 4
+            recv = ring_allreduce_bytes(raw["numel"], workers)
         rows.append({"algorithm": r["algorithm"], "step_ms": statistics.median(step) * 1e3,
                      "step_ms_all": [s * 1e3 for s in step], "recv_bytes": recv})
     floor = next((r["step_ms"] for r in rows if r["algorithm"] == "compute"), None)
