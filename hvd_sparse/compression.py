@@ -16,9 +16,10 @@ speaks Horovod's compressor protocol (``compress``/``decompress``) so that the u
 from __future__ import annotations
 
 import copy
-import functools
+import dataclasses
 import importlib
 import inspect
+from typing import NamedTuple
 
 from .core.engine import Engine
 from .core.reducers import Dense, ExDynaReducer, GTopk, OkTopk, Reducer, SparDL, TopkA, TopkDSA
@@ -26,8 +27,8 @@ from .core.reducers.oktopk import FEW_COLLECTIVES_FROM
 from .core.sparsifiers import DCT, ExDyna, GaussianK, Sparsifier, ThresholdReuse, TopK
 from .core.state import UnitStates
 
-#: The SparDL preset's defaults (left out of the preset's name).
-SPARDL_DEFAULTS = {"sag": "bruck", "selection": "lazy", "h_mode": "adaptive", "pack": "bitcast"}
+#: the training options every sparse preset takes, and their defaults
+TRAINING_OPTIONS = {"warmup_dense_steps": 0, "momentum_correction": 0.0}
 
 #: Reducers by name (``Compression.sparse(..., allreduce=<name>)``).
 REDUCERS = {
@@ -47,7 +48,8 @@ class SparseCompression:
     Args:
         sparsifier (Sparsifier or None): chooses local entries; ``None`` only for the dense reducer.
         reducer (Reducer): combines the selections of all ranks.
-        preset (str): the preset's name, for ``repr`` and logs.
+        preset (str): the preset's name, for ``repr`` and logs (default: ``sparse(...)`` of the arguments).
+        warmup_dense_steps, momentum_correction: the training options (see ``Compression.topka``).
     """
 
     def __init__(self, sparsifier, reducer, preset=None, *, warmup_dense_steps=0, momentum_correction=0.0):
@@ -67,15 +69,13 @@ class SparseCompression:
                             f"got {sparsifier!r}")
         self.sparsifier = sparsifier if reducer.sparse else None
         self.reducer = reducer
-        self.preset = preset or (f"sparse({sparsifier!r}, allreduce={reducer.name!r})")
         #: dense allreduce for the first N steps (Engine.step); the sparse schemes start at their step 0 after
         self.warmup_dense_steps = int(warmup_dense_steps)
         #: momentum m of DGC's momentum correction and factor masking (core/memory.py); 0.0: off
         self.momentum_correction = float(momentum_correction)
-        opts = [f"{k}={v!r}" for k, v in (("warmup_dense_steps", self.warmup_dense_steps),
-                                          ("momentum_correction", self.momentum_correction)) if v]
-        if opts:
-            self.preset = f"{self.preset[:-1]}, {', '.join(opts)})" if self.preset.endswith(")") else self.preset
+        self.preset = preset or call_text("sparse", {
+            "sparsifier": sparsifier, "allreduce": reducer.name, "warmup_dense_steps": self.warmup_dense_steps,
+            "momentum_correction": self.momentum_correction}, TRAINING_OPTIONS)
         #: this rank's per-unit state (engines, restored states): see :class:`hvd_sparse.core.state.UnitStates`
         self.states = UnitStates(self)
         self._horovod_adapter = None
@@ -148,78 +148,99 @@ _OPTIONS_DOC = """
 """
 
 
-def _with_training_options(factory):
-    """``factory(..., warmup_dense_steps=0, momentum_correction=0.0)``: the preset with those options set."""
-
-    @functools.wraps(factory)
-    def make(*args, warmup_dense_steps=0, momentum_correction=0.0, **kwargs):
-        c = factory(*args, **kwargs)
-        return SparseCompression(c.sparsifier, c.reducer, c.preset, warmup_dense_steps=warmup_dense_steps,
-                                 momentum_correction=momentum_correction)
-
-    make.__doc__ = (factory.__doc__ or "").rstrip() + "\n" + _OPTIONS_DOC
-    sig = inspect.signature(factory)
-    make.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *(
-        inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=v)
-        for k, v in (("warmup_dense_steps", 0), ("momentum_correction", 0.0)))])
-    return make
+def _documents_training_options(factory):
+    """Append the training options' documentation to ``factory``'s docstring."""
+    factory.__doc__ = (factory.__doc__ or "").rstrip() + "\n" + _OPTIONS_DOC
+    return factory
 
 
-# -- Ok-Topk's variants (Compression.oktopk(variant=...); docs/algorithms.md#oktopk): the arguments of its sparsifier
-# and reducer; the authors' dense warm-up steps (128 / 512 / 0) are not reproduced
+def call_text(name, args, defaults):
+    """``name(k=v, ...)`` of the arguments ``args`` that have no default in ``defaults`` or differ from it."""
+    shown = [f"{k}={v!r}" for k, v in args.items() if k not in defaults or v != defaults[k]]
+    return f"{name}({', '.join(shown)})"
+
+
+def _preset(factory, args, sparsifier, reducer):
+    """The preset ``factory`` called with ``args`` (its arguments, by name): named after the arguments that differ
+    from the factory's defaults, with the training options set."""
+    params = inspect.signature(factory).parameters
+    defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+    return SparseCompression(sparsifier, reducer, call_text(factory.__name__, args, defaults),
+                             warmup_dense_steps=args["warmup_dense_steps"],
+                             momentum_correction=args["momentum_correction"])
+
+
+class OkTopkVariant(NamedTuple):
+    """One of Ok-Topk's variants: its local selection (density 1.0 here: ``Compression.oktopk`` sets it) and its
+    reducer."""
+
+    sparsifier: ThresholdReuse
+    reducer: OkTopk
+
+
+#: Ok-Topk's variants (``Compression.oktopk(variant=...)``; docs/algorithms.md#oktopk); the authors' dense warm-up
+#: steps (128 / 512 / 0) are not reproduced
 OKTOPK_PRESETS = {
     # the library's default (Compression.oktopk): the paper's algorithm and balancing, exact-k selection,
     # controllers that keep |S| <= k and K <= k on reuse steps (the assumptions of the 6k(P-1)/P bound),
     # region boundaries that split every step's measured load evenly (the bound's third assumption)
-    "library": {
-        "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": 1.15,
-                       "guard_factor": 1.03, "guard_iters": 30, "guard_target": 1.05, "band_lo": 0.95,
-                       "band_relax": 1.03},
-        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "auto",
-                    "select_rule": "ge_nonzero", "global_control": "ladder", "boundaries": "measured"},
-    },
+    "library": OkTopkVariant(
+        ThresholdReuse(1.0, 32, guard_ratio=1.15, guard_factor=1.03, guard_iters=30, guard_target=1.05,
+                       band_lo=0.95, band_relax=1.03),
+        OkTopk(32, 64, "auto", global_control="ladder", boundaries="measured")),
     # the paper's algorithm: periodic exact re-evaluation only (no guard, no band controllers: 1.0 = off),
     # balancing iff max c_j > 4·avg, "values above the threshold" with exact k (ge_nonzero)
-    "paper": {
-        "sparsifier": {"threshold_period": 32, "select_rule": "ge_nonzero", "guard_ratio": None,
-                       "band_relax": 1.0, "band_tighten": 1.0},
-        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "auto", "balance_factor": 4.0,
-                    "global_relax": 1.0, "global_tighten": 1.0, "select_rule": "ge_nonzero",
-                    "global_control": "band"},
-    },
-    "ref_lstm": {
-        "sparsifier": {"threshold_period": 32, "select_rule": "gt", "guard_ratio": 1.5, "guard_factor": 1.03,
-                       "guard_iters": 5, "band_lo": 0.75, "band_hi": 1.25, "band_relax": 1.012,
-                       "band_tighten": 1.012},
-        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "never",
-                    "global_band_lo": 0.75, "global_band_hi": 1.25, "global_relax": 1.01,
-                    "global_tighten": 1.008, "select_rule": "gt", "global_control": "band"},
-    },
-    "ref_vgg": {
-        "sparsifier": {"threshold_period": 32, "select_rule": "gt", "guard_ratio": 4 / 3, "guard_factor": 1.03,
-                       "guard_iters": 5, "band_lo": 2 / 3, "band_hi": 1.25, "band_relax": 1.012,
-                       "band_tighten": 1.012},
-        "reducer": {"threshold_period": 32, "repartition_period": 64, "balance": "never",
-                    "global_band_lo": 2 / 3, "global_band_hi": 4 / 3, "global_relax": 1.008,
-                    "global_tighten": 1.008, "select_rule": "gt", "global_control": "band"},
-    },
-    "ref_bert": {
-        "sparsifier": {"threshold_period": 128, "select_rule": "gt", "guard_ratio": None, "band_lo": 0.8,
-                       "band_hi": 1.25, "band_relax": 1.025, "band_tighten": 1.025},
-        "reducer": {"threshold_period": 128, "repartition_period": 64, "balance": "always",
-                    "global_band_lo": 0.8, "global_band_hi": 1.25, "global_relax": 1.036,
-                    "global_tighten": 1.025, "select_rule": "gt", "global_control": "band"},
-    },
+    "paper": OkTopkVariant(
+        ThresholdReuse(1.0, 32, guard_ratio=None, band_relax=1.0, band_tighten=1.0),
+        OkTopk(32, 64, "auto", balance_factor=4.0, global_relax=1.0, global_tighten=1.0)),
+    "ref_lstm": OkTopkVariant(
+        ThresholdReuse(1.0, 32, select_rule="gt", guard_ratio=1.5, guard_factor=1.03, guard_iters=5,
+                       band_lo=0.75, band_hi=1.25, band_relax=1.012, band_tighten=1.012),
+        OkTopk(32, 64, "never", global_band_lo=0.75, global_band_hi=1.25, global_relax=1.01,
+               global_tighten=1.008, select_rule="gt")),
+    "ref_vgg": OkTopkVariant(
+        ThresholdReuse(1.0, 32, select_rule="gt", guard_ratio=4 / 3, guard_factor=1.03, guard_iters=5,
+                       band_lo=2 / 3, band_hi=1.25, band_relax=1.012, band_tighten=1.012),
+        OkTopk(32, 64, "never", global_band_lo=2 / 3, global_band_hi=4 / 3, global_relax=1.008,
+               global_tighten=1.008, select_rule="gt")),
+    "ref_bert": OkTopkVariant(
+        ThresholdReuse(1.0, 128, select_rule="gt", guard_ratio=None, band_lo=0.8, band_hi=1.25,
+                       band_relax=1.025, band_tighten=1.025),
+        OkTopk(128, 64, "always", global_band_lo=0.8, global_band_hi=1.25, global_relax=1.036,
+               global_tighten=1.025, select_rule="gt")),
 }
+
+
+def _oktopk_pair(args):
+    """The sparsifier and reducer of ``Compression.oktopk(**args)``: the variant's, with the call's options."""
+    variant = args["variant"]
+    if variant not in OKTOPK_PRESETS:
+        raise ValueError(f"hvd_sparse.Compression.oktopk: variant must be one of {sorted(OKTOPK_PRESETS)}, "
+                         f"got {variant!r}")
+    base = OKTOPK_PRESETS[variant]
+    sp = {"density": args["density"], "max_select_ratio": args["max_select_ratio"]}
+    rd = {"max_select_ratio": args["max_select_ratio"], "few_collectives_from": args["few_collectives_from"]}
+    knobs = {k: args[k] for k in ("threshold_period", "repartition_period", "balance")}
+    if variant == "library":
+        sp["threshold_period"] = knobs["threshold_period"]
+        rd.update(knobs)
+    elif knobs != {"threshold_period": 32, "repartition_period": 64, "balance": "auto"}:
+        raise ValueError(f"hvd_sparse.Compression.oktopk: variant={variant!r} fixes threshold_period, "
+                         f"repartition_period and balance, got {knobs}; leave them at their defaults or use "
+                         "variant='library'")
+    if args["boundaries"] is not None:
+        rd["boundaries"] = args["boundaries"]
+    return dataclasses.replace(base.sparsifier, **sp), dataclasses.replace(base.reducer, **rd)
 
 
 class Compression:
     """Sparse presets, one factory per scheme. Every call returns a new object with fresh state."""
 
     @staticmethod
-    @_with_training_options
+    @_documents_training_options
     def oktopk(density, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
-               max_select_ratio=None, boundaries=None, few_collectives_from=FEW_COLLECTIVES_FROM):
+               max_select_ratio=None, boundaries=None, few_collectives_from=FEW_COLLECTIVES_FROM,
+               warmup_dense_steps=0, momentum_correction=0.0):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
         docs/algorithms.md#oktopk): the O(k) sparse allreduce. Each rank selects with a local threshold that is
         exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
@@ -238,7 +259,7 @@ class Compression:
                 selection, a guard that brings the local count back to <= k in one step and a ladder that keeps
                 the global count K <= k (see ThresholdReuse.guard_target and OkTopk.global_control); "paper"
                 (no controllers), "ref_lstm", "ref_vgg", "ref_bert" (the authors' code, per model). For the
-                "paper"/"ref_*" variants the variant fixes the three knobs above.
+                "paper"/"ref_*" variants the variant fixes the three knobs above (other values raise).
             max_select_ratio (float >= 1 or None): a hard cap on reuse steps, for every variant (default None:
                 off, as in the paper and the authors' code). When a rank's reused threshold selects more than
                 ratio·k entries, that rank takes its exact top-k for this step; when the global count K exceeds
@@ -254,31 +275,12 @@ class Compression:
                 and follow the load of the past steps, the ladder's counts ride in the count allgather. None:
                 never. Default 1024.
         """
-        if variant not in OKTOPK_PRESETS:
-            raise ValueError(f"hvd_sparse.Compression.oktopk: variant must be one of {sorted(OKTOPK_PRESETS)}, "
-                             f"got {variant!r}")
-        kw = OKTOPK_PRESETS[variant]
-        sp, rd = dict(kw["sparsifier"]), dict(kw["reducer"])
-        sp["max_select_ratio"] = rd["max_select_ratio"] = max_select_ratio
-        if variant == "library":
-            sp["threshold_period"] = rd["threshold_period"] = threshold_period
-            rd.update(repartition_period=repartition_period, balance=balance)
-        if boundaries is not None:
-            rd["boundaries"] = boundaries
-        rd["few_collectives_from"] = few_collectives_from
-        name = f"oktopk(density={density!r})" if variant == "library" else \
-            f"oktopk(density={density!r}, variant={variant!r})"
-        if max_select_ratio is not None:
-            name = f"{name[:-1]}, max_select_ratio={max_select_ratio!r})"
-        if boundaries is not None:
-            name = f"{name[:-1]}, boundaries={boundaries!r})"
-        if few_collectives_from != FEW_COLLECTIVES_FROM:
-            name = f"{name[:-1]}, few_collectives_from={few_collectives_from!r})"
-        return SparseCompression(ThresholdReuse(density, **sp), OkTopk(**rd), preset=name)
+        args = dict(locals())
+        return _preset(Compression.oktopk, args, *_oktopk_pair(args))
 
     @staticmethod
-    @_with_training_options
-    def topka(density):
+    @_documents_training_options
+    def topka(density, *, warmup_dense_steps=0, momentum_correction=0.0):
         """TopkA (Li & Hoefler, PPoPP'22, §5 baseline; docs/algorithms.md#topka): exact local top-k on every
         rank, allgather of the k (index, value) pairs, sum in rank order. Error feedback keeps what was not
         sent. Cost: 2k(P-1) words received per rank per step, growing linearly with P.
@@ -286,11 +288,11 @@ class Compression:
         Args:
             density (float): fraction of entries each rank sends, in (0, 1]; k = max(1, floor(density·n)).
         """
-        return SparseCompression(TopK(density), TopkA(), preset=f"topka(density={density!r})")
+        return _preset(Compression.topka, locals(), TopK(density), TopkA())
 
     @staticmethod
-    @_with_training_options
-    def topk_dsa(density):
+    @_documents_training_options
+    def topk_dsa(density, *, warmup_dense_steps=0, momentum_correction=0.0):
         """TopkDSA (SparCML's dynamic sparse allreduce as benchmarked by Li & Hoefler, PPoPP'22;
         docs/algorithms.md#topk_dsa): exact local top-k, sparse reduce-scatter over P equal regions (one
         alltoall), then an allgather of the reduced regions -- sparse, or dense when the reduced nonzeros N reach n/3.
@@ -299,11 +301,11 @@ class Compression:
         Args:
             density (float): fraction of entries each rank sends, in (0, 1].
         """
-        return SparseCompression(TopK(density), TopkDSA(), preset=f"topk_dsa(density={density!r})")
+        return _preset(Compression.topk_dsa, locals(), TopK(density), TopkDSA())
 
     @staticmethod
-    @_with_training_options
-    def gtopk(density):
+    @_documents_training_options
+    def gtopk(density, *, warmup_dense_steps=0, momentum_correction=0.0):
         """gTopk (Shi et al., ICDCS'19, as benchmarked by Li & Hoefler; docs/algorithms.md#gtopk): exact local
         top-k, then a reduction tree of log2 P rounds, each merging two lists and keeping the top k, and a
         broadcast of the final k entries. Any P (fold-in pre-round when P is not a power of two). Error
@@ -312,11 +314,11 @@ class Compression:
         Args:
             density (float): k = max(1, floor(density·n)) entries in the global result, in (0, 1].
         """
-        return SparseCompression(TopK(density), GTopk(), preset=f"gtopk(density={density!r})")
+        return _preset(Compression.gtopk, locals(), TopK(density), GTopk())
 
     @staticmethod
-    @_with_training_options
-    def gaussiank(density, adjust="lstm"):
+    @_documents_training_options
+    def gaussiank(density, adjust="lstm", *, warmup_dense_steps=0, momentum_correction=0.0):
         """Gaussiank (Shi et al., 2019, as benchmarked by Li & Hoefler; docs/algorithms.md#gaussiank): threshold
         mu + z·sigma from a Gaussian fit of the accumulator (z = Phi^-1(1 - density/2)), scaled down until at
         least 3k/4 entries pass, then the TopkA exchange (counts + allgatherv). Cost about 2k(P-1) words.
@@ -325,12 +327,12 @@ class Compression:
             density (float): target fraction of entries, in (0, 1].
             adjust (str): the threshold adjustment loop of the reference code: "lstm" (default), "bert", "vgg".
         """
-        return SparseCompression(GaussianK(density, adjust=adjust), TopkA(),
-                                 preset=f"gaussiank(density={density!r})")
+        return _preset(Compression.gaussiank, locals(), GaussianK(density, adjust=adjust), TopkA())
 
     @staticmethod
-    @_with_training_options
-    def exdyna(density, threshold_rule="proportional", init_threshold="topk_once"):
+    @_documents_training_options
+    def exdyna(density, threshold_rule="proportional", init_threshold="topk_once", *, warmup_dense_steps=0,
+               momentum_correction=0.0):
         """ExDyna (Yoon & Oh, CCGrid'24; docs/algorithms.md#exdyna): the flat gradient is cut into blocks grouped in P
         exclusive partitions that rotate over the ranks every step; each rank selects |acc| >= tau inside its
         partition only (no index is ever selected twice), the indices are allgathered and every rank's values
@@ -348,12 +350,12 @@ class Compression:
                 reached at once) or None for the reference tau0 = 1/(2 sqrt(k)), which needs hundreds of steps
                 when the gradient scale is far from it, or a positive float.
         """
-        return SparseCompression(ExDyna(density, threshold_rule=threshold_rule, init_threshold=init_threshold),
-                                 ExDynaReducer(), preset=f"exdyna(density={density!r})")
+        return _preset(Compression.exdyna, locals(),
+                       ExDyna(density, threshold_rule=threshold_rule, init_threshold=init_threshold), ExDynaReducer())
 
     @staticmethod
-    @_with_training_options
-    def dct(density, lifespan=1000):
+    @_documents_training_options
+    def dct(density, lifespan=1000, *, warmup_dense_steps=0, momentum_correction=0.0):
         """DCT-DP (Gupta et al., KDD'21, "Dynamic Communication Thresholding"; docs/algorithms.md#dct): a hard
         threshold per parameter tensor, the K-th largest |acc| of the tensor (K = ceil(density·n_l)),
         recomputed only every ``lifespan`` steps and reused in between; the selections are allgathered.
@@ -362,12 +364,12 @@ class Compression:
             density (float): fraction of each tensor sent on recompute steps, in (0, 1].
             lifespan (int): steps between threshold recomputations (default 1000, the paper's value).
         """
-        return SparseCompression(DCT(density, lifespan), TopkA(),
-                                 preset=f"dct(density={density!r}, lifespan={lifespan!r})")
+        return _preset(Compression.dct, locals(), DCT(density, lifespan), TopkA())
 
     @staticmethod
-    @_with_training_options
-    def spardl(density, groups=1, *, sag="bruck", selection="lazy", h_mode="adaptive", pack="bitcast"):
+    @_documents_training_options
+    def spardl(density, groups=1, *, sag="bruck", selection="lazy", h_mode="adaptive", pack="bitcast",
+               warmup_dense_steps=0, momentum_correction=0.0):
         """SparDL (ICDE'24; docs/algorithms.md#spardl): Spar-Reduce-Scatter (block-wise top-k/P at every hop, dropped
         values kept as residuals where they fall -- global residual collection), then, with ``groups=d > 1``,
         Spar-All-Gather across d teams, then an all-gather inside each team. SparDL picks its own entries
@@ -386,11 +388,8 @@ class Compression:
             pack (str): "bitcast" (default: indices bit-cast to float32 ahead of the values, one collective
                 per hop) or "two" (separate index and value collectives).
         """
-        spardl = SparDL(groups=groups, sag=sag, selection=selection, h_mode=h_mode, pack=pack)
-        opts = "".join(f", {k}={v!r}" for k, v in (("sag", sag), ("selection", selection), ("h_mode", h_mode),
-                                                   ("pack", pack)) if v != SPARDL_DEFAULTS[k])
-        return SparseCompression(TopK(density), spardl,
-                                 preset=f"spardl(density={density!r}, groups={groups!r}{opts})")
+        return _preset(Compression.spardl, locals(), TopK(density),
+                       SparDL(groups, sag=sag, selection=selection, h_mode=h_mode, pack=pack))
 
     @staticmethod
     def dense():
@@ -400,8 +399,8 @@ class Compression:
         return SparseCompression(None, Dense(), preset="dense()")
 
     @staticmethod
-    @_with_training_options
-    def sparse(sparsifier, allreduce="oktopk"):
+    @_documents_training_options
+    def sparse(sparsifier, allreduce="oktopk", *, warmup_dense_steps=0, momentum_correction=0.0):
         """Any pairing of a sparsifier and a sparse allreduce, e.g. ``sparse(GaussianK(0.01))`` (Gaussiank
         selection, Ok-Topk's O(k) allreduce) or ``sparse(TopK(0.01), allreduce="topka")``.
 
@@ -409,4 +408,4 @@ class Compression:
             sparsifier (Sparsifier): how each rank chooses its entries (carries the density).
             allreduce (str): one of ``REDUCERS``: how the choices are combined. Default: "oktopk".
         """
-        return SparseCompression(sparsifier, _reducer(allreduce))
+        return _preset(Compression.sparse, locals(), sparsifier, _reducer(allreduce))

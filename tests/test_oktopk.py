@@ -8,6 +8,7 @@ exact S ∩ G) with ``oktopk_reference``: the step of docs/algorithms.md#oktopk 
 masks (no regions), on integer-valued float32 data where every sum is exact.
 """
 
+import dataclasses
 import math
 
 import numpy as np
@@ -161,12 +162,12 @@ def test_mass_conservation_for_every_variant(preset):
     P = 3
     g = drifting_grads(34, P, 400, seed=4)
     cfg = OKTOPK_PRESETS[preset]
-    comp = SparseCompression(ThresholdReuse(0.03, **cfg["sparsifier"]), OkTopk(**cfg["reducer"]))
+    comp = SparseCompression(dataclasses.replace(cfg.sparsifier, density=0.03), cfg.reducer)
     res = run(comp, g)
     assert_mass_conserved(g, res)
-    ref = oktopk_reference(g, 0.03, tp=cfg["sparsifier"]["threshold_period"],
-                           sp={k: v for k, v in cfg["sparsifier"].items() if k in SP_KEYS},
-                           rd={k: v for k, v in cfg["reducer"].items()})
+    sp, rd = dataclasses.asdict(cfg.sparsifier), dataclasses.asdict(cfg.reducer)
+    ref = oktopk_reference(g, 0.03, tp=sp["threshold_period"], sp={k: v for k, v in sp.items() if k in SP_KEYS},
+                           rd=rd)
     np.testing.assert_array_equal(res["updates"][:, 0], np.array(ref["updates"]))
 
 
@@ -559,8 +560,9 @@ def test_oktopk_preset_passes_max_select_ratio_to_both_halves_for_every_variant(
     for variant in ("library", "paper"):
         cfg = OKTOPK_PRESETS[variant]
         preset = Compression.oktopk(0.05, variant=variant, max_select_ratio=1.2)
-        assert preset.sparsifier == ThresholdReuse(0.05, **{**cfg["sparsifier"], "max_select_ratio": 1.2})
-        assert preset.reducer == OkTopk(**{**cfg["reducer"], "max_select_ratio": 1.2})
+        assert preset.sparsifier == ThresholdReuse(**{**dataclasses.asdict(cfg.sparsifier), "density": 0.05,
+                                                      "max_select_ratio": 1.2})
+        assert preset.reducer == OkTopk(**{**dataclasses.asdict(cfg.reducer), "max_select_ratio": 1.2})
         assert "max_select_ratio=1.2" in repr(preset)
     capped = simulate(Compression.oktopk(0.05, variant="paper", max_select_ratio=1.2), g)
     free = simulate(Compression.oktopk(0.05, variant="paper"), g)
@@ -570,19 +572,19 @@ def test_oktopk_preset_passes_max_select_ratio_to_both_halves_for_every_variant(
 def test_presets_reproduce_the_table():
     assert set(OKTOPK_PRESETS) == {"library", "paper", "ref_lstm", "ref_vgg", "ref_bert"}
     for cfg in OKTOPK_PRESETS.values():
-        ThresholdReuse(0.01, **cfg["sparsifier"])
-        OkTopk(**cfg["reducer"])
+        assert isinstance(cfg.sparsifier, ThresholdReuse) and isinstance(cfg.reducer, OkTopk)
     lstm = OKTOPK_PRESETS["ref_lstm"]
-    assert ThresholdReuse(0.02, **lstm["sparsifier"]) == ThresholdReuse(0.02, select_rule="gt")
-    assert OkTopk(**lstm["reducer"]) == OkTopk(balance="never", select_rule="gt")
-    assert OKTOPK_PRESETS["ref_bert"]["sparsifier"]["guard_ratio"] is None
-    assert OKTOPK_PRESETS["ref_bert"]["reducer"]["threshold_period"] == 128
-    assert OKTOPK_PRESETS["ref_bert"]["reducer"]["balance"] == "always"
-    assert OKTOPK_PRESETS["ref_vgg"]["reducer"]["global_band_hi"] == 4 / 3
-    assert OKTOPK_PRESETS["paper"]["reducer"]["balance"] == "auto"
-    assert OKTOPK_PRESETS["library"]["reducer"]["global_control"] == "ladder"
-    assert all(OKTOPK_PRESETS[v]["reducer"]["global_control"] == "band" for v in ("paper", "ref_lstm", "ref_vgg",
-                                                                                  "ref_bert"))
+    assert lstm.sparsifier == ThresholdReuse(1.0, select_rule="gt")
+    assert lstm.reducer == OkTopk(balance="never", select_rule="gt")
+    assert repr(lstm.reducer) == "OkTopk(balance='never', select_rule='gt')"    # the fields that differ
+    assert OKTOPK_PRESETS["ref_bert"].sparsifier.guard_ratio is None
+    assert OKTOPK_PRESETS["ref_bert"].reducer.threshold_period == 128
+    assert OKTOPK_PRESETS["ref_bert"].reducer.balance == "always"
+    assert OKTOPK_PRESETS["ref_vgg"].reducer.global_band_hi == 4 / 3
+    assert OKTOPK_PRESETS["paper"].reducer.balance == "auto"
+    assert OKTOPK_PRESETS["library"].reducer.global_control == "ladder"
+    assert all(OKTOPK_PRESETS[v].reducer.global_control == "band" for v in ("paper", "ref_lstm", "ref_vgg",
+                                                                            "ref_bert"))
 
 
 @pytest.mark.parametrize("P", [2, 5, 8])
@@ -611,7 +613,9 @@ def test_configuration_objects_are_hashable_and_carry_no_state():
     a, b = ThresholdReuse(0.01), ThresholdReuse(0.01)
     assert a == b and hash(a) == hash(b) and ThresholdReuse(0.01, 16) != a
     assert OkTopk() == OkTopk() and hash(OkTopk()) == hash(OkTopk()) and OkTopk(balance="never") != OkTopk()
-    assert "balance='auto'" in repr(OkTopk())
+    assert repr(OkTopk()) == "OkTopk()" and repr(OkTopk(balance="never")) == "OkTopk(balance='never')"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.density = 0.5
     comp = make(0.05, tp=3, record=False)
     before = (dict(vars(comp.sparsifier)), dict(vars(comp.reducer)))
     run(comp, drifting_grads(5, 3, 100, seed=1))

@@ -5,6 +5,7 @@ The simulator is the oracle of every Horovod run; with ``backend="tensorflow"`` 
 code a TensorFlow rank runs (``tf.py_function`` hands the engine an EagerTensor), so these tests pin that the
 TensorFlow path computes what the numpy path computes."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from hvd_sparse.core.sim import SimulatedWorld  # noqa: E402
 from hvd_sparse.core.selection import topk_indices  # noqa: E402
 from hvd_sparse.core.xp import TFBackend, backend_of  # noqa: E402
 from hvd_sparse.core.reducers import OkTopk, SparDL  # noqa: E402
-from hvd_sparse.compression import SparseCompression  # noqa: E402
+from hvd_sparse.compression import OKTOPK_PRESETS, SparseCompression  # noqa: E402
 from hvd_sparse.testing import simulate  # noqa: E402
 
 from oracles import int_grads  # noqa: E402
@@ -62,7 +63,10 @@ def test_every_preset_on_tensorflow_equals_numpy_bit_for_bit(preset, P):
 @pytest.mark.parametrize("name, make, P", [
     # branches the presets at density 0.05 do not reach
     ("topk_dsa dense switch", lambda: Compression.topk_dsa(0.4), 3),
-    ("oktopk paper, balanced, tau'=2", lambda: Compression.oktopk(0.05, 2, 3, "always", variant="paper"), 4),
+    ("oktopk paper, balanced, tau'=2", lambda: SparseCompression(
+        dataclasses.replace(OKTOPK_PRESETS["paper"].sparsifier, density=0.05, threshold_period=2),
+        dataclasses.replace(OKTOPK_PRESETS["paper"].reducer, threshold_period=2, repartition_period=3,
+                            balance="always")), 4),
     ("oktopk gt + hard cap", lambda: SparseCompression(
         ThresholdReuse(0.05, 2, select_rule="gt", max_select_ratio=1.5),
         OkTopk(2, 2, select_rule="gt", max_select_ratio=1.5)), 3),

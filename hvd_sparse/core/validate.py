@@ -1,8 +1,15 @@
 """Argument checks, one place for every API (presets, sparsifiers, reducers, adapters), so that every error is
-worded the same way: ``<public api>: <argument> <rule>, got <value>; <fix>``."""
+worded the same way: ``<public api>: <argument> <rule>, got <value>; <fix>``.
+
+The algorithms' options are frozen dataclasses (:class:`Options`, decorated with :func:`options`) whose fields
+carry their rule (:func:`integer`, :func:`real`, :func:`choice`, :func:`flag`, :func:`density`): the rules run
+once, when the object is built, and ``repr`` shows the fields that differ from their defaults.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import numbers
 
@@ -90,19 +97,101 @@ def check_nonfinite(policy, api):
 SELECT_RULES = ("ge_nonzero", "gt")
 
 
-def check_real(value, name, api, low, low_incl=True, allow_none=False, fix=""):
+def check_real(value, name, api, low, low_incl=True, allow_none=False, fix="", below=None):
+    """``value`` as a finite float >= ``low`` (> with ``low_incl=False``) and < ``below`` when given."""
     if value is None and allow_none:
         return None
     ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(float(value))
-          and (float(value) >= low if low_incl else float(value) > low))
+          and (float(value) >= low if low_incl else float(value) > low)
+          and (below is None or float(value) < below))
     if not ok:
-        rule = f"must be a finite number {'>=' if low_incl else '>'} {low:g}" + (" or None" if allow_none else "")
+        rule = f"must be a finite number {'>=' if low_incl else '>'} {low:g}" + \
+            (f" and < {below:g}" if below is not None else "") + (" or None" if allow_none else "")
         raise ValueError(f"{api}: {name} {rule}, got {value!r}{'; ' + fix if fix else ''}")
     return float(value)
 
 
-def check_select_rule(rule, api):
-    if rule not in SELECT_RULES:
-        raise ValueError(f"{api}: select_rule must be one of {SELECT_RULES}, got {rule!r}; use 'ge_nonzero' "
-                         "(exactly k without ties, library default) or 'gt' (strict >, ref-compatible)")
-    return rule
+SELECT_RULE_FIX = "use 'ge_nonzero' (exactly k without ties, library default) or 'gt' (strict >, ref-compatible)"
+
+
+def check_choice(value, name, api, values, fix=""):
+    if value not in values:
+        raise ValueError(f"{api}: {name} must be one of {tuple(values)}, got {value!r}{'; ' + fix if fix else ''}")
+    return value
+
+
+def check_bool(value, name, api):
+    if not isinstance(value, bool):
+        raise TypeError(f"{api}: {name} must be a bool, got {value!r}")
+    return value
+
+
+# -- algorithm options ----------------------------------------------------------------------------------------
+class Options:
+    """Base of the sparsifiers' and reducers' configuration (subclasses are decorated with :func:`options`).
+
+    Each field's rule (its ``metadata["check"]``: ``check(value, name, api) -> value``) runs once in
+    ``__post_init__`` and stores the checked value; :meth:`check_together` adds the rules that tie fields
+    together. Equality and hashing are by value; ``repr`` lists the fields that differ from their defaults."""
+
+    def __post_init__(self):
+        api = f"hvd_sparse.{type(self).__name__}"
+        for f in dataclasses.fields(self):
+            check = f.metadata.get("check")
+            if check is not None:
+                object.__setattr__(self, f.name, check(getattr(self, f.name), f.name, api))
+        self.check_together(api)
+
+    def check_together(self, api):
+        """Rules across fields (raise naming them); default none."""
+
+    def __repr__(self):
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                 if f.default is dataclasses.MISSING or getattr(self, f.name) != f.default]
+        return f"{type(self).__name__}({', '.join(shown)})"
+
+
+#: decorator of every :class:`Options` subclass: a frozen dataclass that keeps :meth:`Options.__repr__`
+options = dataclasses.dataclass(frozen=True, repr=False)
+
+
+def _field(default, check, *args, **kwargs):
+    rule = functools.partial(_apply, check, args, kwargs)
+    return dataclasses.field(default=default, metadata={"check": rule})
+
+
+def _apply(check, args, kwargs, value, name, api):
+    return check(value, name, api, *args, **kwargs)
+
+
+def _density(value, name, api):
+    return check_density(value, api)
+
+
+def _int_or_none(value, name, api, minimum):
+    return None if value is None else check_positive_int(value, name, api, minimum)
+
+
+def density():
+    """The required ``density`` field of a sparsifier: a number in (0, 1]."""
+    return _field(dataclasses.MISSING, _density)
+
+
+def integer(default, minimum=1, allow_none=False):
+    """An integer field >= ``minimum`` (or None with ``allow_none``)."""
+    return _field(default, _int_or_none, minimum) if allow_none else _field(default, check_positive_int, minimum)
+
+
+def real(default, low, low_incl=True, allow_none=False, fix="", below=None):
+    """A finite real field >= ``low`` (> with ``low_incl=False``), < ``below`` when given, or None."""
+    return _field(default, check_real, low, low_incl=low_incl, allow_none=allow_none, fix=fix, below=below)
+
+
+def choice(default, values, fix=""):
+    """A field that takes one of ``values``."""
+    return _field(default, check_choice, tuple(values), fix=fix)
+
+
+def flag(default):
+    """A bool field."""
+    return _field(default, check_bool)

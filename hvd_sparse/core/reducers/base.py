@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from ..validate import Options, options
+
 #: ``included`` value meaning "every entry of acc reached the result" (dense reducer).
 ALL = "all"
 
@@ -94,8 +96,10 @@ def sum_sparse_in_rank_order(xp, idx, vals, counts, like):
     return xp.merge_add(idx, vals, counts, like=like)
 
 
-class Reducer:
-    """Base class. Subclasses set ``name`` and implement :meth:`reduce`."""
+@options
+class Reducer(Options):
+    """Base class. Subclasses (decorated with :func:`~hvd_sparse.core.validate.options`, their options as fields,
+    checked once when they are built) set ``name`` and implement :meth:`reduce`."""
 
     name = "base"
     #: False for reducers that ignore the selection and keep no residual (dense).
@@ -112,12 +116,3 @@ class Reducer:
 
     def reduce(self, xp, acc, idx, k, comm, state, ctx):  # pragma: no cover - interface
         raise NotImplementedError
-
-    def __eq__(self, other):
-        return type(other) is type(self) and vars(other) == vars(self)
-
-    def __hash__(self):
-        return hash((type(self), tuple(sorted(vars(self).items()))))
-
-    def __repr__(self):
-        return f"{type(self).__name__}()"

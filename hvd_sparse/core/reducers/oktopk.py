@@ -69,7 +69,7 @@ import math
 from ..comm import SUM
 from ..selection import intersect_sorted, topk_indices
 from ..sparsifiers.threshold_reuse import band_adjust
-from ..validate import check_positive_int, check_real, check_select_rule
+from ..validate import SELECT_RULE_FIX, SELECT_RULES, check_real, choice, integer, options, real
 from .base import (Reducer, SparseSum, allgather_count, allgather_counts, pack_pairs, sum_sparse_in_rank_order,
                    unpack_pairs, wire_index_dtype)
 from .regions import measure_load, measured_boundaries, next_boundaries, refine_load, region_split
@@ -146,6 +146,7 @@ class _OkStep:
     capped: bool = False
 
 
+@options
 class OkTopk(Reducer):
     """Ok-Topk O(k) sparse allreduce (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep
     Learning", PPoPP'22, Algorithm 1; docs/algorithms.md#oktopk). Pair it with
@@ -212,47 +213,28 @@ class OkTopk(Reducer):
     name = "oktopk"
     sparse_result = True
 
-    def __init__(self, threshold_period=32, repartition_period=64, balance="auto", *, balance_factor=4.0,
-                 global_band_lo=0.75, global_band_hi=1.25, global_relax=1.01, global_tighten=1.008,
-                 select_rule="ge_nonzero", max_select_ratio=None, global_control="band", ladder_factor=1.1,
-                 boundaries="periodic", boundary_tolerance=1.0, load_smoothing=0.5,
-                 few_collectives_from=FEW_COLLECTIVES_FROM):
-        api = "hvd_sparse.OkTopk"
-        if few_collectives_from is not None:
-            few_collectives_from = check_positive_int(few_collectives_from, "few_collectives_from", api)
-        self.few_collectives_from = few_collectives_from
-        if boundaries not in BOUNDARY_POLICIES:
-            raise ValueError(f"{api}: boundaries must be one of {BOUNDARY_POLICIES}, got {boundaries!r}")
-        self.boundaries = boundaries
-        self.load_smoothing = check_real(load_smoothing, "load_smoothing", api, 0.0, fix="e.g. 0.5 (0: last step only)")
-        if self.load_smoothing >= 1.0:
-            raise ValueError(f"{api}: load_smoothing must be in [0, 1), got {load_smoothing!r}")
-        self.boundary_tolerance = check_real(boundary_tolerance, "boundary_tolerance", api, 1.0,
-                                             fix="e.g. 1.1 (1.0: every step)")
-        if global_control not in ("ladder", "band"):
-            raise ValueError(f"{api}: global_control must be 'ladder' or 'band', got {global_control!r}")
-        self.global_control = global_control
-        self.ladder_factor = check_real(ladder_factor, "ladder_factor", api, 1.0, low_incl=False, fix="e.g. 1.1")
-        self.threshold_period = check_positive_int(threshold_period, "threshold_period", api)
-        self.repartition_period = check_positive_int(repartition_period, "repartition_period", api)
-        if balance not in BALANCE_POLICIES:
-            raise ValueError(f"{api}: balance must be one of {BALANCE_POLICIES}, got {balance!r}; 'auto' "
-                             "balances when the largest owner holds > balance_factor x the average")
-        self.balance = balance
-        self.balance_factor = check_real(balance_factor, "balance_factor", api, 0.0, low_incl=False,
-                                          fix="e.g. 4.0 (paper)")
-        self.global_band_lo = check_real(global_band_lo, "global_band_lo", api, 0.0, fix="e.g. 0.75")
-        self.global_band_hi = check_real(global_band_hi, "global_band_hi", api, self.global_band_lo,
-                                          fix="global_band_hi must be >= global_band_lo")
-        self.global_relax = check_real(global_relax, "global_relax", api, 1.0, fix="e.g. 1.01 (1.0 disables)")
-        self.global_tighten = check_real(global_tighten, "global_tighten", api, 1.0,
-                                          fix="e.g. 1.008 (1.0 disables)")
-        self.select_rule = check_select_rule(select_rule, api)
-        self.max_select_ratio = check_real(max_select_ratio, "max_select_ratio", api, 1.0, allow_none=True,
-                                            fix="e.g. 4 (or None for no cap)")
+    threshold_period: int = integer(32)
+    repartition_period: int = integer(64)
+    balance: str = choice("auto", BALANCE_POLICIES, fix="'auto' balances when the largest owner holds > "
+                                                        "balance_factor x the average")
+    _: dataclasses.KW_ONLY
+    balance_factor: float = real(4.0, 0.0, low_incl=False, fix="e.g. 4.0 (paper)")
+    global_band_lo: float = real(0.75, 0.0, fix="e.g. 0.75")
+    global_band_hi: float = real(1.25, 0.0, fix="e.g. 1.25")
+    global_relax: float = real(1.01, 1.0, fix="e.g. 1.01 (1.0 disables)")
+    global_tighten: float = real(1.008, 1.0, fix="e.g. 1.008 (1.0 disables)")
+    select_rule: str = choice("ge_nonzero", SELECT_RULES, fix=SELECT_RULE_FIX)
+    max_select_ratio: float = real(None, 1.0, allow_none=True, fix="e.g. 4 (or None for no cap)")
+    global_control: str = choice("band", ("ladder", "band"))
+    ladder_factor: float = real(1.1, 1.0, low_incl=False, fix="e.g. 1.1")
+    boundaries: str = choice("periodic", BOUNDARY_POLICIES)
+    boundary_tolerance: float = real(1.0, 1.0, fix="e.g. 1.1 (1.0: every step)")
+    load_smoothing: float = real(0.5, 0.0, below=1.0, fix="e.g. 0.5 (0: last step only)")
+    few_collectives_from: int = integer(FEW_COLLECTIVES_FROM, allow_none=True)
 
-    def __repr__(self):
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
+    def check_together(self, api):
+        check_real(self.global_band_hi, "global_band_hi", api, self.global_band_lo,
+                   fix="global_band_hi must be >= global_band_lo")
 
     def initial_state(self):
         return {"t": 0, "gamma": None, "offsets": None, "size": None}

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 
-from ..validate import check_positive_int
+from ..validate import choice, integer, options
 from .base import Reducer, wire_index_dtype
 
 _API = "hvd_sparse.SparDL"
@@ -110,12 +110,7 @@ def _flat_index(xp, cols, lo, c, like):
     return xp.reshape(rows[:, None] + cols, (-1,))
 
 
-def _choice(value, name, allowed):
-    if value not in allowed:
-        raise ValueError(f"{_API}: {name} must be one of {list(allowed)}, got {value!r}")
-    return value
-
-
+@options
 class SparDL(Reducer):
     """SparDL (Zhao, Yin, Mao, Liu, Chen, Gao, "SparDL: Distributed Deep Learning Training with Efficient
     Sparse Communication", ICDE 2024; docs/algorithms.md#spardl).
@@ -147,19 +142,17 @@ class SparDL(Reducer):
     name = "spardl"
     uses_selection = False
 
-    def __init__(self, groups=1, *, sag="bruck", selection="lazy", h_mode="adaptive", pack="bitcast"):
-        self.groups = check_positive_int(groups, "groups", _API)
-        self.sag = _choice(sag, "sag", ("bruck", "recursive"))
-        self.selection = _choice(selection, "selection", ("lazy", "eager"))
-        self.h_mode = _choice(h_mode, "h_mode", ("adaptive", "fixed"))
-        self.pack = _choice(pack, "pack", ("bitcast", "two"))
-        if self.sag == "recursive" and self.groups & (self.groups - 1):
-            raise ValueError(f"{_API}: groups must be a power of two with sag='recursive', got "
-                             f"{self.groups}; use sag='bruck' or groups in (1, 2, 4, 8, ...)")
+    groups: int = integer(1)
+    _: dataclasses.KW_ONLY
+    sag: str = choice("bruck", ("bruck", "recursive"))
+    selection: str = choice("lazy", ("lazy", "eager"))
+    h_mode: str = choice("adaptive", ("adaptive", "fixed"))
+    pack: str = choice("bitcast", ("bitcast", "two"))
 
-    def __repr__(self):
-        return (f"SparDL(groups={self.groups}, sag={self.sag!r}, selection={self.selection!r}, "
-                f"h_mode={self.h_mode!r}, pack={self.pack!r})")
+    def check_together(self, api):
+        if self.sag == "recursive" and self.groups & (self.groups - 1):
+            raise ValueError(f"{api}: groups must be a power of two with sag='recursive', got "
+                             f"{self.groups}; use sag='bruck' or groups in (1, 2, 4, 8, ...)")
 
     # -- communication helpers ----------------------------------------------------------------------------
     def _exchange(self, xp, comm, phase, peer, ints, vals, header=0):

@@ -1,6 +1,7 @@
 """The sparsifier interface: how one rank chooses which entries of its accumulator to send.
 
-A sparsifier is configuration only (frozen, hashable); everything that changes from step to step lives
+A sparsifier is configuration only (a frozen dataclass of its options, checked once when it is built,
+:class:`hvd_sparse.core.validate.Options`); everything that changes from step to step lives
 in the per-rank ``state`` dict the engine passes in, so it can be checkpointed (``state_dict``).
 
     idx = sparsifier.select(xp, acc, k, state, ctx)   # sorted int64 indices into acc, no duplicates
@@ -16,11 +17,14 @@ indices), so that the simulator and a Horovod run agree bit for bit.
 
 from __future__ import annotations
 
-from ..validate import check_density
+from ..validate import Options, options
+from ..validate import density as density_option
 
 
-class Sparsifier:
-    """Base class. Subclasses set ``name`` and implement :meth:`select`.
+@options
+class Sparsifier(Options):
+    """Base class. Subclasses (decorated with :func:`~hvd_sparse.core.validate.options`, their options as fields)
+    set ``name`` and implement :meth:`select`.
 
     Args:
         density (float): target fraction of entries to select, in (0, 1]; ``k = max(1, floor(density*n))``.
@@ -33,8 +37,7 @@ class Sparsifier:
     #: density is then the sum over ranks, not the mean.
     partitioned = False
 
-    def __init__(self, density):
-        self.density = check_density(density, f"hvd_sparse.{type(self).__name__}")
+    density: float = density_option()
 
     def k_for(self, n):
         """The target count for a buffer of ``n`` entries: ``max(1, floor(density * n))``."""
@@ -55,16 +58,3 @@ class Sparsifier:
 
     def update(self, xp, state, info, ctx):
         """Called after the reducer with its ``info``; default: nothing."""
-
-    def _key(self):
-        return tuple(sorted(vars(self).items()))
-
-    def __eq__(self, other):
-        return type(other) is type(self) and other._key() == self._key()
-
-    def __hash__(self):
-        return hash((type(self), self._key()))
-
-    def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in self._key())
-        return f"{type(self).__name__}({args})"

@@ -22,16 +22,15 @@ sparsifier interface.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import numbers
 
 import numpy as np
 
 from ..comm import SUM
-from ..validate import check_positive_int
+from ..validate import choice, flag, integer, options
 from .base import Sparsifier
 
-_API = "hvd_sparse.DCT"
 K_ROUNDINGS = ("ceil", "paper")
 DRAIN_MODES = ("flush",)
 
@@ -57,6 +56,7 @@ def dct_k(n_l, density, k_rounding="ceil"):
     return min(max(K, 1), n_l)
 
 
+@options
 class DCT(Sparsifier):
     """DCT-DP (Gupta et al., "Training Recommender Systems at Scale: Communication-Efficient Model and Data
     Parallelism", KDD 2021; docs/algorithms.md#dct): one hard threshold per parameter tensor, recomputed as the
@@ -81,29 +81,15 @@ class DCT(Sparsifier):
     name = "dct"
     exact_k = False
 
-    def __init__(self, density, lifespan=1000, *, k_rounding="ceil", zero_tau_guard=True, sync_threshold=False,
-                 ef_drain_period=None, ef_drain_mode="flush", drain_seed=0):
-        super().__init__(density)
-        self.lifespan = check_positive_int(lifespan, "lifespan", _API)
-        if k_rounding not in K_ROUNDINGS:
-            raise ValueError(f"{_API}: k_rounding must be one of {K_ROUNDINGS}, got {k_rounding!r}")
-        self.k_rounding = k_rounding
-        for name, v in (("zero_tau_guard", zero_tau_guard), ("sync_threshold", sync_threshold)):
-            if not isinstance(v, bool):
-                raise TypeError(f"{_API}: {name} must be a bool, got {v!r}")
-        self.zero_tau_guard = zero_tau_guard
-        self.sync_threshold = sync_threshold
-        if ef_drain_period is not None:
-            ef_drain_period = check_positive_int(ef_drain_period, "ef_drain_period", _API)
-        self.ef_drain_period = ef_drain_period
-        if ef_drain_mode not in DRAIN_MODES:
-            raise ValueError(f"{_API}: ef_drain_mode must be one of {DRAIN_MODES}, got {ef_drain_mode!r}; "
-                             "'discard' (drop the error buffer without sending it) is not available through "
-                             "the sparsifier interface")
-        self.ef_drain_mode = ef_drain_mode
-        if isinstance(drain_seed, bool) or not isinstance(drain_seed, numbers.Integral) or drain_seed < 0:
-            raise ValueError(f"{_API}: drain_seed must be an integer >= 0, got {drain_seed!r}")
-        self.drain_seed = int(drain_seed)
+    lifespan: int = integer(1000)
+    _: dataclasses.KW_ONLY
+    k_rounding: str = choice("ceil", K_ROUNDINGS)
+    zero_tau_guard: bool = flag(True)
+    sync_threshold: bool = flag(False)
+    ef_drain_period: int = integer(None, allow_none=True)
+    ef_drain_mode: str = choice("flush", DRAIN_MODES, fix="'discard' (drop the error buffer without sending it) "
+                                                          "is not available through the sparsifier interface")
+    drain_seed: int = integer(0, minimum=0)
 
     def _drain_now(self, t):
         """The drain: Bernoulli(1/T_d) keyed by (drain_seed, t): the same draw on every rank, no communication."""
@@ -117,7 +103,7 @@ class DCT(Sparsifier):
         n = xp.numel(acc)
         layout = [int(x) for x in (ctx.layout if ctx.layout is not None else (n,))]
         if sum(layout) != n:
-            raise ValueError(f"{_API}: the layout {layout} does not add up to the buffer size n={n}")
+            raise ValueError(f"hvd_sparse.DCT: the layout {layout} does not add up to the buffer size n={n}")
         t = ctx.step
         recompute = t % self.lifespan == 0 or state.get("layout") != layout or "tau" not in state
         mag = xp.abs(acc)

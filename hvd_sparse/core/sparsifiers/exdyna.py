@@ -41,12 +41,12 @@ gathered counts only, so it is bitwise identical on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import numbers
 import warnings
 
 from ..comm import MAX, SUM
-from ..validate import check_positive_int
+from ..validate import check_real, choice, flag, integer, options, real
 from .base import Sparsifier
 
 _API = "hvd_sparse.ExDyna"
@@ -140,13 +140,18 @@ def threshold_factor(exam, rule="reference", band_hi=1.1, band_lo=0.909, sf_up=1
     return sf_down
 
 
-def _check_pos_float(value, name, lo_open=0.0):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) \
-            or not value > lo_open:
-        raise ValueError(f"{_API}: {name} must be a finite number > {lo_open:g}, got {value!r}")
-    return float(value)
+def positive(default):
+    """A field that takes a finite number > 0."""
+    return real(default, 0.0, low_incl=False)
 
 
+def _check_init_threshold(value, name, api):
+    if value is None or value == "topk_once":
+        return value
+    return check_real(value, f"{name} (None, 'topk_once' or a float)", api, 0.0, low_incl=False)
+
+
+@options
 class ExDyna(Sparsifier):
     """ExDyna (Yoon & Oh, "Preserving Near-Optimal Gradient Sparsification Cost for Scalable Distributed
     Deep Learning", CCGrid 2024; docs/algorithms.md#exdyna): each rank thresholds ``|V| >= tau`` inside its own
@@ -192,41 +197,31 @@ class ExDyna(Sparsifier):
     #: the ranks' selections are disjoint shares of one global selection of about k entries
     partitioned = True
 
-    def __init__(self, density, *, num_blk=1024, align=32, min_blk_div=4, tol_hi=1.05, tol_lo=1 / 1.05,
-                 blk_move=1, band_hi=1.1, band_lo=0.909, sf_up=1.005, sf_band_up=1.00125, sf_band_down=0.9987,
-                 sf_down=0.995, threshold_rule="reference", init_threshold=None, tau_min=0.0,
-                 freeze_tau_on_empty=False):
-        super().__init__(density)
-        self.num_blk = check_positive_int(num_blk, "num_blk", _API)
-        self.align = check_positive_int(align, "align", _API)
-        self.min_blk_div = check_positive_int(min_blk_div, "min_blk_div", _API)
-        self.blk_move = check_positive_int(blk_move, "blk_move", _API)
-        self.tol_hi = _check_pos_float(tol_hi, "tol_hi")
-        self.tol_lo = _check_pos_float(tol_lo, "tol_lo")
+    _: dataclasses.KW_ONLY
+    num_blk: int = integer(1024)
+    align: int = integer(32)
+    min_blk_div: int = integer(4)
+    tol_hi: float = positive(1.05)
+    tol_lo: float = positive(1 / 1.05)
+    blk_move: int = integer(1)
+    band_hi: float = positive(1.1)
+    band_lo: float = positive(0.909)
+    sf_up: float = positive(1.005)
+    sf_band_up: float = positive(1.00125)
+    sf_band_down: float = positive(0.9987)
+    sf_down: float = positive(0.995)
+    threshold_rule: str = choice("reference", THRESHOLD_RULES)
+    init_threshold: object = dataclasses.field(default=None, metadata={"check": _check_init_threshold})
+    tau_min: float = real(0.0, 0.0)
+    freeze_tau_on_empty: bool = flag(False)
+
+    def check_together(self, api):
         if not self.tol_lo <= 1.0 <= self.tol_hi:
-            raise ValueError(f"{_API}: tol_lo <= 1 <= tol_hi must hold, got tol_lo={tol_lo!r}, tol_hi={tol_hi!r}; "
-                             "use e.g. tol_hi=1.05, tol_lo=1/1.05")
-        self.band_hi = _check_pos_float(band_hi, "band_hi")
-        self.band_lo = _check_pos_float(band_lo, "band_lo")
+            raise ValueError(f"{api}: tol_lo <= 1 <= tol_hi must hold, got tol_lo={self.tol_lo!r}, "
+                             f"tol_hi={self.tol_hi!r}; use e.g. tol_hi=1.05, tol_lo=1/1.05")
         if not self.band_lo < self.band_hi:
-            raise ValueError(f"{_API}: band_lo must be < band_hi, got band_lo={band_lo!r}, band_hi={band_hi!r}")
-        self.sf_up = _check_pos_float(sf_up, "sf_up")
-        self.sf_band_up = _check_pos_float(sf_band_up, "sf_band_up")
-        self.sf_band_down = _check_pos_float(sf_band_down, "sf_band_down")
-        self.sf_down = _check_pos_float(sf_down, "sf_down")
-        if threshold_rule not in THRESHOLD_RULES:
-            raise ValueError(f"{_API}: threshold_rule must be one of {THRESHOLD_RULES}, got {threshold_rule!r}")
-        self.threshold_rule = threshold_rule
-        if init_threshold is not None and init_threshold != "topk_once":
-            init_threshold = _check_pos_float(init_threshold, "init_threshold (None, 'topk_once' or a float)")
-        self.init_threshold = init_threshold
-        if isinstance(tau_min, bool) or not isinstance(tau_min, numbers.Real) or not math.isfinite(tau_min) \
-                or tau_min < 0:
-            raise ValueError(f"{_API}: tau_min must be a finite number >= 0, got {tau_min!r}")
-        self.tau_min = float(tau_min)
-        if not isinstance(freeze_tau_on_empty, bool):
-            raise TypeError(f"{_API}: freeze_tau_on_empty must be a bool, got {freeze_tau_on_empty!r}")
-        self.freeze_tau_on_empty = freeze_tau_on_empty
+            raise ValueError(f"{api}: band_lo must be < band_hi, got band_lo={self.band_lo!r}, "
+                             f"band_hi={self.band_hi!r}")
 
     # -- 5.2 geometry and tau0 -----------------------------------------------------------------------------
     def _init_state(self, xp, acc, n, k, state, ctx):

@@ -32,10 +32,12 @@ are one backend call (``xp.mean_std``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
 
+from ..validate import choice, options
 from .base import Sparsifier
 
 #: Adjustment loops of step 3 (ref:LSTM, ref:BERT, ref:VGG).
@@ -58,6 +60,7 @@ def _f32_floor(th):
     return float(t)
 
 
+@options
 class GaussianK(Sparsifier):
     """Gaussiank sparsifier (Shi et al., "Understanding Top-k Sparsification in Distributed Deep
     Learning", 2019; baseline of Li & Hoefler, PPoPP'22, §5; docs/algorithms.md#gaussiank).
@@ -80,12 +83,8 @@ class GaussianK(Sparsifier):
     name = "gaussiank"
     exact_k = False
 
-    def __init__(self, density, *, adjust="lstm"):
-        super().__init__(density)
-        if adjust not in ADJUST_VARIANTS:
-            raise ValueError(f"hvd_sparse.GaussianK: adjust must be one of {list(ADJUST_VARIANTS)}, "
-                             f"got {adjust!r}; use 'lstm' (the default) for the paper's loop")
-        self.adjust = adjust
+    _: dataclasses.KW_ONLY
+    adjust: str = choice("lstm", ADJUST_VARIANTS, fix="use 'lstm' (the default) for the paper's loop")
 
     def initial_state(self):
         return {"threshold": 0.0, "threshold_initial": 0.0, "iterations": 0}

@@ -35,11 +35,13 @@ standalone sparsifier too: with the TopkA reducer it gives "TopkA with a reused 
 
 from __future__ import annotations
 
+import dataclasses
 
-from ..validate import check_positive_int, check_real, check_select_rule
 from ..selection import topk_indices
+from ..validate import SELECT_RULE_FIX, SELECT_RULES, check_real, choice, integer, options, real
 from ..xp.generic import f32
 from .base import Sparsifier
+
 
 def band_adjust(th, cnt, k, lo, hi, relax, tighten):
     """The post-hoc band controller of the authors' code: ``th/relax`` below ``lo·k``, ``th·tighten`` above
@@ -51,6 +53,7 @@ def band_adjust(th, cnt, k, lo, hi, relax, tighten):
     return th
 
 
+@options
 class ThresholdReuse(Sparsifier):
     """Ok-Topk local selection (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning",
     PPoPP'22, §3.1.3; docs/algorithms.md#oktopk): the exact k-th largest ``|acc|`` is computed every
@@ -85,26 +88,23 @@ class ThresholdReuse(Sparsifier):
     name = "threshold_reuse"
     exact_k = False
 
-    def __init__(self, density, threshold_period=32, *, select_rule="ge_nonzero", guard_ratio=1.5,
-                 guard_factor=1.03, guard_iters=5, band_lo=0.75, band_hi=1.25, band_relax=1.012,
-                 band_tighten=1.012, max_select_ratio=None, guard_target=None):
-        super().__init__(density)
-        api = "hvd_sparse.ThresholdReuse"
-        self.threshold_period = check_positive_int(threshold_period, "threshold_period", api)
-        self.select_rule = check_select_rule(select_rule, api)
-        self.guard_ratio = check_real(guard_ratio, "guard_ratio", api, 0.0, low_incl=False, allow_none=True,
-                                       fix="e.g. 1.5 (ref:LSTM), 4/3 (ref:VGG) or None (no guard)")
-        self.guard_factor = check_real(guard_factor, "guard_factor", api, 1.0, low_incl=False,
-                                        fix="e.g. 1.03")
-        self.guard_iters = check_positive_int(guard_iters, "guard_iters", api, minimum=0)
-        self.guard_target = check_real(guard_target, "guard_target", api, 0.0, low_incl=False, allow_none=True,
-                                        fix="e.g. 1.0 (or None: the same as guard_ratio)")
-        self.band_lo = check_real(band_lo, "band_lo", api, 0.0, fix="e.g. 0.75")
-        self.band_hi = check_real(band_hi, "band_hi", api, self.band_lo, fix="band_hi must be >= band_lo")
-        self.band_relax = check_real(band_relax, "band_relax", api, 1.0, fix="e.g. 1.012 (1.0 disables)")
-        self.band_tighten = check_real(band_tighten, "band_tighten", api, 1.0, fix="e.g. 1.012 (1.0 disables)")
-        self.max_select_ratio = check_real(max_select_ratio, "max_select_ratio", api, 1.0, allow_none=True,
-                                            fix="e.g. 4 (or None for no cap)")
+    threshold_period: int = integer(32)
+    _: dataclasses.KW_ONLY
+    select_rule: str = choice("ge_nonzero", SELECT_RULES, fix=SELECT_RULE_FIX)
+    guard_ratio: float = real(1.5, 0.0, low_incl=False, allow_none=True,
+                              fix="e.g. 1.5 (ref:LSTM), 4/3 (ref:VGG) or None (no guard)")
+    guard_factor: float = real(1.03, 1.0, low_incl=False, fix="e.g. 1.03")
+    guard_iters: int = integer(5, minimum=0)
+    band_lo: float = real(0.75, 0.0, fix="e.g. 0.75")
+    band_hi: float = real(1.25, 0.0, fix="e.g. 1.25")
+    band_relax: float = real(1.012, 1.0, fix="e.g. 1.012 (1.0 disables)")
+    band_tighten: float = real(1.012, 1.0, fix="e.g. 1.012 (1.0 disables)")
+    max_select_ratio: float = real(None, 1.0, allow_none=True, fix="e.g. 4 (or None for no cap)")
+    guard_target: float = real(None, 0.0, low_incl=False, allow_none=True,
+                               fix="e.g. 1.0 (or None: the same as guard_ratio)")
+
+    def check_together(self, api):
+        check_real(self.band_hi, "band_hi", api, self.band_lo, fix="band_hi must be >= band_lo")
 
     def initial_state(self):
         return {"threshold": None}
