@@ -1,13 +1,16 @@
-"""``python -m hvd_sparse.bench train``: argument errors, the configuration names, the report's statistics on
-hand-made records, and a real tiny run (2 workers in network namespaces on a tc-shaped bridge: Horovod, a preset,
-DDP and PowerSGD side by side) that checks the report and that nothing of the network is left behind."""
+"""``python -m hvd_sparse.bench train``: argument errors, the configuration names, the MNIST-1D data and model, the
+report's statistics on hand-made records (one seed and two), and real tiny runs (2 workers in network namespaces on
+a tc-shaped bridge: Horovod, a preset, DDP and PowerSGD side by side on the digits; a preset on MNIST-1D over two
+seeds) that check the report and that nothing of the network is left behind."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from hvd_sparse.bench import train_report
@@ -42,6 +45,10 @@ if os.environ["HOROVOD_RANK"] == "0":
     (["--targets", "0.9,1.5"], "--targets", "(0, 1]"),
     (["--bandwidth", "fast"], "--bandwidth", "1gbit"),
     (["--workers", "1"], "--workers", "between 2 and 64"),
+    (["--task", "cifar10"], "--task", "invalid choice: 'cifar10'"),
+    (["--seeds", "0"], "--seeds", "must be >= 1"),
+    (["--seeds", "two"], "--seeds", "invalid"),
+    (["--train-samples", "0"], "--train-samples", "must be >= 1"),
 ])
 def test_bad_arguments_are_argparse_errors_naming_the_argument(argv, where, what, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -105,6 +112,76 @@ def test_summary_takes_the_slowest_rank_per_step_and_times_the_targets_on_the_wa
     assert "| horovod | 9.000 |" in text and "| 23.0 | 33.0 | 96.00% |" in text
 
 
+def test_mnist1d_data_is_one_function_of_the_seed_with_the_requested_sizes():
+    from hvd_sparse.bench.mnist1d import load_arrays
+
+    state = np.random.get_state()
+    a = load_arrays(1, train_samples=403, test_samples=197)       # 600 generated: 60 per class
+    assert all(np.array_equal(u, v) for u, v in zip(a, load_arrays(1, 403, 197)))
+    assert np.array_equal(np.random.get_state()[1], state[1])      # the global generator is left alone
+    x_tr, y_tr, x_te, y_te = a
+    assert (x_tr.shape, y_tr.shape, x_te.shape, y_te.shape) == ((403, 40), (403,), (197, 40), (197,))
+    assert (x_tr.dtype, y_tr.dtype, x_te.dtype, y_te.dtype) == (np.float32, np.int64, np.float32, np.int64)
+    assert set(y_tr.tolist()) == set(range(10)) and set(y_te.tolist()) <= set(range(10))
+    assert abs(float(x_tr.mean())) < 1e-5 and float(x_tr.std()) == pytest.approx(1, abs=1e-5)
+    other = load_arrays(2, 403, 197)
+    assert not np.array_equal(other[0], x_tr) and not np.array_equal(other[2], x_te)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        load_arrays(1, 0, 10)
+
+
+def test_mnist1d_model_has_the_parameters_its_docstring_says():
+    import torch
+
+    from hvd_sparse.bench.mnist1d_torch import WideNet1D, load_data
+
+    assert "2,667,914" in WideNet1D.__doc__
+    assert sum(p.numel() for p in WideNet1D().parameters()) == 2_667_914
+    assert sum(p.numel() for p in WideNet1D(32).parameters()) == 35_210 + 2_571 * 32
+    (x_tr, y_tr), (x_te, _) = load_data(3, 40, 20)
+    assert x_tr.shape == (40, 1, 40) and x_te.shape == (20, 1, 40) and y_tr.dtype == torch.long
+    assert WideNet1D(32)(x_tr[:5]).shape == (5, 10)
+
+
+def test_summary_over_two_seeds_gives_the_mean_and_spread_of_each_configuration(tmp_path):
+    def runs(seed, exchange, evals):
+        return [dict(_raw("compute", "compute", [[(1, 1, 0, 0)] * 3] * 2, []), seed=seed),
+                dict(_raw("horovod", "horovod", [[(1, 1, exchange, 0)] * 3] * 2, evals), seed=seed)]
+
+    # seed 1: steps of 4 s (x floor 2), accuracy 0.5, 0.92, 0.96 at 4, 8, 12 s
+    # seed 2: steps of 6 s (x floor 3), accuracy 0.6, 0.8, 0.94 at 6, 12, 18 s: never 95%
+    raw = runs(1, 2, [[1, 0.5], [2, 0.92], [3, 0.96]]) + runs(2, 4, [[1, 0.6], [2, 0.8], [3, 0.94]])
+    compute, h = train_report.summarize(raw, [0.9, 0.95])
+    assert (compute["config"], h["config"], h["seeds"]) == ("compute", "horovod", [1, 2])
+    assert [r["seed"] for r in h["per_seed"]] == [1, 2] and h["per_seed"][1]["step_seconds_median"] == 6
+    assert h["spread"]["step_seconds_median"] == {"mean": 5, "min": 4, "max": 6, "std": pytest.approx(2 ** 0.5)}
+    assert h["spread"]["x_floor"] == {"mean": 2.5, "min": 2, "max": 3, "std": pytest.approx(0.5 ** 0.5)}
+    assert h["spread"]["final_accuracy"] == {"mean": pytest.approx(0.95), "min": 0.94, "max": 0.96,
+                                             "std": pytest.approx(0.02 / 2 ** 0.5)}
+    assert h["spread"]["time_to_0.9"] == {"mean": 13, "min": 8, "max": 18, "std": pytest.approx(50 ** 0.5),
+                                          "reached": 2}
+    assert h["spread"]["time_to_0.95"] == {"mean": None, "min": 12, "max": 12, "std": None, "reached": 1}
+    assert (h["step_seconds_median"], h["x_floor"], h["time_to_0.9"], h["time_to_0.95"]) == (5, 2.5, 13, None)
+    assert h["wall_seconds"] == 15 and h["final_accuracy"] == pytest.approx(0.95)
+    assert h["accuracy_curve"] == [[5, pytest.approx(0.55)], [10, pytest.approx(0.86)], [15, pytest.approx(0.95)]]
+    assert h["accuracy_band"] == [[0.5, 0.6], [0.8, 0.92], [0.94, 0.96]]
+    assert compute["spread"]["x_floor"] == {"mean": 1, "min": 1, "max": 1, "std": 0}
+    report = {"workers": 2, "bandwidth": "1gbit", "numel": 10, "task": "mnist1d", "train_images": 400,
+              "test_images": 200, "epochs": 1, "batch_size": 32, "lr": 0.05, "density": 0.01, "seeds": [1, 2],
+              "targets": [0.9, 0.95], "load_average_before": [0.1, 0, 0], "results": [compute, h],
+              "failed": [{"config": "topka", "seed": 2, "error": "broke\nhere"}]}
+    text = train_report.markdown(report)
+    assert "WideNet1D (10 parameters) on MNIST-1D (400 training, 200 test sequences)" in text
+    assert "2 seeds (1..2)" in text and "| topka | failed (seed 2): broke |" in text
+    assert "| horovod | 5.000 ± 1.414 |" in text and "| 2.50x ± 0.71 |" in text
+    assert "| 13.0 ± 7.1 | — (1/2 reached) | 95.00% ± 1.41 |" in text
+    header, sep, *body = text.split("\n")[2:6]
+    assert header.count("|") == sep.count("|") == body[0].count("|") == body[1].count("|")
+    train_report.plot(report, tmp_path / "two.png")
+    assert (tmp_path / "two.png").read_bytes().startswith(PNG_MAGIC)
+    assert not math.isnan(h["spread"]["time_to_0.9"]["std"])
+
+
 @requires_netns
 def test_a_failed_configuration_is_reported_and_the_others_still_run(tmp_path):
     from hvd_sparse.bench import train
@@ -163,4 +240,38 @@ def test_tiny_run_trains_every_kind_of_configuration_and_leaves_no_network_behin
     assert rows["horovod"]["final_accuracy"] == pytest.approx(rows["ddp"]["final_accuracy"], abs=0.02)
     assert "| ddp_powersgd_r1 |" in stdout and "s to 95%" in stdout
     assert "[ddp_powersgd_r1] epoch 1/1" in stderr
+    assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.horovod
+@requires_horovod
+@requires_netns
+def test_tiny_mnist1d_run_over_two_seeds_reports_every_seed(tmp_path):
+    out, png = tmp_path / "train.json", tmp_path / "train.png"
+    cmd = [sys.executable, "-m", "hvd_sparse.bench", "train", "--workers", "2", "--bandwidth", "1gbit", "--task",
+           "mnist1d", "--train-samples", "400", "--test-samples", "200", "--seeds", "2", "--seed", "7", "--epochs",
+           "1", "--hidden", "32", "--eval-every", "2", "--configs", "compute,topka", "--no-link-check",
+           "--json", str(out), "--plot", str(png)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert leftovers(proc.pid) == []
+    report = json.loads(out.read_text())
+    assert (report["task"], report["seeds"], report["train_images"], report["test_images"]) == ("mnist1d", [7, 8],
+                                                                                              400, 200)
+    assert report["numel"] == 35_210 + 2_571 * 32 and report["failed"] == []        # WideNet1D(32)
+    rows = {r["config"]: r for r in report["results"]}
+    assert list(rows) == ["compute", "topka"]
+    steps = (400 // 2) // 32
+    for r in rows.values():
+        assert r["seeds"] == [7, 8] and [s["seed"] for s in r["per_seed"]] == [7, 8]
+        assert all(s["steps"] == steps and s["step_seconds_median"] > 0 for s in r["per_seed"])
+        assert r["spread"]["step_seconds_median"]["std"] is not None
+    t = rows["topka"]
+    assert len(t["accuracy_curve"]) == len(t["accuracy_band"]) == steps // 2
+    assert all(0 <= lo <= hi <= 1 for lo, hi in t["accuracy_band"])
+    assert t["spread"]["final_accuracy"]["min"] <= t["final_accuracy"] <= t["spread"]["final_accuracy"]["max"]
+    assert "2 seeds (7..8)" in stdout and "| topka | " in stdout and " ± " in stdout
+    assert "seed 8" in stderr and "[topka] epoch 1/1" in stderr
     assert png.read_bytes().startswith(PNG_MAGIC)

@@ -3,8 +3,10 @@
 
 Started by :mod:`hvd_sparse.bench.train` through :func:`hvd_sparse.bench.launcher.launch`; not meant to be run by
 hand. For each configuration in turn, from the same initial weights (``torch.manual_seed(seed)``, then rank 0's
-weights broadcast) and the same data order (:func:`hvd_sparse.bench.loop.epoch_order`), it trains
-:class:`~hvd_sparse.bench.digits_torch.WideNet` with the loop of :mod:`hvd_sparse.bench.loop` (SGD, momentum 0.9,
+weights broadcast) and the same data order (:func:`hvd_sparse.bench.loop.epoch_order`), it trains the model of
+``--task``: :class:`~hvd_sparse.bench.digits_torch.WideNet` on the digits (``digits``) or
+:class:`~hvd_sparse.bench.mnist1d_torch.WideNet1D` on MNIST-1D generated from ``--seed`` (``mnist1d``,
+``--train-samples`` and ``--test-samples`` sequences), with the loop of :mod:`hvd_sparse.bench.loop` (SGD, momentum 0.9,
 cosine-decayed learning rate) and records per step and rank the seconds of forward, backward, exchange wait and
 update and the bytes sent; every ``--eval-every`` steps (and after the last) the test accuracy, outside the
 timed steps. Configurations (:func:`parse_config`):
@@ -34,6 +36,7 @@ from .cli import write_json
 #: prefix of rank 0's progress lines (the parent forwards them to stderr)
 PROGRESS = "hvd_sparse.train:"
 FIXED = ("compute", "horovod", "horovod_fp16", "ddp")
+TASKS = ("digits", "mnist1d")
 _POWERSGD = re.compile(r"^ddp_powersgd_r([1-9]\d*)$")
 
 
@@ -78,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--task", choices=TASKS, default="digits")
+    p.add_argument("--train-samples", type=int, default=20_000, help="MNIST-1D training sequences")
+    p.add_argument("--test-samples", type=int, default=10_000, help="MNIST-1D test sequences")
     p.add_argument("--image-size", type=int, default=16)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--eval-every", type=int, default=4)
@@ -107,6 +113,28 @@ def counting_allreduce(counter):
         dist.all_reduce = original
 
 
+def _model(args):
+    """A fresh model of ``--task`` (its initial weights drawn from torch's global generator)."""
+    if args.task == "mnist1d":
+        from .mnist1d_torch import WideNet1D
+
+        return WideNet1D(args.hidden)
+    from .digits_torch import WideNet
+
+    return WideNet(args.image_size, args.hidden)
+
+
+def _load_data(args):
+    """``((x_train, y_train), (x_test, y_test))`` of ``--task`` as torch tensors, the same on every rank."""
+    if args.task == "mnist1d":
+        from .mnist1d_torch import load_data
+
+        return load_data(args.seed, args.train_samples, args.test_samples)
+    from .digits_torch import load_data
+
+    return load_data(args.seed, image_size=args.image_size)
+
+
 def _build(args, cfg, steps_total):
     """(model to train, module to evaluate, optimizer, synchronize or None, bytes-of-last-step function, allreduce
     byte counter or None)."""
@@ -115,12 +143,11 @@ def _build(args, cfg, steps_total):
 
     import hvd_sparse.torch as hvds
 
-    from .digits_torch import WideNet
     from .loop import exchange_stats, ring_allreduce_bytes
     from .presets import make
 
     torch.manual_seed(args.seed)
-    model = WideNet(args.image_size, args.hidden)
+    model = _model(args)
     n = sum(p.numel() for p in model.parameters())
     P = hvd.size()
     kind = cfg["kind"]
@@ -239,8 +266,6 @@ def main(argv=None):
     import horovod.torch as hvd
     import torch
 
-    from .digits_torch import load_data
-
     torch.set_num_threads(1)
     hvd.init()
     configs = [parse_config(c) for c in args.configs.split(",") if c]
@@ -249,7 +274,7 @@ def main(argv=None):
         import torch.distributed as dist
 
         dist.init_process_group("gloo", init_method="env://", rank=hvd.rank(), world_size=hvd.size())
-    train_set, (x_te, y_te) = load_data(args.seed, image_size=args.image_size)
+    train_set, (x_te, y_te) = _load_data(args)
     test_shard = (x_te[hvd.rank()::hvd.size()], y_te[hvd.rank()::hvd.size()])
     runs = [train(args, cfg, train_set, test_shard) for cfg in configs]
     if hvd.rank() == 0:

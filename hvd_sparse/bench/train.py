@@ -1,28 +1,42 @@
 """Train benchmark: time to accuracy of real data-parallel training on a bandwidth-limited network.
 
     sudo python -m hvd_sparse.bench train --workers 4 --bandwidth 1gbit --json train.json --plot train.png
+    sudo python -m hvd_sparse.bench train --task mnist1d --seeds 3 --epochs 8 --targets 0.95,0.98
 
 P workers, each in its own network namespace behind a tbf-shaped link (:class:`hvd_sparse.bench.netns.Network`,
-the network of ``bench network``), started by :func:`hvd_sparse.bench.launcher.launch`, train
-:class:`~hvd_sparse.bench.digits_torch.WideNet` (4.2M parameters at the defaults) on scikit-learn's digits
-upsampled to 16x16, with full forward + backward + exchange + update steps, once per configuration, every
-configuration from the same seed, initial weights and data order (:mod:`hvd_sparse.bench._train_worker` lists
-them): the compute-only floor, Horovod dense and fp16 (its allreduces start during backward), hvd_sparse presets,
-PyTorch DDP over a gloo process group without a hook and with the PowerSGD hook.
+the network of ``bench network``), started by :func:`hvd_sparse.bench.launcher.launch`, train with full forward +
+backward + exchange + update steps, one job per seed and configuration, every configuration of a seed from the
+same initial weights and data order (:mod:`hvd_sparse.bench._train_worker` lists the configurations): the
+compute-only floor, Horovod dense and fp16 (its allreduces start during backward), hvd_sparse presets, PyTorch DDP
+over a gloo process group without a hook and with the PowerSGD hook. ``--task`` picks the model and data:
+
+    digits    :class:`~hvd_sparse.bench.digits_torch.WideNet` (4.2M parameters at the defaults) on scikit-learn's
+              digits upsampled to ``--image-size`` (1,437 training, 360 test images)
+    mnist1d   :class:`~hvd_sparse.bench.mnist1d_torch.WideNet1D` (2.7M parameters at the defaults) on MNIST-1D
+              generated from the seed (:mod:`hvd_sparse.bench.mnist1d`; ``--train-samples``, ``--test-samples``)
+
+``--seeds N`` runs every configuration on the seeds ``--seed`` .. ``--seed + N - 1``; the seed sets the initial
+weights, the data order and the data (the digits' split, MNIST-1D's sequences).
 
 Reported per configuration (:mod:`hvd_sparse.bench.train_report`; a step's time is that of its slowest rank,
-statistics over the steps after the first):
+statistics over the steps after the first; with several seeds, the mean over the seeds, the per-seed rows in
+``per_seed`` and the mean, min, max and sample standard deviation of step_seconds_median, x_floor, each
+time_to_<target> and final_accuracy in ``spread``):
     step_seconds_median / _mean   seconds per step
     forward, backward, exchange, update   the mean step split (the slowest rank's phases); ``exchange`` is the
                           wait between the end of backward and the end of the exchange (``optimizer.synchronize()``);
                           DDP waits for its allreduces inside backward, so its exchange is 0 and
                           ``after_backward_seconds`` estimates the wait as its backward minus the floor's
-    x_floor               step median / the compute-only floor's
+    x_floor               step median / the compute-only floor's (of the same seed)
     sent_bytes_per_step   per rank: hvd_sparse's meter; Horovod and DDP: the ring allreduce's 2n(P-1)/P words
                           (2 bytes each for fp16); PowerSGD: 2(P-1)/P times the bytes its hook allreduces
     time_to_<target>      wall seconds (the sum of the step times, evaluation excluded) until the test accuracy
-                          first reaches the target; None if never
+                          first reaches the target; None if never (with several seeds: if any seed never does;
+                          ``spread`` counts the seeds that did in ``reached``)
     final_accuracy        the test accuracy after the last step
+
+The report also records the options (``task``, ``seeds``, ...), the model's parameter count (``numel``) and the
+sizes of the training and test sets (``train_images``, ``test_images``: images or MNIST-1D sequences).
 """
 
 from __future__ import annotations
@@ -35,6 +49,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from ._train_worker import TASKS
 from .launcher import WorkerFailed, add_run_arguments, launch, run_cli, tail
 from .netns import Network, Rate, bandwidth, link_check, remove_stale, workers
 from .train_report import markdown, plot, summarize
@@ -70,17 +85,38 @@ def targets(text):
     return vals
 
 
-def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=0.05, seed=42, image_size=16,
-        hidden=1024, eval_every=4, floor_epochs=None, powersgd_warmup=None, accuracy_targets=(0.9, 0.95),
-        timeout=7200.0, link_check_seconds=0.5, verbose=True, worker_cmd=None):
-    """Build the network, run one job per configuration (a failed one is listed in ``failed`` and the others still
-    run), tear everything down; return the report (see the module docstring)."""
+def _job(net, cmd, args, logdir, deadline, verbose):
+    """One job of the workers (arguments ``args``, logs in the new directory ``logdir``); returns rank 0's result,
+    raises WorkerFailed."""
     from ._train_worker import PROGRESS
 
+    logdir.mkdir()
+    out = logdir / "result.json"
+    launch(net, cmd, [*args, "--out", out], logdir, max(1.0, deadline - time.monotonic()), PROGRESS, verbose=verbose)
+    if not out.exists():
+        raise WorkerFailed(f"the workers exited normally but rank 0 wrote no result; rank 0's output:\n"
+                           f"{tail(logdir / 'rank0.log')}")
+    return json.loads(out.read_text())
+
+
+def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=0.05, seed=42, seeds=1,
+        task="digits", train_samples=20_000, test_samples=10_000, image_size=16, hidden=1024, eval_every=4,
+        floor_epochs=None, powersgd_warmup=None, accuracy_targets=(0.9, 0.95), timeout=7200.0,
+        link_check_seconds=0.5, verbose=True, worker_cmd=None):
+    """Build the network, run one job per seed and configuration (seeds ``seed`` to ``seed + seeds - 1``, each
+    running every configuration in turn; a failed job is listed in ``failed`` and the others still run), tear
+    everything down; return the report (see the module docstring)."""
     def say(msg):
         if verbose:
             print(msg, file=sys.stderr, flush=True)
 
+    common = ["--task", task, "--epochs", epochs, "--density", density, "--batch-size", batch_size, "--lr", lr,
+              "--image-size", image_size, "--hidden", hidden, "--eval-every", eval_every, "--floor-epochs",
+              floor_epochs or epochs]
+    if task == "mnist1d":
+        common += ["--train-samples", train_samples, "--test-samples", test_samples]
+    if powersgd_warmup is not None:
+        common += ["--powersgd-warmup", powersgd_warmup]
     remove_stale(say, include_own=True)
     load_before = list(os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="hvd_sparse_train_") as tmp, Network(workers, rate) as net:
@@ -91,37 +127,31 @@ def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=
             say(f"  link check: {link / 1e6:.1f} MB/s payload, one TCP stream (line rate {rate / 8e6:.1f} MB/s)")
         runs, failed, raw = [], [], None
         deadline = time.monotonic() + timeout
-        for name in config_names:            # a job per configuration: a failure stops only that configuration
-            logdir = Path(tmp) / f"{len(runs) + len(failed)}"
-            logdir.mkdir()
-            out = logdir / "result.json"
-            args = ["--configs", name, "--epochs", epochs, "--density", density, "--batch-size", batch_size,
-                    "--lr", lr, "--seed", seed, "--image-size", image_size, "--hidden", hidden, "--eval-every",
-                    eval_every, "--floor-epochs", floor_epochs or epochs, "--out", out]
-            if powersgd_warmup is not None:
-                args += ["--powersgd-warmup", powersgd_warmup]
+        cmd = worker_cmd or [sys.executable, "-m", WORKER]
+        jobs = [(s, name) for s in range(seed, seed + seeds) for name in config_names]
+        for i, (s, name) in enumerate(jobs):    # a job per seed and configuration: a failure stops only that one
+            if seeds > 1 and name == config_names[0]:
+                say(f"  seed {s}")
             try:
-                launch(net, worker_cmd or [sys.executable, "-m", WORKER], args, logdir,
-                       max(1.0, deadline - time.monotonic()), PROGRESS, verbose=verbose)
-                if not out.exists():
-                    raise WorkerFailed(f"the workers exited normally but rank 0 wrote no result; rank 0's "
-                                       f"output:\n{tail(logdir / 'rank0.log')}")
+                raw = _job(net, cmd, ["--configs", name, "--seed", s, *common], Path(tmp) / str(i), deadline,
+                           verbose)
             except WorkerFailed as e:
-                say(f"  [{name}] failed: {e}")
-                failed.append({"config": name, "error": str(e)})
+                say(f"  [{name}" + (f", seed {s}" if seeds > 1 else "") + f"] failed: {e}")
+                failed.append({"config": name, "seed": s, "error": str(e)})
                 continue
-            raw = json.loads(out.read_text())
-            runs += raw["runs"]
+            runs += [dict(r, seed=s) for r in raw["runs"]]
         if raw is None:
             raise WorkerFailed("every configuration failed:\n" + "\n".join(f"[{f['config']}] {f['error']}"
                                                                             for f in failed))
-    report = {"workers": workers, "bandwidth": str(rate), "bandwidth_bits_per_s": int(rate), "epochs": epochs,
-              "density": density, "batch_size": batch_size, "lr": lr, "seed": seed, "image_size": image_size,
-              "hidden": hidden, "eval_every": eval_every, "targets": list(accuracy_targets),
-              "numel": runs[0]["numel"], "train_images": raw["train_images"],
-              "test_images": raw["test_images"], "torch_threads": raw["torch_threads"],
-              "link_check_bytes_per_s": link, "cpus": os.cpu_count(), "load_average_before": load_before,
-              "load_average_after": list(os.getloadavg())}
+    report = {"workers": workers, "bandwidth": str(rate), "bandwidth_bits_per_s": int(rate), "task": task,
+              "epochs": epochs, "density": density, "batch_size": batch_size, "lr": lr, "seed": seed,
+              "seeds": list(range(seed, seed + seeds)), "image_size": image_size if task == "digits" else None,
+              "train_samples": train_samples if task == "mnist1d" else None,
+              "test_samples": test_samples if task == "mnist1d" else None, "hidden": hidden,
+              "eval_every": eval_every, "targets": list(accuracy_targets), "numel": runs[0]["numel"],
+              "train_images": raw["train_images"], "test_images": raw["test_images"],
+              "torch_threads": raw["torch_threads"], "link_check_bytes_per_s": link, "cpus": os.cpu_count(),
+              "load_average_before": load_before, "load_average_after": list(os.getloadavg())}
     report["results"] = summarize(runs, accuracy_targets)
     report["failed"] = failed
     return report
@@ -141,11 +171,23 @@ def add_arguments(p):
     p.add_argument("--density", type=cli.density, default=0.01, help="k / n of the sparse presets (default: 0.01)")
     p.add_argument("--batch-size", type=cli.positive_int, default=32, help="per-worker batch size (default: 32)")
     p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, cosine-decayed to 0 (default: 0.05)")
-    p.add_argument("--seed", type=int, default=42, help="data split, initial weights, data order (default: 42)")
+    p.add_argument("--seed", type=int, default=42,
+                   help="the first seed: data split (MNIST-1D: the data), initial weights, data order (default: 42)")
+    p.add_argument("--seeds", type=cli.positive_int, default=1,
+                   help="run every configuration on the seeds --seed, --seed + 1, ..., --seed + N - 1 and report "
+                        "the mean and spread over them (default: 1)")
+    p.add_argument("--task", choices=TASKS, default="digits",
+                   help="digits: WideNet on scikit-learn's digits; mnist1d: WideNet1D on MNIST-1D, generated from "
+                        "the seed (default: digits)")
+    p.add_argument("--train-samples", type=cli.positive_int, default=20_000,
+                   help="MNIST-1D training sequences (default: 20000; --task mnist1d only)")
+    p.add_argument("--test-samples", type=cli.positive_int, default=10_000,
+                   help="MNIST-1D test sequences (default: 10000; --task mnist1d only)")
     p.add_argument("--image-size", type=cli.positive_int, default=16,
-                   help="digits upsampled to this size, even (default: 16)")
+                   help="digits upsampled to this size, even (default: 16; --task digits only)")
     p.add_argument("--hidden", type=cli.positive_int, default=1024,
-                   help="width of the hidden dense layer (default: 1024; 4.2M parameters at --image-size 16)")
+                   help="width of the hidden dense layer (default: 1024; parameters: 4.2M for digits at "
+                        "--image-size 16, 2.7M for mnist1d)")
     p.add_argument("--eval-every", type=cli.positive_int, default=4,
                    help="steps between test evaluations (default: 4; not timed)")
     p.add_argument("--floor-epochs", type=cli.positive_int, default=None,
@@ -161,7 +203,11 @@ def main(args):
     names = args.configs or list(DEFAULT_CONFIGS)
 
     def check():
-        return f"--image-size must be even, got {args.image_size}" if args.image_size % 2 else None
+        if args.task == "digits" and args.image_size % 2:
+            return f"--image-size must be even, got {args.image_size}"
+        if args.task == "mnist1d" and args.train_samples < args.workers:
+            return f"--train-samples must be at least --workers ({args.workers}), got {args.train_samples}"
+        return None
 
     prog = "python -m hvd_sparse.bench train"
     reports = []
@@ -169,7 +215,9 @@ def main(args):
     def job():
         reports.append(run(
             names, args.workers, args.bandwidth, epochs=args.epochs, density=args.density,
-            batch_size=args.batch_size, lr=args.lr, seed=args.seed, image_size=args.image_size, hidden=args.hidden,
+            batch_size=args.batch_size, lr=args.lr, seed=args.seed, seeds=args.seeds, task=args.task,
+            train_samples=args.train_samples, test_samples=args.test_samples, image_size=args.image_size,
+            hidden=args.hidden,
             eval_every=args.eval_every, floor_epochs=args.floor_epochs, powersgd_warmup=args.powersgd_warmup,
             accuracy_targets=args.targets, timeout=args.timeout,
             link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet))
@@ -177,9 +225,11 @@ def main(args):
 
     code = run_cli(prog, args, job, plot, markdown, check=check,
                    banner=f"train: {', '.join(names)} on {args.workers} workers, {args.bandwidth} per worker, "
-                          f"{args.epochs} epochs each")
+                          f"{args.task}, {args.epochs} epochs each"
+                          + (f", seeds {args.seed}..{args.seed + args.seeds - 1}" if args.seeds > 1 else ""))
     if code == 0 and reports[-1]["failed"]:
-        failed = ", ".join(f["config"] for f in reports[-1]["failed"])
+        failed = ", ".join(f["config"] + (f" (seed {f['seed']})" if args.seeds > 1 else "")
+                           for f in reports[-1]["failed"])
         print(f"{prog}: error: configuration(s) failed: {failed} (the report has the others)", file=sys.stderr)
         return 1
     return code

@@ -7,6 +7,11 @@ import itertools
 import statistics
 
 PHASES = ("forward", "backward", "exchange", "update")
+#: per-seed numbers whose mean over the seeds is a configuration's value
+MEANS = ("step_seconds_median", "step_seconds_mean", *PHASES, *(f"{p}_median" for p in PHASES),
+         "sent_bytes_per_step", "wall_seconds", "final_accuracy", "x_floor", "after_backward_seconds")
+#: per-seed numbers whose spread over the seeds is reported (and each time_to_<target>)
+SPREAD = ("step_seconds_median", "x_floor", "final_accuracy")
 
 
 def _slowest(run):
@@ -22,75 +27,162 @@ def _slowest(run):
     return totals, phases
 
 
+def _run_row(run, accuracy_targets):
+    """One run's statistics (one configuration on one seed), before the comparison with the floor."""
+    totals, phases = _slowest(run)
+    measured = totals[1:] or totals               # the first step allocates: not in the statistics
+    split = phases[1:] or phases
+    wall = list(itertools.accumulate(totals))
+    curve = [(wall[step - 1], acc) for step, acc in run["evals"]]
+    row = {"config": run["config"], "kind": run["kind"], "seed": run.get("seed"), "numel": run["numel"],
+           "steps": len(totals), "step_seconds_median": statistics.median(measured),
+           "step_seconds_mean": statistics.fmean(measured),
+           **{p: statistics.fmean(s[i] for s in split) for i, p in enumerate(PHASES)},
+           **{f"{p}_median": statistics.median(s[i] for s in split) for i, p in enumerate(PHASES)},
+           "sent_bytes_per_step": statistics.fmean(v for rank in run["sent_bytes"] for v in rank[1:] or rank),
+           "wall_seconds": wall[-1] if wall else 0.0,
+           "accuracy_curve": [[w, a] for w, a in curve],
+           "final_accuracy": curve[-1][1] if curve else None}
+    for target in accuracy_targets:
+        row[f"time_to_{target:g}"] = next((w for w, a in curve if a >= target), None)
+    return row
+
+
+def _spread(values):
+    """``{"mean", "min", "max", "std"}`` of ``values`` (None where a value is None: every entry is None when
+    one is); ``std`` is the sample standard deviation, None for fewer than 2 values."""
+    if not values or any(v is None for v in values):
+        return {"mean": None, "min": None, "max": None, "std": None}
+    return {"mean": statistics.fmean(values), "min": min(values), "max": max(values),
+            "std": statistics.stdev(values) if len(values) > 1 else None}
+
+
+def _combine(rows, accuracy_targets):
+    """The row of one configuration from its per-seed rows (see :func:`summarize`)."""
+    first = rows[0]
+    out = {"config": first["config"], "kind": first["kind"], "numel": first["numel"], "steps": first["steps"],
+           "seeds": [r["seed"] for r in rows]}
+    for key in MEANS:
+        out[key] = _spread([r[key] for r in rows])["mean"]
+    out["spread"] = {key: _spread([r[key] for r in rows]) for key in SPREAD}
+    for target in accuracy_targets:
+        key = f"time_to_{target:g}"
+        reached = [r[key] for r in rows if r[key] is not None]
+        out["spread"][key] = dict(_spread(reached), reached=len(reached))
+        if len(reached) < len(rows):
+            out["spread"][key]["mean"] = None
+        out[key] = out["spread"][key]["mean"]
+    curves = [r["accuracy_curve"] for r in rows]        # the i-th evaluation is at the same step on every seed
+    points = list(zip(*curves))
+    out["accuracy_curve"] = [[statistics.fmean(w for w, _ in p), statistics.fmean(a for _, a in p)] for p in points]
+    out["accuracy_band"] = [[min(a for _, a in p), max(a for _, a in p)] for p in points]
+    out["per_seed"] = rows
+    return out
+
+
 def summarize(raw_runs, accuracy_targets):
-    """Rows of the report from the workers' raw records (see :mod:`hvd_sparse.bench.train`)."""
-    rows = []
-    for run in raw_runs:
-        totals, phases = _slowest(run)
-        measured = totals[1:] or totals               # the first step allocates: not in the statistics
-        split = phases[1:] or phases
-        wall = list(itertools.accumulate(totals))
-        curve = [(wall[step - 1], acc) for step, acc in run["evals"]]
-        row = {"config": run["config"], "kind": run["kind"], "numel": run["numel"], "steps": len(totals),
-               "step_seconds_median": statistics.median(measured), "step_seconds_mean": statistics.fmean(measured),
-               **{p: statistics.fmean(s[i] for s in split) for i, p in enumerate(PHASES)},
-               **{f"{p}_median": statistics.median(s[i] for s in split) for i, p in enumerate(PHASES)},
-               "sent_bytes_per_step": statistics.fmean(v for rank in run["sent_bytes"] for v in rank[1:] or rank),
-               "wall_seconds": wall[-1] if wall else 0.0,
-               "accuracy_curve": [[w, a] for w, a in curve],
-               "final_accuracy": curve[-1][1] if curve else None}
-        for target in accuracy_targets:
-            row[f"time_to_{target:g}"] = next((w for w, a in curve if a >= target), None)
-        rows.append(row)
-    floor = next((r for r in rows if r["kind"] == "compute"), None)
-    for r in rows:
+    """Rows of the report from the workers' raw records (see :mod:`hvd_sparse.bench.train`), one per configuration
+    in the order of first appearance.
+
+    Each raw run (one configuration on one seed, its ``seed`` key; runs without one count as one seed) gives a
+    per-seed row, listed in the configuration's ``per_seed``; ``x_floor`` and ``after_backward_seconds`` compare it
+    with the ``compute`` run of the same seed. The configuration's row has ``seeds`` (the list), the mean over
+    the seeds of every per-seed number (None when a seed has None), ``accuracy_curve`` (per evaluation, the mean
+    wall seconds and mean accuracy over the seeds), ``accuracy_band`` (per evaluation, the min and max accuracy)
+    and ``spread``: for step_seconds_median, x_floor, final_accuracy and each time_to_<target>, ``{"mean", "min",
+    "max", "std"}`` (std: the sample standard deviation, None for one seed). A time_to_<target> entry also has
+    ``reached``, the number of seeds that reached the target; its min, max and std are over those seeds, its
+    mean (and the row's time_to_<target>) None unless every seed reached it.
+    """
+    per_seed = [_run_row(run, accuracy_targets) for run in raw_runs]
+    floors = {}
+    for r in per_seed:
+        if r["kind"] == "compute":
+            floors.setdefault(r["seed"], r)
+    groups = {}
+    for r in per_seed:
+        floor = floors.get(r["seed"])
         r["x_floor"] = r["step_seconds_median"] / floor["step_seconds_median"] if floor else None
         if r["kind"] == "ddp":      # DDP waits for its allreduces at the end of backward
             r["after_backward_seconds"] = (r["backward_median"] - floor["backward_median"]) if floor else None
         else:
             r["after_backward_seconds"] = r["exchange_median"]
-    return rows
+        groups.setdefault(r["config"], []).append(r)
+    return [_combine(rows, accuracy_targets) for rows in groups.values()]
 
 
 def _mb(b):
     return f"{b / 1e6:,.2f} MB" if b >= 1e5 else f"{b / 1e3:,.1f} kB"
 
 
-def _s(v):
-    return "—" if v is None else f"{v:.1f}"
+def _pm(row, key, digits, suffix="", scale=1.0):
+    """The row's ``key`` (its mean over the seeds) times ``scale`` with ``digits`` decimals and ``suffix``, then
+    `` ± `` the sample standard deviation when there is one (several seeds); "—" when the mean is None."""
+    v = row[key]
+    if v is None:
+        return "—"
+    std = row.get("spread", {}).get(key, {}).get("std")
+    text = f"{v * scale:.{digits}f}{suffix}"
+    return text if std is None else f"{text} ± {std * scale:.{digits}f}"
+
+
+def _time(row, key):
+    """A time to a target: the mean ± std, or "—", with "(k/N reached)" when some of N seeds reached it."""
+    n, reached = len(row.get("seeds", [None])), row.get("spread", {}).get(key, {}).get("reached")
+    if row[key] is None and reached and reached < n:
+        return f"— ({reached}/{n} reached)"
+    return _pm(row, key, 1)
+
+
+def _intro(report):
+    """The sentence above the table: the network, the task and model, the training settings."""
+    link = report.get("link_check_bytes_per_s")
+    seeds = report.get("seeds") or [report.get("seed")]
+    if report.get("task", "digits") == "mnist1d":
+        task = (f"WideNet1D ({report['numel']:,} parameters) on MNIST-1D ({report['train_images']:,} training, "
+                f"{report['test_images']:,} test sequences)")
+    else:
+        task = f"WideNet ({report['numel']:,} parameters) on digits {report['image_size']}x{report['image_size']}"
+    many = (f"{len(seeds)} seeds ({seeds[0]}..{seeds[-1]}): step s (median), x floor, s to a target and final "
+            "accuracy as mean ± sample standard deviation over the seeds; ") if len(seeds) > 1 else ""
+    return (f"P = {report['workers']} workers, one network namespace each, {report['bandwidth']} full duplex per "
+            f"worker (tc tbf both ways" + (f"; link check {link / 1e6:.1f} MB/s" if link else "") + f"); {task}, "
+            f"{report['epochs']} epochs, batch {report['batch_size']} per worker, SGD lr {report['lr']} cosine, "
+            f"density {report['density']}; step = slowest rank, statistics after the first step; {many}"
+            f"load average before {report['load_average_before'][0]:.2f}.")
 
 
 def markdown(report):
     t = report["targets"]
-    link = report.get("link_check_bytes_per_s")
-    lines = [f"P = {report['workers']} workers, one network namespace each, {report['bandwidth']} full duplex per "
-             f"worker (tc tbf both ways" + (f"; link check {link / 1e6:.1f} MB/s" if link else "") + "); WideNet "
-             f"({report['numel']:,} parameters) on digits {report['image_size']}x{report['image_size']}, "
-             f"{report['epochs']} epochs, batch {report['batch_size']} per worker, SGD lr {report['lr']} cosine, "
-             f"density {report['density']}; step = slowest rank, statistics after the first step; "
-             f"load average before {report['load_average_before'][0]:.2f}.", "",
+    several = len(report.get("seeds") or [None]) > 1
+    lines = [_intro(report), "",
              "| configuration | step s (median) | step s (mean) | forward | backward | exchange wait | update "
              "| after backward | x floor | sent per rank per step | "
              + " | ".join(f"s to {x * 100:g}%" for x in t) + " | final accuracy |",
              "|---|" + "---:|" * (9 + len(t) + 1)]
     for r in report["results"]:
-        xf = "" if r["x_floor"] is None else f"{r['x_floor']:.2f}x"
+        xf = "" if r["x_floor"] is None else _pm(r, "x_floor", 2, "x")
         ab = "" if r["after_backward_seconds"] is None else f"{r['after_backward_seconds']:.3f}"
-        acc = "—" if r["final_accuracy"] is None else f"{r['final_accuracy'] * 100:.2f}%"
-        lines.append(f"| {r['config']} | {r['step_seconds_median']:.3f} | {r['step_seconds_mean']:.3f} | "
+        lines.append(f"| {r['config']} | {_pm(r, 'step_seconds_median', 3)} | {r['step_seconds_mean']:.3f} | "
                      f"{r['forward']:.3f} | {r['backward']:.3f} | {r['exchange']:.3f} | {r['update']:.3f} | {ab} | "
                      f"{xf} | {_mb(r['sent_bytes_per_step'])} | "
-                     + " | ".join(_s(r[f"time_to_{x:g}"]) for x in t) + f" | {acc} |")
+                     + " | ".join(_time(r, f"time_to_{x:g}") for x in t)
+                     + f" | {_pm(r, 'final_accuracy', 2, '%', 100)} |")
     for f in report.get("failed", []):
-        lines.append(f"| {f['config']} | failed: {f['error'].splitlines()[0]} |" + " |" * (10 + len(t)))
+        seed = f" (seed {f.get('seed')})" if several else ""
+        lines.append(f"| {f['config']} | failed{seed}: {f['error'].splitlines()[0]} |" + " |" * (10 + len(t)))
     lines += ["", "forward, backward, exchange wait, update: the mean step's split (seconds). after backward: median "
               "seconds from the end of backward to the end of the exchange (DDP: its backward minus the floor's, "
-              "since it waits inside backward). compute = the floor: the same steps without communication."]
+              "since it waits inside backward). compute = the floor: the same steps without communication."
+              + (" Over several seeds, the other columns are means; a time to a target is a mean only when every "
+                 "seed reached the target (k/N reached: how many did)." if several else "")]
     return "\n".join(lines)
 
 
 def plot(report, path):
-    """PNG: test accuracy (%) against wall seconds, one curve per configuration, the targets dashed."""
+    """PNG: test accuracy (%) against wall seconds, one curve per configuration, the targets dashed. With several
+    seeds, point i of a curve is the i-th evaluation (the same step on every seed): at the mean over the seeds of
+    its wall seconds, the mean accuracy, shaded between the lowest and the highest accuracy of the seeds."""
     from . import cli
 
     plt = cli.pyplot()
@@ -99,15 +191,21 @@ def plot(report, path):
     names = [r["config"] for r in rows]
     for r in rows:
         w, a = zip(*r["accuracy_curve"])
-        ax.plot(w, [x * 100 for x in a], label=r["config"], color=cli.color_of(r["config"], names),
+        color = cli.color_of(r["config"], names)
+        ax.plot(w, [x * 100 for x in a], label=r["config"], color=color,
                 linewidth=2.0 if r["kind"] == "sparse" else 1.2)
+        if len(r.get("seeds", [])) > 1:
+            low, high = zip(*r["accuracy_band"])
+            ax.fill_between(w, [x * 100 for x in low], [x * 100 for x in high], color=color, alpha=0.2, linewidth=0)
     for x in report["targets"]:
         ax.axhline(x * 100, color="grey", linestyle="--", linewidth=0.8)
     ax.set_xlabel("wall seconds (sum of the slowest rank's step times)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_ylim(max(0, min([a * 100 for r in rows for _, a in r["accuracy_curve"]] or [0]) - 2), 100)
-    ax.set_title(f"P = {report['workers']}, {report['bandwidth']} per worker, {report['numel']:,} parameters",
-                 fontsize=10)
+    lowest = [lo for r in rows for lo, _ in r.get("accuracy_band") or [(a, a) for _, a in r["accuracy_curve"]]]
+    ax.set_ylim(max(0, min([a * 100 for a in lowest] or [0]) - 2), 100)
+    seeds = report.get("seeds") or []
+    ax.set_title(f"P = {report['workers']}, {report['bandwidth']} per worker, {report['numel']:,} parameters"
+                 + (f", mean of {len(seeds)} seeds (band: min to max)" if len(seeds) > 1 else ""), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     cli.save_png(fig, path)
