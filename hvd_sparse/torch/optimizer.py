@@ -54,12 +54,12 @@ from horovod.torch.mpi_ops import Average, global_process_set
 
 from ..core.comm import in_process_set
 from ..core.state import already_used
+from ..core.stats import SparsityWindow
 from ..core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int, scale_factors
 from . import consistency, recipes
 from .base import SparseOptimizer
 from .comm import HorovodTorchCommunicator
 from .compression import Compression, is_sparse
-from .stats import record
 
 _API = "hvd_sparse.torch.DistributedOptimizer"
 _OWNERS = itertools.count()      # the n-th sparse optimizer of this process names its collectives after n
@@ -102,6 +102,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
+        self._hvds_scale = scale_factors(op, gradient_predivide_factor)    # (prescale, postscale, average?)
+        self._hvds_window = SparsityWindow()    # the exchanges since the last sparse_stats(average=True)
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self._hvds_passes = {}
@@ -261,7 +263,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         ``sparse_as_dense`` -- and non-contiguous gradients through a dense contiguous copy)."""
         grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad.contiguous() for _, p in dense_params]
         flats = [g.view(-1) for g in grads]
-        prescale, postscale, average = scale_factors(self.op, self.gradient_predivide_factor)
+        prescale, postscale, average = self._hvds_scale
         engine = self._hvds_current_engine()
         # What is exchanged, agreed on by every rank at the engine's first collective (a change -- a group added, a
         # parameter frozen or unfrozen -- starts the engine afresh, residuals carried by name).
@@ -270,7 +272,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         engine.step(flats, average=average, prescale=prescale, postscale=postscale,
                     nonfinite=self._hvds_nonfinite, out=flats)
         self._hvds_skip_step = engine.last["skipped"]       # the engine warned, naming the ranks
-        record(self, engine.last)                           # for sparse_stats(average=True)
+        self._hvds_window.add(engine.last)                  # for sparse_stats(average=True)
         for (_, p), g in zip(dense_params, grads):
             if p.grad.is_sparse:
                 p.grad = g.to_sparse()

@@ -25,22 +25,9 @@ import horovod.torch as hvd
 import torch
 
 from ..core.comm import in_process_set
-from ..core.stats import SparsityWindow, averaged
+from ..core.stats import averaged
 
 _NAME = "hvd_sparse.model.sparse_stats"
-
-
-def window(optimizer):
-    """The optimizer's :class:`~hvd_sparse.core.stats.SparsityWindow` (created on first use)."""
-    w = optimizer.__dict__.get("_hvds_window")
-    if w is None:
-        w = optimizer.__dict__["_hvds_window"] = SparsityWindow()
-    return w
-
-
-def record(optimizer, stats):
-    """Add one exchange's statistics (``Engine.last``) to the optimizer's window."""
-    window(optimizer).add(stats)
 
 
 def averaged_stats(optimizer):
@@ -49,7 +36,7 @@ def averaged_stats(optimizer):
     ps = optimizer.process_set
     if not in_process_set(ps, hvd.rank()):
         return {}
-    w = window(optimizer)
+    w = optimizer._hvds_window          # filled by every exchange (DistributedOptimizer)
     norm = optimizer._hvds_engine().residual_norm() if optimizer._hvds_exchanges else 0.0
     local = torch.tensor(w.local(norm), dtype=torch.float64)
     total = hvd.allreduce(local, op=hvd.Sum, name=_NAME, process_set=ps) if ps.size() > 1 else local
