@@ -377,16 +377,19 @@ class OkTopk(Reducer):
         if self.global_control != "ladder":
             return
         ladder = [s.gamma * self.ladder_factor ** j for j in LADDER_STEPS]
-        mine = [owned.count(th, self.select_rule) for th in ladder]
-        totals = mine
         if s.few:                                   # the counts (and the loads) of every owner: one allgather
+            mine = owned.counts(ladder, self.select_rule)
             s.table = allgather_counts(xp, mine + [s.load] if s.with_load else mine, comm, "count", acc)
             s.loads = [row.pop() for row in s.table] if s.with_load else None
             totals = [sum(col) for col in zip(*s.table)]
         elif s.P > 1:                               # their totals (and the senders' splits) by one allreduce
-            totals = [int(v) for v in xp.to_numpy(comm.allreduce(xp.asarray(
-                mine + s.splits if s.with_load else mine, xp.index_dtype, like=acc), SUM, "ladder"))]
+            mine = owned.count_array(ladder, self.select_rule)          # on the device: read only the totals
+            if s.with_load:
+                mine = xp.concat([mine, xp.asarray(s.splits, xp.index_dtype, like=acc)], like=acc)
+            totals = [int(v) for v in xp.to_numpy(comm.allreduce(mine, SUM, "ladder"))]
             totals, s.loads = totals[:len(ladder)], (totals[len(ladder):] if s.with_load else None)
+        else:
+            totals = owned.counts(ladder, self.select_rule)
         s.rung = next((j for j, tot in enumerate(totals) if tot <= s.k), len(ladder) - 1)
         s.used, s.T = ladder[s.rung], totals[s.rung]
 

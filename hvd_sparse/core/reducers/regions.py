@@ -190,7 +190,8 @@ def measure_load(xp, idx, forecast, n, comm, like):
     its selection (sorted global indexes ``idx``) in the bins of ``histogram_edges`` and an allreduce
     (phase ``histogram``, ``BINS_PER_REGION``·P int64) sums the counts. Returns (edges, summed counts)."""
     edges = histogram_edges(forecast, comm.size, n)
-    mine = xp.asarray(np.diff(_positions(xp, idx, edges)).tolist(), xp.index_dtype, like=like)
+    pos = xp.searchsorted(idx, xp.asarray(edges, xp.index_dtype, like=idx))     # on the device: no read
+    mine = xp.astype(pos[1:] - pos[:-1], xp.index_dtype)
     return edges, [int(h) for h in xp.to_numpy(comm.allreduce(mine, SUM, "histogram"))]
 
 

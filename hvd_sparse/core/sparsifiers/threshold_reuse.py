@@ -135,25 +135,27 @@ class ThresholdReuse(Sparsifier):
             cand, vals = pre.indices, pre.values
         else:
             cand, vals = xp.scan(acc).select(L, rule, values=guard, expect=k)
-        if guard:                                           # pre-selection guard (ref:LSTM/VGG)
-            candidates = xp.scan(vals)
-            limit = self.guard_ratio * k
-            c = xp.numel(cand)
-            for _ in range(self.guard_iters):
-                if c > limit:
-                    L *= self.guard_factor
-                    raises += 1
-                    if self.guard_target is not None:
-                        limit = self.guard_target * k
-                    c = candidates.count(L, rule)
-                else:
-                    break
-            if raises:
-                cand = xp.take(cand, candidates.select(L, rule)[0])
+        if guard and xp.numel(cand) > self.guard_ratio * k:        # pre-selection guard (ref:LSTM/VGG)
+            cand, L, raises = self._guard(xp, cand, vals, L, k)
         if self.max_select_ratio is not None and xp.numel(cand) > self.max_select_ratio * k:
             cand, L = self._exact(xp, acc, k)               # hard cap: exact for this step
             capped = True
         return cand, L, raises, capped
+
+    def _guard(self, xp, cand, vals, L, k):
+        """``(S, L, raises)`` after the guard, which triggered (|C| > guard_ratio·k): L is raised by guard_factor
+        until at most guard_target·k (guard_ratio·k without a target) candidates pass, at most guard_iters times.
+        The raised thresholds L·f, L·f², ... are counted on the candidates' values in one read (one wait on a GPU)."""
+        ths, th = [], L
+        for _ in range(self.guard_iters):
+            th *= self.guard_factor
+            ths.append(th)
+        limit = (self.guard_target if self.guard_target is not None else self.guard_ratio) * k
+        candidates = xp.scan(vals)
+        counts = candidates.counts(ths, self.select_rule, until=lambda c: c <= limit)
+        raises = next((j + 1 for j, c in enumerate(counts) if c <= limit), len(ths))
+        L = ths[raises - 1]
+        return xp.take(cand, candidates.select(L, self.select_rule)[0]), L, raises
 
     def _reevaluates(self, state, ctx):
         L = state.get("threshold")

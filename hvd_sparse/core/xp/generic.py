@@ -56,6 +56,17 @@ class Scan:
         """How many entries ``rule`` selects at threshold ``th``."""
         return self.xp.sum_int(rule_mask(self.xp, self._magnitudes(), th, rule))
 
+    def count_array(self, ths, rule):
+        """The counts at every threshold of ``ths`` as one int64 array on ``x``'s device (nothing is read)."""
+        mag = self._magnitudes()
+        return self.xp.count_true([rule_mask(self.xp, mag, th, rule) for th in ths])
+
+    def counts(self, ths, rule, until=None):
+        """``[count(th, rule) for th in ths]``, read by the host at once (one wait on a GPU). With ``until``, the
+        list may end at the first count ``c`` with ``until(c)`` true (the kernel scan stops there; this one counts
+        every threshold: one read either way)."""
+        return [int(c) for c in self.xp.to_numpy(self.count_array(ths, rule))]
+
     def select(self, th, rule, *, base=0, values=False, expect=0):
         """``(indices, values or None)``: the ascending int64 indices (plus ``base``) of the entries ``rule``
         selects at ``th``, and with ``values`` their values (signed). ``expect``: the count the caller expects

@@ -33,6 +33,17 @@ class KernelScan:
     def count(self, th, rule):
         return native.count(self.view, th, rule)
 
+    def count_array(self, ths, rule):
+        return self.xp.from_numpy(np.array(self.counts(ths, rule), np.int64))
+
+    def counts(self, ths, rule, until=None):
+        out = []
+        for th in ths:                  # one read pass each: stop as soon as the caller knows enough
+            out.append(native.count(self.view, th, rule))
+            if until is not None and until(out[-1]):
+                break
+        return out
+
     def select(self, th, rule, *, base=0, values=False, expect=0):
         idx, vals = native.select(self.view, th, rule, base=base, values=values, expect=expect)
         return self.xp.from_numpy(idx), (None if vals is None else self.xp.from_numpy(vals))

@@ -124,6 +124,11 @@ class NumpyBackend(KernelOps, _Indexing):
         return x
 
     @staticmethod
+    def count_true(masks):
+        """int64 array of the number of True entries of each mask."""
+        return np.array([np.count_nonzero(m) for m in masks], np.int64)
+
+    @staticmethod
     def all_finite(x):
         # A finite sum proves every entry finite (a NaN or Inf poisons the sum); only a sum that overflowed needs
         # the exact elementwise pass. One streaming read instead of a full boolean mask.

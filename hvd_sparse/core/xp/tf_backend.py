@@ -116,6 +116,11 @@ class TFBackend(GenericOps):
         wide = x.dtype != tf.bool or self.numel(x) >= 2**31
         return int(tf.reduce_sum(tf.cast(x, tf.int64 if wide else tf.int32)))   # 2x faster than count_nonzero
 
+    def count_true(self, masks):
+        """int64 array of the number of True entries of each mask (on the masks' device; nothing is read)."""
+        tf = self.tf
+        return tf.stack([tf.reduce_sum(tf.cast(m, tf.int64)) for m in masks])
+
     # --- math ---------------------------------------------------------------------------------------
     def abs(self, x):
         return self.tf.abs(x)

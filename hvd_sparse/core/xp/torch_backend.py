@@ -107,6 +107,10 @@ class TorchBackend(KernelOps, _Indexing):
     def fill_(x, value):
         return x.fill_(value)
 
+    def count_true(self, masks):
+        """int64 tensor of the number of True entries of each mask (on the masks' device; nothing is read)."""
+        return self.torch.stack([m.sum() for m in masks])
+
     def all_finite(self, x):
         # as NumpyBackend.all_finite: the sum first, the elementwise pass only after an overflow
         return bool(self.torch.isfinite(x.sum())) or bool(self.torch.isfinite(x).all())

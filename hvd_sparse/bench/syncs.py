@@ -1,0 +1,164 @@
+"""Host reads of a sparse step, counted on the CPU: the places where, on a GPU, the host waits for the device.
+
+On a CUDA tensor every read of a value by the host -- ``float(t)``, ``int(t)``, ``bool(t)``, ``t.item()``,
+``t.tolist()``, a copy to numpy -- and every operation whose output size depends on the data (``nonzero``,
+boolean-mask indexing, ``unique``, ``masked_select``) makes the host wait until the GPU has finished the work
+queued before it (one ``cudaStreamSynchronize``). :class:`HostReads` is a ``torch`` function mode that counts these
+calls on any device, so the engine's syncs per step can be counted -- and guarded by a test -- on a machine without a
+GPU. :func:`count` runs P simulated ranks with CPU torch tensors on the paths of CUDA tensors (no C kernel, no numpy
+view of a buffer) and counts each rank's reads per step, outside the collectives (a collective's own
+copies are Horovod's, not the engine's; what the engine reads from its result is counted).
+
+    python -m hvd_sparse.bench.syncs --size 4     # the table of docs/algorithms.md ("Host reads per step")
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import traceback
+
+#: calls that read a value on the host (``numpy``: a copy to the host; ``.cpu()`` before it is not counted again)
+READS = frozenset({"__float__", "__int__", "__bool__", "__index__", "item", "tolist", "numpy"})
+#: operations whose output size depends on the data (the host must learn it before it allocates the result)
+SIZED = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"})
+
+
+def _bool_index(index):
+    import torch
+
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in items)
+
+
+def _torch_function_mode():
+    from torch.overrides import TorchFunctionMode
+
+    return TorchFunctionMode
+
+
+class HostReads(_torch_function_mode()):
+    """Counts the host reads (:data:`READS`, :data:`SIZED`, boolean-mask indexing) while active and not
+    :meth:`paused`; ``where`` counts them by the library line that made them (the caller of the array backend)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+        self.where = collections.Counter()
+        self._paused = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self._paused:
+            name = getattr(func, "__name__", "")
+            if name in READS or name in SIZED or (name in ("__getitem__", "__setitem__") and _bool_index(args[1])):
+                self.reads += 1
+                self.where[f"{name} at {_library_line()}"] += 1
+        return func(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+
+def _library_line():
+    for fs in reversed(traceback.extract_stack(limit=12)):
+        if "/hvd_sparse/" in fs.filename and "/core/xp/" not in fs.filename and not fs.filename.endswith("/syncs.py"):
+            return f"{fs.filename.split('/hvd_sparse/', 1)[1]}:{fs.lineno}"
+    return "?"
+
+
+class _Unmetered:
+    """A communicator whose collectives run with ``reads`` paused (everything else passes through)."""
+
+    def __init__(self, comm, reads):
+        self._comm, self._reads = comm, reads
+
+    def __getattr__(self, name):
+        attr = getattr(self._comm, name)
+        if not callable(attr) or name.startswith("__"):
+            return attr
+
+        def collective(*args, **kwargs):
+            with self._reads.paused():
+                return attr(*args, **kwargs)
+        return collective
+
+
+def count(compression, size, n, steps, seed=0):
+    """Per step t, the host reads of rank 0's engine step (list of ints, one per step) and the lines that made them
+    on the last step (a Counter). ``compression``: a preset (its configuration; fresh engines)."""
+    import torch
+
+    from ..core.sim import SimulatedWorld
+    from .data import SyntheticGradients
+
+    source = SyntheticGradients(n, size, seed=seed)
+    per_rank = [HostReads() for _ in range(size)]
+    config = compression.fresh()
+
+    def rank_loop(comm):
+        reads = per_rank[comm.rank]
+        engine = config.new_engine(_Unmetered(comm, reads), "model")
+        counts = []
+        for t in range(steps):
+            grad = torch.from_numpy(source.grad(t, comm.rank))
+            before = reads.reads
+            if t == steps - 1:
+                reads.where.clear()
+            with reads:
+                engine.step(grad)
+            counts.append(reads.reads - before)
+        return counts
+
+    with _as_if_on_a_device():
+        counts = SimulatedWorld(size).run(rank_loop)
+    return counts[0], per_rank[0].where
+
+
+@contextlib.contextmanager
+def _as_if_on_a_device():
+    """CPU tensors take the paths of CUDA tensors: no C kernel (``HVD_SPARSE_NATIVE=0``) and no numpy view of a
+    buffer (``TorchBackend.host`` answers None, as for device memory)."""
+    from ..core.xp.torch_backend import TorchBackend
+
+    old_env, old_host = os.environ.get("HVD_SPARSE_NATIVE"), TorchBackend.__dict__["host"]
+    os.environ["HVD_SPARSE_NATIVE"] = "0"
+    TorchBackend.host = staticmethod(lambda x: None)
+    try:
+        yield
+    finally:
+        TorchBackend.host = old_host
+        if old_env is None:
+            del os.environ["HVD_SPARSE_NATIVE"]
+        else:
+            os.environ["HVD_SPARSE_NATIVE"] = old_env
+
+
+def table(size, n=20_000, steps=10, density=0.01, names=None):
+    """Markdown: per preset, the host reads of the first step and of a steady step (the most over steps 1..),
+    and where the steady step makes them."""
+    from . import presets
+
+    lines = [f"| preset | first step | steady step (P = {size}) | where |", "|---|---|---|---|"]
+    for name in names or presets.names():
+        counts, where = count(presets.make(name, density), size, n, steps)
+        places = ", ".join(f"{v}x {k}" if v > 1 else k for k, v in sorted(where.items(), key=lambda kv: kv[0]))
+        lines.append(f"| {name} | {counts[0]} | {max(counts[1:])} | {places} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=int, default=4, help="simulated ranks P (default 4)")
+    parser.add_argument("--n", type=int, default=20_000, help="gradient entries (default 20000)")
+    parser.add_argument("--density", type=float, default=0.01)
+    args = parser.parse_args()
+    print(table(args.size, args.n, density=args.density))
