@@ -36,6 +36,7 @@ import dataclasses
 import numpy as np
 
 from .core.sim import SimulatedWorld
+from .core.validate import check_nonfinite
 
 #: every field ``simulate(record=...)`` can fill; "states" fills ``sparsifier_states`` and ``reducer_states``
 RECORDS = ("updates", "residuals", "volume", "selected", "phases", "info", "velocities", "states")
@@ -102,6 +103,7 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
             lacks (bfloat16) are recorded as float32, which holds them exactly.
     """
     api = "hvd_sparse.testing.simulate"
+    check_nonfinite(nonfinite, api)
     record = _check_options(record, before_step, after_step, communicator, api)
     grad, steps, P, n, rec_dtype = _gradient_source(gradients, steps, size, api)
     if shapes is not None and sum(int(np.prod(s)) for s in shapes) != n:

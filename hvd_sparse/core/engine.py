@@ -60,7 +60,6 @@ import numpy as np
 from . import agree
 from .context import Plan, Prefiltered, StepContext, StepStats
 from .errors import NonFiniteGradientError, RankDisagreementError, disagreement_message
-from .validate import check_nonfinite
 from .memory import ErrorFeedback
 from .reducers.base import SparseSum
 from .reducers.dense import Dense
@@ -194,7 +193,6 @@ class Engine:
             the reduced flat gradient in ``grad``'s dtype (``out`` None), or ``out``; bit-identical on every
             rank (all NaN when a non-finite gradient on any rank skipped the step: see the module docstring).
         """
-        check_nonfinite(nonfinite, "hvd_sparse")
         plan = self._plan(grad, out)
         agree_args = (average, prescale, postscale, nonfinite)
         if plan.local_error is not None:     # reported on every rank: nothing is read, nothing sent

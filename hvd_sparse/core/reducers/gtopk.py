@@ -26,7 +26,7 @@ subtree where j was pruned, yet those ranks clear eps[j] because j is in G.
 
 from __future__ import annotations
 
-from ..selection import intersect_sorted, topk_indices
+from ..selection import topk_indices
 from .base import Reducer, pack_pairs, unpack_pairs, wire_index_dtype
 
 
@@ -138,4 +138,4 @@ class GTopk(Reducer):
         u = xp.zeros(n, xp.float32, like=acc)
         u = xp.put_(u, g_idx, g_val)
         # 5. included = S ∩ G
-        return u, intersect_sorted(xp, idx, g_idx), {"K": K}
+        return u, xp.intersect(idx, g_idx), {"K": K}

@@ -67,7 +67,7 @@ import dataclasses
 import math
 
 from ..comm import SUM
-from ..selection import intersect_sorted, topk_indices
+from ..selection import topk_indices
 from ..sparsifiers.threshold_reuse import band_adjust
 from ..validate import SELECT_RULE_FIX, SELECT_RULES, check_real, choice, integer, options, real
 from .base import (Reducer, SparseSum, allgather_count, allgather_counts, pack_pairs, sum_sparse_in_rank_order,
@@ -423,7 +423,7 @@ class OkTopk(Reducer):
         """The output (the sum is G itself, sorted and unique: the engine scatters it), the included set
         I = S ∩ G (exact), the next boundaries and the state."""
         u = SparseSum(s.g_idx, s.g_val)
-        included = intersect_sorted(xp, idx, s.g_idx)
+        included = xp.intersect(idx, s.g_idx)       # S ∩ G, ascending
         nxt = None if self.boundaries == "periodic" or s.P == 1 else next_boundaries(
             self.boundaries, xp, s.g_idx, s.offsets, s.loads, s.n, state, self.boundary_tolerance,
             self.load_smoothing, s.hist and (s.edges, s.hist))
