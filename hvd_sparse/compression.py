@@ -21,6 +21,7 @@ import importlib
 import inspect
 from typing import NamedTuple
 
+from .core import budget
 from .core.engine import Engine
 from .core.reducers import Dense, ExDynaReducer, GTopk, OkTopk, Reducer, SparDL, TopkA, TopkDSA
 from .core.reducers.oktopk import FEW_COLLECTIVES_FROM
@@ -50,9 +51,12 @@ class SparseCompression:
         reducer (Reducer): combines the selections of all ranks.
         preset (str): the preset's name, for ``repr`` and logs (default: ``sparse(...)`` of the arguments).
         warmup_dense_steps, momentum_correction: the training options (see ``Compression.topka``).
+        byte_budget (float or None): the fraction of a dense allreduce's bytes each rank may send: the sparsifier then
+            has the density for P = 1, each engine the one for its P (:meth:`for_size`, :mod:`hvd_sparse.core.budget`).
     """
 
-    def __init__(self, sparsifier, reducer, preset=None, *, warmup_dense_steps=0, momentum_correction=0.0):
+    def __init__(self, sparsifier, reducer, preset=None, *, warmup_dense_steps=0, momentum_correction=0.0,
+                 byte_budget=None):
         if isinstance(warmup_dense_steps, bool) or not isinstance(warmup_dense_steps, int) or warmup_dense_steps < 0:
             raise ValueError(f"hvd_sparse.Compression: warmup_dense_steps must be an integer >= 0, "
                              f"got {warmup_dense_steps!r}")
@@ -73,20 +77,43 @@ class SparseCompression:
         self.warmup_dense_steps = int(warmup_dense_steps)
         #: momentum m of DGC's momentum correction and factor masking (core/memory.py); 0.0: off
         self.momentum_correction = float(momentum_correction)
+        #: the fraction of a dense ring allreduce's bytes each rank may send per step, or None (a fixed density)
+        self.byte_budget = budget.check_byte_budget(byte_budget, "hvd_sparse.Compression", reducer)
+        if self.byte_budget is not None:        # the density for P = 1 until an engine sets its own (for_size)
+            self.sparsifier = budget.sparsifier_for(self.byte_budget, sparsifier, reducer, 1, "hvd_sparse.Compression")
+        self.size = None        # the number of ranks a byte budget's density was derived for (an engine's twin)
         self.preset = preset or call_text("sparse", {
             "sparsifier": sparsifier, "allreduce": reducer.name, "warmup_dense_steps": self.warmup_dense_steps,
-            "momentum_correction": self.momentum_correction}, TRAINING_OPTIONS)
+            "momentum_correction": self.momentum_correction, "byte_budget": self.byte_budget},
+            {**TRAINING_OPTIONS, "byte_budget": None})
         #: this rank's per-unit state (engines, restored states): see :class:`hvd_sparse.core.state.UnitStates`
         self.states = UnitStates(self)
         self._horovod_adapter = None
 
     @property
     def density(self):
-        return self.sparsifier.density if self.sparsifier is not None else 1.0
+        """The sparsifier's density (dense: 1.0); None for a byte budget, unless bound to a :attr:`size`."""
+        unbound = self.byte_budget is not None and self.size is None
+        return 1.0 if self.sparsifier is None else None if unbound else self.sparsifier.density
+
+    def density_for(self, size):
+        """The density over ``size`` ranks: :attr:`density`, or the byte budget's (:mod:`hvd_sparse.core.budget`)."""
+        return self.density if self.byte_budget is None else \
+            budget.density_for(self.byte_budget, self.sparsifier, self.reducer, size)
+
+    def for_size(self, size):
+        """What an engine over ``size`` ranks runs: this preset, or for a byte budget a twin (same name, options and
+        ``states``) whose sparsifier has :meth:`density_for` ``size`` (``core.budget.sparsifier_for``: may warn)."""
+        if self.byte_budget is None:
+            return self
+        twin = copy.copy(self)
+        twin.sparsifier, twin.size = budget.sparsifier_for(self.byte_budget, self.sparsifier, self.reducer, size,
+                                                           repr(self)), int(size)
+        return twin
 
     def new_engine(self, comm, bucket="model"):
-        """A fresh per-rank :class:`Engine` (state and step) for one unit, over ``comm``."""
-        return Engine(self, comm, bucket)
+        """A fresh per-rank :class:`Engine` of one unit over ``comm``, running :meth:`for_size` ``comm.size``."""
+        return Engine(self.for_size(1 if comm is None else comm.size), comm, bucket)
 
     def fresh(self):
         """A new preset of the same configuration, without state (one per optimizer)."""
@@ -145,6 +172,12 @@ _OPTIONS_DOC = """
             momentum_correction (float): m > 0 turns on Deep Gradient Compression's momentum correction and
                 momentum factor masking: error feedback accumulates the velocity u = m·u + grad and zeroes u
                 where entries were sent; wrap an optimizer *without* momentum (e.g. SGD(momentum=0)). Default 0.0.
+
+        Byte budget (keyword-only, every sparse preset):
+            byte_budget (float): instead of ``density`` (exactly one of them; ``sparse``: of the sparsifier's): the
+                fraction, in (0, 1], of the bytes a dense ring allreduce of the gradient sends per rank and step,
+                8·n·(P-1)/P; each engine derives the density from it and P, alike on every rank
+                (``hvd_sparse.core.budget``, ``SparseCompression.density_for(P)``). Default None.
 """
 
 
@@ -160,14 +193,19 @@ def call_text(name, args, defaults):
     return f"{name}({', '.join(shown)})"
 
 
+def _density(name, args):
+    """The density of the sparsifier of ``Compression.<name>(**args)`` (``core.budget.template_density``)."""
+    return budget.template_density(args["density"], args["byte_budget"], f"hvd_sparse.Compression.{name}")
+
+
 def _preset(factory, args, sparsifier, reducer):
     """The preset ``factory`` called with ``args`` (its arguments, by name): named after the arguments that differ
-    from the factory's defaults, with the training options set."""
+    from the factory's defaults, with the training options and the byte budget set."""
     params = inspect.signature(factory).parameters
     defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
     return SparseCompression(sparsifier, reducer, call_text(factory.__name__, args, defaults),
                              warmup_dense_steps=args["warmup_dense_steps"],
-                             momentum_correction=args["momentum_correction"])
+                             momentum_correction=args["momentum_correction"], byte_budget=args["byte_budget"])
 
 
 class OkTopkVariant(NamedTuple):
@@ -218,7 +256,7 @@ def _oktopk_pair(args):
         raise ValueError(f"hvd_sparse.Compression.oktopk: variant must be one of {sorted(OKTOPK_PRESETS)}, "
                          f"got {variant!r}")
     base = OKTOPK_PRESETS[variant]
-    sp = {"density": args["density"], "max_select_ratio": args["max_select_ratio"]}
+    sp = {"density": _density("oktopk", args), "max_select_ratio": args["max_select_ratio"]}
     rd = {"max_select_ratio": args["max_select_ratio"], "few_collectives_from": args["few_collectives_from"]}
     knobs = {k: args[k] for k in ("threshold_period", "repartition_period", "balance")}
     if variant == "library":
@@ -238,8 +276,8 @@ class Compression:
 
     @staticmethod
     @_documents_training_options
-    def oktopk(density, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
-               max_select_ratio=None, boundaries=None, few_collectives_from=FEW_COLLECTIVES_FROM,
+    def oktopk(density=None, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
+               max_select_ratio=None, boundaries=None, few_collectives_from=FEW_COLLECTIVES_FROM, byte_budget=None,
                warmup_dense_steps=0, momentum_correction=0.0):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
         docs/algorithms.md#oktopk): the O(k) sparse allreduce. Each rank selects with a local threshold that is
@@ -280,7 +318,7 @@ class Compression:
 
     @staticmethod
     @_documents_training_options
-    def topka(density, *, warmup_dense_steps=0, momentum_correction=0.0):
+    def topka(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
         """TopkA (Li & Hoefler, PPoPP'22, §5 baseline; docs/algorithms.md#topka): exact local top-k on every
         rank, allgather of the k (index, value) pairs, sum in rank order. Error feedback keeps what was not
         sent. Cost: 2k(P-1) words received per rank per step, growing linearly with P.
@@ -288,11 +326,11 @@ class Compression:
         Args:
             density (float): fraction of entries each rank sends, in (0, 1]; k = max(1, floor(density·n)).
         """
-        return _preset(Compression.topka, locals(), TopK(density), TopkA())
+        return _preset(Compression.topka, locals(), TopK(_density("topka", locals())), TopkA())
 
     @staticmethod
     @_documents_training_options
-    def topk_dsa(density, *, warmup_dense_steps=0, momentum_correction=0.0):
+    def topk_dsa(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
         """TopkDSA (SparCML's dynamic sparse allreduce as benchmarked by Li & Hoefler, PPoPP'22;
         docs/algorithms.md#topk_dsa): exact local top-k, sparse reduce-scatter over P equal regions (one
         alltoall), then an allgather of the reduced regions -- sparse, or dense when the reduced nonzeros N reach n/3.
@@ -301,11 +339,11 @@ class Compression:
         Args:
             density (float): fraction of entries each rank sends, in (0, 1].
         """
-        return _preset(Compression.topk_dsa, locals(), TopK(density), TopkDSA())
+        return _preset(Compression.topk_dsa, locals(), TopK(_density("topk_dsa", locals())), TopkDSA())
 
     @staticmethod
     @_documents_training_options
-    def gtopk(density, *, warmup_dense_steps=0, momentum_correction=0.0):
+    def gtopk(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
         """gTopk (Shi et al., ICDCS'19, as benchmarked by Li & Hoefler; docs/algorithms.md#gtopk): exact local
         top-k, then a reduction tree of log2 P rounds, each merging two lists and keeping the top k, and a
         broadcast of the final k entries. Any P (fold-in pre-round when P is not a power of two). Error
@@ -314,11 +352,11 @@ class Compression:
         Args:
             density (float): k = max(1, floor(density·n)) entries in the global result, in (0, 1].
         """
-        return _preset(Compression.gtopk, locals(), TopK(density), GTopk())
+        return _preset(Compression.gtopk, locals(), TopK(_density("gtopk", locals())), GTopk())
 
     @staticmethod
     @_documents_training_options
-    def gaussiank(density, adjust="lstm", *, warmup_dense_steps=0, momentum_correction=0.0):
+    def gaussiank(density=None, adjust="lstm", *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
         """Gaussiank (Shi et al., 2019, as benchmarked by Li & Hoefler; docs/algorithms.md#gaussiank): threshold
         mu + z·sigma from a Gaussian fit of the accumulator (z = Phi^-1(1 - density/2)), scaled down until at
         least 3k/4 entries pass, then the TopkA exchange (counts + allgatherv). Cost about 2k(P-1) words.
@@ -327,12 +365,13 @@ class Compression:
             density (float): target fraction of entries, in (0, 1].
             adjust (str): the threshold adjustment loop of the reference code: "lstm" (default), "bert", "vgg".
         """
-        return _preset(Compression.gaussiank, locals(), GaussianK(density, adjust=adjust), TopkA())
+        return _preset(Compression.gaussiank, locals(), GaussianK(_density("gaussiank", locals()), adjust=adjust),
+                       TopkA())
 
     @staticmethod
     @_documents_training_options
-    def exdyna(density, threshold_rule="proportional", init_threshold="topk_once", *, warmup_dense_steps=0,
-               momentum_correction=0.0):
+    def exdyna(density=None, threshold_rule="proportional", init_threshold="topk_once", *, byte_budget=None,
+               warmup_dense_steps=0, momentum_correction=0.0):
         """ExDyna (Yoon & Oh, CCGrid'24; docs/algorithms.md#exdyna): the flat gradient is cut into blocks grouped in P
         exclusive partitions that rotate over the ranks every step; each rank selects |acc| >= tau inside its
         partition only (no index is ever selected twice), the indices are allgathered and every rank's values
@@ -350,12 +389,12 @@ class Compression:
                 reached at once) or None for the reference tau0 = 1/(2 sqrt(k)), which needs hundreds of steps
                 when the gradient scale is far from it, or a positive float.
         """
-        return _preset(Compression.exdyna, locals(),
-                       ExDyna(density, threshold_rule=threshold_rule, init_threshold=init_threshold), ExDynaReducer())
+        return _preset(Compression.exdyna, locals(), ExDyna(_density("exdyna", locals()), threshold_rule=threshold_rule,
+                                                            init_threshold=init_threshold), ExDynaReducer())
 
     @staticmethod
     @_documents_training_options
-    def dct(density, lifespan=1000, *, warmup_dense_steps=0, momentum_correction=0.0):
+    def dct(density=None, lifespan=1000, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
         """DCT-DP (Gupta et al., KDD'21, "Dynamic Communication Thresholding"; docs/algorithms.md#dct): a hard
         threshold per parameter tensor, the K-th largest |acc| of the tensor (K = ceil(density·n_l)),
         recomputed only every ``lifespan`` steps and reused in between; the selections are allgathered.
@@ -364,12 +403,12 @@ class Compression:
             density (float): fraction of each tensor sent on recompute steps, in (0, 1].
             lifespan (int): steps between threshold recomputations (default 1000, the paper's value).
         """
-        return _preset(Compression.dct, locals(), DCT(density, lifespan), TopkA())
+        return _preset(Compression.dct, locals(), DCT(_density("dct", locals()), lifespan), TopkA())
 
     @staticmethod
     @_documents_training_options
-    def spardl(density, groups=1, *, sag="bruck", selection="lazy", h_mode="adaptive", pack="bitcast",
-               warmup_dense_steps=0, momentum_correction=0.0):
+    def spardl(density=None, groups=1, *, sag="bruck", selection="lazy", h_mode="adaptive", pack="bitcast",
+               byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
         """SparDL (ICDE'24; docs/algorithms.md#spardl): Spar-Reduce-Scatter (block-wise top-k/P at every hop, dropped
         values kept as residuals where they fall -- global residual collection), then, with ``groups=d > 1``,
         Spar-All-Gather across d teams, then an all-gather inside each team. SparDL picks its own entries
@@ -388,7 +427,7 @@ class Compression:
             pack (str): "bitcast" (default: indices bit-cast to float32 ahead of the values, one collective
                 per hop) or "two" (separate index and value collectives).
         """
-        return _preset(Compression.spardl, locals(), TopK(density),
+        return _preset(Compression.spardl, locals(), TopK(_density("spardl", locals())),
                        SparDL(groups, sag=sag, selection=selection, h_mode=h_mode, pack=pack))
 
     @staticmethod
@@ -400,7 +439,7 @@ class Compression:
 
     @staticmethod
     @_documents_training_options
-    def sparse(sparsifier, allreduce="oktopk", *, warmup_dense_steps=0, momentum_correction=0.0):
+    def sparse(sparsifier, allreduce="oktopk", *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
         """Any pairing of a sparsifier and a sparse allreduce, e.g. ``sparse(GaussianK(0.01))`` (Gaussiank
         selection, Ok-Topk's O(k) allreduce) or ``sparse(TopK(0.01), allreduce="topka")``.
 

@@ -24,6 +24,10 @@ def test_every_preset_has_a_plain_signature_with_the_training_options(name):
     assert params["warmup_dense_steps"].default == 0 and params["momentum_correction"].default == 0.0
     assert params["warmup_dense_steps"].kind is inspect.Parameter.KEYWORD_ONLY
     assert "warmup_dense_steps (int)" in factory.__doc__
+    assert params["byte_budget"].default is None and params["byte_budget"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert "byte_budget (float)" in factory.__doc__
+    if name != "sparse":                                    # density or byte_budget (tests/test_budget.py)
+        assert params["density"].default is None
 
 
 @pytest.mark.parametrize("call, name", [
