@@ -17,7 +17,7 @@ STEADY_P4 = {"dense": 2, "topka": 5, "gaussiank": 7, "topk_dsa": 8, "gtopk": 17,
 
 @pytest.mark.parametrize("name", presets.names())
 def test_every_preset_makes_its_documented_host_reads_per_steady_step(name):
-    counts, where = count(presets.make(name, 0.01), 4, 20_000, 6)
+    counts, where, _ = count(presets.make(name, 0.01), 4, 20_000, 6)
     assert max(counts[1:]) == STEADY_P4[name], (counts, where)
     assert sum(where.values()) == counts[-1]
 
@@ -38,5 +38,5 @@ def test_the_counter_sees_every_kind_of_host_read_and_not_the_device_work():
 def test_the_ladder_and_the_guard_read_their_counts_once():
     """Ok-Topk's 9 ladder counts go to the allreduce on the device and the guard's raised thresholds are counted
     in one read: a step reads neither once per threshold."""
-    _, where = count(presets.make("oktopk", 0.01), 4, 20_000, 4)
+    _, where, _ = count(presets.make("oktopk", 0.01), 4, 20_000, 4)
     assert not any(k.startswith("__int__") for k in where), where

@@ -92,7 +92,8 @@ class _Unmetered:
 
 def count(compression, size, n, steps, seed=0):
     """Per step t, the host reads of rank 0's engine step (list of ints, one per step) and the lines that made them
-    on the last step (a Counter). ``compression``: a preset (its configuration; fresh engines)."""
+    on the last step (a Counter). ``compression``: a preset (its configuration; fresh engines). Also per step the
+    negotiated collectives of the step, the agreement's included (the third result)."""
     import torch
 
     from ..core.sim import SimulatedWorld
@@ -105,7 +106,7 @@ def count(compression, size, n, steps, seed=0):
     def rank_loop(comm):
         reads = per_rank[comm.rank]
         engine = config.new_engine(_Unmetered(comm, reads), "model")
-        counts = []
+        counts, collectives = [], []
         for t in range(steps):
             grad = torch.from_numpy(source.grad(t, comm.rank))
             before = reads.reads
@@ -114,11 +115,12 @@ def count(compression, size, n, steps, seed=0):
             with reads:
                 engine.step(grad)
             counts.append(reads.reads - before)
-        return counts
+            collectives.append(engine.last["collectives"] + (size > 1))     # + the agreement
+        return counts, collectives
 
     with _as_if_on_a_device():
-        counts = SimulatedWorld(size).run(rank_loop)
-    return counts[0], per_rank[0].where
+        results = SimulatedWorld(size).run(rank_loop)
+    return results[0][0], per_rank[0].where, results[0][1]
 
 
 @contextlib.contextmanager
@@ -141,15 +143,16 @@ def _as_if_on_a_device():
 
 
 def table(size, n=20_000, steps=10, density=0.01, names=None):
-    """Markdown: per preset, the host reads of the first step and of a steady step (the most over steps 1..),
-    and where the steady step makes them."""
+    """Markdown: per preset, the host reads of the first step and of a steady step (the most over steps 1..), the
+    steady step's negotiated collectives (the agreement's included), and where the steady step makes its reads."""
     from . import presets
 
-    lines = [f"| preset | first step | steady step (P = {size}) | where |", "|---|---|---|---|"]
+    lines = [f"| preset | host reads, first step | steady step (P = {size}) | collectives, steady step | where |",
+             "|---|---|---|---|---|"]
     for name in names or presets.names():
-        counts, where = count(presets.make(name, density), size, n, steps)
+        counts, where, collectives = count(presets.make(name, density), size, n, steps)
         places = ", ".join(f"{v}x {k}" if v > 1 else k for k, v in sorted(where.items(), key=lambda kv: kv[0]))
-        lines.append(f"| {name} | {counts[0]} | {max(counts[1:])} | {places} |")
+        lines.append(f"| {name} | {counts[0]} | {max(counts[1:])} | {max(collectives[1:])} | {places} |")
     return "\n".join(lines)
 
 
