@@ -210,7 +210,8 @@ def test_agreement_is_control_traffic_of_28_bytes():
     from hvd_sparse.core import agree
 
     assert agree.WORDS == 7
-    assert run_ranks(fn, 3) == [(2 * 28, 2)] * 3     # 7 int32 words to each of P - 1 ranks; topka: counts + pairs
+    assert run_ranks(fn, 3) == [(2 * 28, 1)] * 3     # 7 int32 words to each of P - 1 ranks; topka: one grouped
+    #                                                  allgather of indices and values
 
 
 @pytest.mark.parametrize("preset", presets.names())

@@ -181,6 +181,10 @@ def test_simulate_hooks_run_on_every_rank_around_every_step_over_the_given_commu
             self.calls += 1
             return self.comm.allgather(x, phase)
 
+        def grouped_allgather(self, xs, phases):
+            self.calls += 1
+            return self.comm.grouped_allgather(xs, phases)
+
         def alltoall(self, x, splits, phase):
             self.calls += 1
             return self.comm.alltoall(x, splits, phase)

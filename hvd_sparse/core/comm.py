@@ -54,12 +54,14 @@ class VolumeMeter:
         self.recv_bytes = collections.Counter()
         self.calls = collections.Counter()
 
-    def add(self, phase, sent_words, recv_words, itemsize):
+    def add(self, phase, sent_words, recv_words, itemsize, calls=1):
+        """Record what ``phase`` moved; ``calls``: the negotiated collectives it took (0 for the second and later
+        tensors of a grouped collective, which ride in the first one's negotiation)."""
         self.sent_words[phase] += int(sent_words)
         self.recv_words[phase] += int(recv_words)
         self.sent_bytes[phase] += int(sent_words) * int(itemsize)
         self.recv_bytes[phase] += int(recv_words) * int(itemsize)
-        self.calls[phase] += 1
+        self.calls[phase] += calls
 
     def totals(self):
         """``{"sent_words", "recv_words", "sent_bytes", "recv_bytes", "collectives"}`` summed over phases."""
@@ -96,6 +98,10 @@ class Communicator(Protocol):
     def allgather(self, x, phase):
         """Concatenation along dim 0 of every rank's ``x`` in rank order (first dims may differ)."""
 
+    def grouped_allgather(self, xs, phases):
+        """``[allgather(x, phase) for x, phase in zip(xs, phases)]`` in one negotiated collective (the arrays may
+        differ in dtype and length; the meter keeps one phase per array)."""
+
     def alltoall(self, x, splits, phase):
         """Send ``splits[q]`` consecutive rows of ``x`` to rank ``q``; returns ``(received, recv_splits)``.
 
@@ -106,11 +112,11 @@ class Communicator(Protocol):
         """``x`` of rank ``root`` on every rank."""
 
 
-def meter_allgather(meter, rank, sizes, itemsize, phase):
+def meter_allgather(meter, rank, sizes, itemsize, phase, calls=1):
     """Record one allgather whose per-rank first-dim element counts are ``sizes``."""
     P = len(sizes)
     mine = sizes[rank]
-    meter.add(phase, mine * (P - 1), sum(sizes) - mine, itemsize)
+    meter.add(phase, mine * (P - 1), sum(sizes) - mine, itemsize, calls)
 
 
 def meter_alltoall(meter, rank, splits, recv_splits, itemsize, phase, row_words=1):
@@ -168,9 +174,10 @@ class HorovodCommunicator:
 
     It names every collective ``hvd_sparse.<bucket>.<phase>`` (the same on every rank, stable across steps, unique per
 unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
-    passes the process set, and meters what moved. A framework subclass only runs the four Horovod calls on its
-    own tensors: ``_allreduce(x, hvd_op, kw)``, ``_allgather(x, kw)``, ``_alltoall(x, splits, kw) -> (out,
-    recv_splits)``, ``_broadcast(x, root, kw)``, where ``kw`` holds ``name`` and ``process_set``.
+    passes the process set, and meters what moved. A framework subclass only runs the five Horovod calls on its
+    own tensors: ``_allreduce(x, hvd_op, kw)``, ``_allgather(x, kw)``, ``_grouped_allgather(xs, kw) -> outs``,
+    ``_alltoall(x, splits, kw) -> (out, recv_splits)``, ``_broadcast(x, root, kw)``, where ``kw`` holds ``name`` and
+    ``process_set``.
 
     Failures: when another rank dies or raises, Horovod shuts down and the pending collective fails on the
     survivors (Gloo notices the closed connection within seconds: no hang). The survivors raise
@@ -220,15 +227,26 @@ unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
         return out
 
     def allgather(self, x, phase):
-        xp = backend_of(x)
         out = self._guarded(phase, self._allgather, x, self._kw(phase))
+        self._meter_allgather(x, out, phase)
+        return out
+
+    def grouped_allgather(self, xs, phases):
+        """The allgathers of ``xs`` in one Horovod negotiation (``hvd.grouped_allgather``, named after the phases
+        joined by ``+``)."""
+        outs = self._guarded(phases[0], self._grouped_allgather, list(xs), self._kw("+".join(phases)))
+        for i, (x, out, phase) in enumerate(zip(xs, outs, phases)):
+            self._meter_allgather(x, out, phase, calls=int(i == 0))
+        return list(outs)
+
+    def _meter_allgather(self, x, out, phase, calls=1):
         # Horovod does not return the per-rank sizes; only ours and the total matter for the meter.
+        xp = backend_of(x)
         mine = xp.numel(x)
         sizes = [0] * self.size
         sizes[self.rank] = mine
         sizes[(self.rank + 1) % self.size] += backend_of(out).numel(out) - mine
-        meter_allgather(self.meter, self.rank, sizes, xp.itemsize(x), phase)
-        return out
+        meter_allgather(self.meter, self.rank, sizes, xp.itemsize(x), phase, calls)
 
     def alltoall(self, x, splits, phase):
         xp = backend_of(x)

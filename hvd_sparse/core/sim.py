@@ -142,7 +142,7 @@ class SimulatedCommunicator:
         meter_allreduce(self.meter, self.size, xp.numel(x), xp.itemsize(x), phase)
         return out
 
-    def allgather(self, x, phase):
+    def allgather(self, x, phase, calls=1):
         xp = backend_of(x)
         if xp.freezable:
             # identical on every rank: built once, shared read-only (an in-place write raises)
@@ -153,8 +153,12 @@ class SimulatedCommunicator:
         else:
             xs = self._gather("allgather", phase, x)
             out, sizes = xp.concat(xs, like=x), [xp.numel(y) for y in xs]
-        meter_allgather(self.meter, self.rank, sizes, xp.itemsize(x), phase)
+        meter_allgather(self.meter, self.rank, sizes, xp.itemsize(x), phase, calls)
         return out
+
+    def grouped_allgather(self, xs, phases):
+        """The allgathers of ``xs``, metered as one negotiated collective (as Horovod's grouped allgather)."""
+        return [self.allgather(x, phase, calls=int(i == 0)) for i, (x, phase) in enumerate(zip(xs, phases))]
 
     def alltoall(self, x, splits, phase):
         xp = backend_of(x)

@@ -86,6 +86,9 @@ class HorovodTorchCommunicator(HorovodCommunicator):
     def _allgather(self, x, kw):
         return wait(self._hvd.allgather_async(x, **kw), self._max_sleep)
 
+    def _grouped_allgather(self, xs, kw):
+        return wait(self._hvd.grouped_allgather_async(xs, **kw), self._max_sleep)
+
     def _alltoall(self, x, splits, kw):
         out, recv = wait(self._hvd.alltoall_async(x, splits=torch.tensor(splits, dtype=torch.int32), **kw),
                          self._max_sleep)

@@ -230,6 +230,10 @@ class _DieMidStep:
         self._maybe_die()
         return self._comm.allgather(*a)
 
+    def grouped_allgather(self, *a):
+        self._maybe_die()
+        return self._comm.grouped_allgather(*a)
+
     def alltoall(self, *a):
         self._maybe_die()
         return self._comm.alltoall(*a)

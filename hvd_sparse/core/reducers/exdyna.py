@@ -27,8 +27,8 @@ from .base import Reducer, wire_index_dtype
 
 class ExDynaReducer(Reducer):
     """The exchange of ExDyna (Yoon & Oh, CCGrid 2024; docs/algorithms.md#exdyna): allgather the per-rank counts
-    and indices, then allreduce (SUM) every rank's accumulated values over the union S; every rank's
-    residual is cleared on all of S. No knobs (indices travel unpadded, via allgatherv).
+    and indices (one grouped allgather), then allreduce (SUM) every rank's accumulated values over the union S;
+    every rank's residual is cleared on all of S. No knobs (indices travel unpadded, via allgatherv).
     """
 
     name = "exdyna"
@@ -40,14 +40,16 @@ class ExDynaReducer(Reducer):
         if comm.size == 1:
             u = xp.put_(u, idx, xp.take(acc, idx))
             return u, idx, {"counts": [m], "K": m}
-        # 5.7 step 1: counts
-        ks = [int(c) for c in xp.to_numpy(comm.allgather(xp.asarray([m], xp.index_dtype, like=acc), "count"))]
+        # 5.7 steps 1-2: the counts and S = the concatenation of every rank's indices in rank order, in one
+        # negotiated collective (a grouped allgather)
+        wire = wire_index_dtype(xp, n)
+        counts, S = comm.grouped_allgather([xp.asarray([m], xp.index_dtype, like=acc), xp.astype(idx, wire)],
+                                           ["count", "indices"])
+        ks = [int(c) for c in xp.to_numpy(counts)]
         K = sum(ks)
         if K == 0:
             return u, idx, {"counts": ks, "K": 0}
-        # 5.7 step 2: S = concatenation of every rank's indices in rank order
-        wire = wire_index_dtype(xp, n)
-        S = xp.astype(comm.allgather(xp.astype(idx, wire), "indices"), xp.index_dtype)
+        S = xp.astype(S, xp.index_dtype)
         # 5.7 step 3: every rank's own values at the whole union
         vals = comm.allreduce(xp.take(acc, S), SUM, "values")
         # 5.7 step 4 / 5.8: u[S] = summed values; the residual is cleared on all of S

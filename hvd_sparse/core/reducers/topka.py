@@ -22,10 +22,10 @@ from .base import Reducer, sum_in_rank_order, wire_index_dtype
 def allgather_selection(xp, acc, idx, comm, pad_to=None):
     """Allgather every rank's (indices, acc[indices]); returns (all_idx, all_vals, counts).
 
-    ``all_idx`` is in the wire dtype (int32 while n <= 2^31 - 2, else int64).
-
-    With ``pad_to`` (a size every rank respects) messages are padded with index ``n``/value 0 and no
-    count is exchanged; otherwise the per-rank counts are allgathered first (phase ``count``).
+    ``all_idx`` is in the wire dtype (int32 while n <= 2^31 - 2, else int64). One negotiated collective: the
+    indices (phase ``indices``) and values (``values``) travel in one grouped allgather, and so does the count of
+    each rank (``count``) unless ``pad_to`` is given (a size every rank respects: messages are padded with index
+    ``n``/value 0 and no count is exchanged).
     """
     n = xp.numel(acc)
     wire = wire_index_dtype(xp, n)
@@ -40,15 +40,13 @@ def allgather_selection(xp, acc, idx, comm, pad_to=None):
         if pad:
             send_idx = xp.concat([send_idx, xp.full(pad, n, wire, like=acc)], like=acc)
             vals = xp.concat([vals, xp.zeros(pad, xp.float32, like=acc)], like=acc)
-        counts = [pad_to] * comm.size
-    else:
-        counts = [int(c) for c in xp.to_numpy(comm.allgather(xp.asarray([m], xp.index_dtype, like=acc),
-                                                             "count"))]
-    # indices stay in their wire dtype (int32 while n allows): index_add_/fancy indexing take them as they
-    # are, and no rank makes its own int64 copy of the P·k gathered indices
-    all_idx = comm.allgather(send_idx, "indices")
-    all_vals = comm.allgather(vals, "values")
-    return all_idx, all_vals, counts
+        # indices stay in their wire dtype (int32 while n allows): index_add_/fancy indexing take them as they
+        # are, and no rank makes its own int64 copy of the P·k gathered indices
+        all_idx, all_vals = comm.grouped_allgather([send_idx, vals], ["indices", "values"])
+        return all_idx, all_vals, [pad_to] * comm.size
+    count = xp.asarray([m], xp.index_dtype, like=acc)
+    counts, all_idx, all_vals = comm.grouped_allgather([count, send_idx, vals], ["count", "indices", "values"])
+    return all_idx, all_vals, [int(c) for c in xp.to_numpy(counts)]
 
 
 class TopkA(Reducer):
