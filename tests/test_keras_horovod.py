@@ -8,11 +8,10 @@ import pytest
 from hvd_sparse.bench import presets
 from hvd_sparse.testing import simulate
 
-from horovod_helpers import requires_horovod, scenario_job, tf_env
+from horovod_helpers import FLOAT_ALLREDUCE, requires_horovod, scenario_job, tf_env
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
-FLOAT_ALLREDUCE = {"dense", "exdyna"}
 BASE = ("fit", "eager", "misuse")
 #: (flavour, np, presets, scenarios): Keras 3 runs every preset at np=2, a subset at np=3; tf_keras a subset at np=2
 JOBS = [("keras3", 2, None, BASE + ("bpps", "checkpoint")), ("keras3", 3, "topka,oktopk", BASE),

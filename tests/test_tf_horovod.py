@@ -9,12 +9,11 @@ import pytest
 from hvd_sparse.bench import presets
 from hvd_sparse.testing import simulate
 
-from horovod_helpers import requires_horovod, scenario_job, tf_env
+from horovod_helpers import assert_ranks_equal_simulator, requires_horovod, scenario_job, tf_env
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
 NP3_PRESETS = ["topka", "oktopk", "exdyna"]
-FLOAT_ALLREDUCE = {"dense", "exdyna"}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"np{p}")
@@ -35,13 +34,7 @@ def test_tape_equals_simulator_eager_and_in_tf_function(job, preset, mode):
         pytest.skip(f"{preset} runs at np=2 only")
     grads = np.stack([r[f"{tag}.raw"] for r in ranks], axis=1)
     sim = simulate(presets.make(preset, 0.05), grads, shapes=[(int(m),) for m in ranks[0]["layout"]])
-    for r in range(P):
-        assert ranks[r][f"{tag}.params"].tobytes() == ranks[0][f"{tag}.params"].tobytes()
-        got = ranks[r][f"{tag}.red"]
-        if preset in FLOAT_ALLREDUCE and P > 2:
-            np.testing.assert_allclose(got, sim.updates[:, r], rtol=1e-6, atol=1e-6 * np.abs(grads).max())
-        else:
-            assert got.tobytes() == sim.updates[:, r].tobytes(), f"rank {r} differs from the simulator"
+    assert_ranks_equal_simulator(ranks, tag, sim, grads, preset, P)
 
 
 def test_graph_and_eager_agree(job):

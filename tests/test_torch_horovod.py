@@ -13,14 +13,13 @@ import hvd_sparse
 from hvd_sparse.bench import presets
 from hvd_sparse.testing import simulate
 
-from horovod_helpers import requires_horovod, scenario_job
+from horovod_helpers import FLOAT_ALLREDUCE, assert_ranks_equal_simulator, requires_horovod, scenario_job
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
 SCENARIOS = ["optimizer", "stash", "none", "op", "errors", "presets", "resume", "options"]
 #: presets whose values are summed by a float allreduce: Gloo's ring adds in another order than the
 #: simulator (rank order), so at P >= 3 they agree to rounding, not to the bit (every rank still agrees).
-FLOAT_ALLREDUCE = {"dense", "exdyna"}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=lambda p: f"np{p}")
@@ -105,14 +104,7 @@ def test_every_preset_through_horovod_equals_simulator(job, preset):
     if preset == "oktopk":   # the run made every collective of the default, the refined histogram included
         ran = {p for step in sim.phases for ph in step for p in ph["calls"]}
         assert {"histogram", "refine", "ladder", "reeval_gather", "gather"} <= ran, ran
-    for r in range(P):
-        assert ranks[r][f"{preset}.params"].tobytes() == ranks[0][f"{preset}.params"].tobytes()
-        got = ranks[r][f"{preset}.red"]
-        if preset in FLOAT_ALLREDUCE and P > 2:
-            # a sum of P float32 values in another order: within a few ulps of the largest addend
-            np.testing.assert_allclose(got, sim.updates[:, r], rtol=1e-6, atol=1e-6 * np.abs(grads).max())
-        else:
-            assert got.tobytes() == sim.updates[:, r].tobytes(), f"rank {r} differs from the simulator"
+    assert_ranks_equal_simulator(ranks, preset, sim, grads, preset, P)
 
 
 @pytest.mark.parametrize("preset", ["oktopk", "topka", "exdyna"])
