@@ -1,7 +1,8 @@
-"""``python -m hvd_sparse.bench train``: argument errors, the configuration names, the MNIST-1D data and model, the
-report's statistics on hand-made records (one seed and two), and real tiny runs (2 workers in network namespaces on
-a tc-shaped bridge: Horovod, a preset, DDP and PowerSGD side by side on the digits; a preset on MNIST-1D over two
-seeds) that check the report and that nothing of the network is left behind."""
+"""``python -m hvd_sparse.bench train``: argument errors, the configuration names, the equal-bytes calibration on the
+simulator, the MNIST-1D data and model, the report's statistics on hand-made records (one seed and two), and real
+tiny runs (2 workers in network namespaces on a tc-shaped bridge: Horovod, a preset, DDP and PowerSGD side by side
+on the digits; a preset on MNIST-1D over two seeds; presets at equal bytes on MNIST-1D) that check the report and
+that nothing of the network is left behind."""
 
 import json
 import math
@@ -13,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hvd_sparse.bench import train_report
+from hvd_sparse.bench import equal_bytes, presets, train_report
 from hvd_sparse.bench._train_worker import parse_config
 from hvd_sparse.bench.__main__ import main
 
@@ -30,7 +31,7 @@ if args["--configs"] == "topka":
     sys.exit("topka broke on purpose")
 if os.environ["HOROVOD_RANK"] == "0":
     run = {"config": args["--configs"], "kind": "compute" if args["--configs"] == "compute" else "horovod",
-           "numel": 10, "evals": [[1, 0.5]], "sent_bytes": [[1.0]] * 2,
+        "numel": 10, "evals": [[1, 0.5]], "sent_bytes": [[1.0]] * 2,
            **{p: [[0.1]] * 2 for p in ("forward", "backward", "exchange", "update")}}
     json.dump({"torch_threads": 1, "train_images": 1, "test_images": 1, "runs": [run]}, open(args["--out"], "w"))
 """
@@ -49,6 +50,14 @@ if os.environ["HOROVOD_RANK"] == "0":
     (["--seeds", "0"], "--seeds", "must be >= 1"),
     (["--seeds", "two"], "--seeds", "invalid"),
     (["--train-samples", "0"], "--train-samples", "must be >= 1"),
+    (["--configs", "oktopk+b0"], "--configs", "unknown option 'b0'"),
+    (["--configs", "oktopk+d0.01+b0.02"], "--configs", "not both"),
+    (["--equal-bytes", "topk@0.01"], "--equal-bytes", "unknown preset 'topk'"),
+    (["--equal-bytes", "dense@0.01"], "--equal-bytes", "unknown preset 'dense'"),
+    (["--equal-bytes", "topka@1.5"], "--equal-bytes", "must be in (0, 1]"),
+    (["--equal-bytes", "topka@0"], "--equal-bytes", "must be in (0, 1]"),
+    (["--equal-bytes", "topka@x"], "--equal-bytes", "must be a number in (0, 1]"),
+    (["--equal-bytes", "topka0.01"], "--equal-bytes", "must be PRESET@DENSITY"),
 ])
 def test_bad_arguments_are_argparse_errors_naming_the_argument(argv, where, what, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -75,11 +84,67 @@ def test_configuration_names():
         parse_config("dense")                  # the engine's dense reducer is not a baseline users have
 
 
+def test_a_budget_option_gives_the_preset_a_byte_budget_instead_of_a_density():
+    assert parse_config("oktopk+b0.02") == {"kind": "sparse", "name": "oktopk+b0.02", "preset": "oktopk",
+                                            "warmup_dense_steps": 0, "momentum_correction": False,
+                                            "byte_budget": 0.02}
+    assert parse_config("topka+w3+b1")["byte_budget"] == 1.0
+    for name in equal_bytes.sparse_presets():             # what the worker builds for +b<budget>
+        comp = presets.make(name, None, byte_budget=0.02, warmup_dense_steps=3,
+                            momentum_correction=0.0 if name == "spardl" else 0.9)
+        assert comp.byte_budget == 0.02 and 0 < comp.density_for(4) <= 1
+
+
+@pytest.mark.parametrize("density", [1e-6, 0.000123456, 0.01, 0.024318, 0.5, 1.0])
+def test_a_calibrated_density_travels_exactly_in_a_configuration_name(density):
+    d = equal_bytes.round_density(density)
+    assert d == pytest.approx(density, rel=5e-4)
+    assert parse_config(f"oktopk+d{equal_bytes.density_text(d)}")["density"] == d
+
+
+def test_calibration_finds_densities_whose_simulated_bytes_match_the_reference():
+    layout = equal_bytes.scaled_layout(equal_bytes.model_layout("digits", 16, 1024), 20_000)
+    assert sum(layout) == pytest.approx(20_000, abs=10) and min(layout) >= 1 and len(layout) == 8
+    cal = equal_bytes.calibrate(("topka", 0.01), 4, layout, ["oktopk", "topka", "exdyna"], steps=20)
+    ref = cal["reference"]
+    assert (ref["preset"], ref["density"], cal["numel"], cal["simulated_numel"]) == ("topka", 0.01, sum(layout),
+                                                                                     sum(layout))
+    assert ref["sent_bytes"] == (sum(layout) // 100) * 2 * 4 * 3          # k pairs to P - 1 = 3 ranks
+    assert cal["presets"]["topka"] == {"density": 0.01, "sent_bytes": ref["sent_bytes"], "ratio": 1.0,
+                                       "within_tolerance": True, "simulations": 0}
+    source = equal_bytes.LayoutGradients(layout, 4, 0)
+    for name in ("oktopk", "exdyna"):
+        row = cal["presets"][name]
+        assert row["within_tolerance"] and row["density"] > 0.01            # they send less at one density
+        measured = equal_bytes.measure(name, row["density"], source, steps=20)   # measured again, afresh
+        assert measured == row["sent_bytes"] and abs(measured / ref["sent_bytes"] - 1) <= 0.03
+    again = equal_bytes.calibrate(("topka", 0.01), 4, layout, ["exdyna"], steps=20)
+    assert again["presets"]["exdyna"] == cal["presets"]["exdyna"]            # deterministic
+
+
+def test_calibration_of_a_large_model_simulates_fewer_values_and_scales_the_bytes():
+    layout = [300, 60_000, 10]
+    cal = equal_bytes.calibrate(("topka", 0.01), 2, layout, ["topka"], steps=6, skip=1, numel=6_031)
+    assert cal["simulated_numel"] == 30 + 6_000 + 1 and cal["numel"] == 60_310
+    assert cal["reference"]["sent_bytes"] == pytest.approx(60 * 2 * 4 * 10)   # k = 60 of 6,031, times 10
+
+
+def test_equalize_renames_only_the_sparse_configurations_without_their_own_density_or_budget():
+    layout = [100, 19_900]
+    names, cal = equal_bytes.equalize(["compute", "topka", "oktopk+mc", "oktopk+d0.03", "exdyna+b0.02", "ddp"],
+                                      ("topka", 0.05), 2, layout, steps=12)
+    d = equal_bytes.density_text(cal["presets"]["oktopk"]["density"])
+    assert names == ["compute", "topka+d0.05", f"oktopk+mc+d{d}", "oktopk+d0.03", "exdyna+b0.02", "ddp"]
+    assert cal["configs"] == {"topka": "topka+d0.05", "oktopk+mc": f"oktopk+mc+d{d}"}
+    assert list(cal["presets"]) == ["topka", "oktopk"]
+    assert all(parse_config(n) for n in names)
+
+
 def _raw(config, kind, phases_per_rank, evals, sent=100.0):
     """Raw records as the worker writes them: per phase, per rank, per step."""
     ranks, steps = len(phases_per_rank), len(phases_per_rank[0])
     run = {"config": config, "kind": kind, "numel": 10, "evals": evals,
-           "sent_bytes": [[sent] * steps for _ in range(ranks)]}
+        "sent_bytes": [[sent] * steps for _ in range(ranks)]}
     for i, p in enumerate(train_report.PHASES):
         run[p] = [[phases_per_rank[r][t][i] for t in range(steps)] for r in range(ranks)]
     return run
@@ -110,6 +175,19 @@ def test_summary_takes_the_slowest_rank_per_step_and_times_the_targets_on_the_wa
     header, sep, *body = text.split("\n")[2:6]
     assert header.count("|") == sep.count("|") == body[0].count("|")             # a well-formed table
     assert "| horovod | 9.000 |" in text and "| 23.0 | 33.0 | 96.00% |" in text
+
+
+def test_the_markdown_names_the_equal_bytes_reference_and_densities():
+    run = _raw("oktopk+d0.02383", "sparse", [[(1, 1, 1, 1)] * 3], [[3, 0.9]], sent=1.0e6)
+    report = {"workers": 4, "bandwidth": "1gbit", "numel": 10, "image_size": 16, "epochs": 1, "batch_size": 32,
+              "lr": 0.05, "density": 0.01, "targets": [0.9], "load_average_before": [0.1, 0, 0],
+              "results": train_report.summarize([run], [0.9]),
+              "equal_bytes": {"reference": {"preset": "topka", "density": 0.01, "sent_bytes": 1013754.2},
+                              "presets": {"oktopk": {"density": 0.02383}, "topka": {"density": 0.01}}}}
+    text = train_report.markdown(report)
+    assert ("sparse presets at equal bytes with topka at 0.01 (1.01 MB per rank and step on the simulator): "
+            "oktopk 0.02383, topka 0.01; otherwise density 0.01;") in text
+    assert "| oktopk+d0.02383 | 4.000 |" in text and "| 1.00 MB |" in text
 
 
 def test_mnist1d_data_is_one_function_of_the_seed_with_the_requested_sizes():
@@ -182,6 +260,18 @@ def test_summary_over_two_seeds_gives_the_mean_and_spread_of_each_configuration(
     assert not math.isnan(h["spread"]["time_to_0.9"]["std"])
 
 
+def run_bench_train(args, out):
+    """``python -m hvd_sparse.bench train <args>`` in a subprocess that must succeed and leave no network namespace
+    behind: ``(the JSON report written to out, stdout, stderr)``."""
+    cmd = [sys.executable, "-m", "hvd_sparse.bench", "train", *args]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert leftovers(proc.pid) == []
+    return json.loads(out.read_text()), stdout, stderr
+
+
 @requires_netns
 def test_a_failed_configuration_is_reported_and_the_others_still_run(tmp_path):
     from hvd_sparse.bench import train
@@ -202,15 +292,9 @@ def test_a_failed_configuration_is_reported_and_the_others_still_run(tmp_path):
 def test_tiny_run_trains_every_kind_of_configuration_and_leaves_no_network_behind(tmp_path):
     out, png = tmp_path / "train.json", tmp_path / "train.png"
     configs = "compute,horovod,horovod_fp16,topka,oktopk+w3+mc,ddp,ddp_powersgd_r1"
-    cmd = [sys.executable, "-m", "hvd_sparse.bench", "train", "--workers", "2", "--bandwidth", "1gbit", "--epochs",
-           "1", "--image-size", "8", "--hidden", "32", "--eval-every", "5", "--floor-epochs", "1",
-           "--configs", configs, "--json", str(out), "--plot", str(png)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr[-4000:]
-    assert leftovers(proc.pid) == []
-    report = json.loads(out.read_text())
+    report, stdout, stderr = run_bench_train(["--workers", "2", "--bandwidth", "1gbit", "--epochs",
+        "1", "--image-size", "8", "--hidden", "32", "--eval-every", "5", "--floor-epochs", "1",
+        "--configs", configs, "--json", str(out), "--plot", str(png)], out)
     assert (report["workers"], report["bandwidth"], report["epochs"], report["torch_threads"]) == (2, "1gbit", 1, 1)
     n = report["numel"]
     assert n == 18816 + 16 * 8 * 8 * 32 + 11 * 32 + 10                           # WideNet(8, 32)
@@ -248,16 +332,10 @@ def test_tiny_run_trains_every_kind_of_configuration_and_leaves_no_network_behin
 @requires_netns
 def test_tiny_mnist1d_run_over_two_seeds_reports_every_seed(tmp_path):
     out, png = tmp_path / "train.json", tmp_path / "train.png"
-    cmd = [sys.executable, "-m", "hvd_sparse.bench", "train", "--workers", "2", "--bandwidth", "1gbit", "--task",
-           "mnist1d", "--train-samples", "400", "--test-samples", "200", "--seeds", "2", "--seed", "7", "--epochs",
-           "1", "--hidden", "32", "--eval-every", "2", "--configs", "compute,topka", "--no-link-check",
-           "--json", str(out), "--plot", str(png)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    stdout, stderr = proc.communicate(timeout=600)
-    assert proc.returncode == 0, stderr[-4000:]
-    assert leftovers(proc.pid) == []
-    report = json.loads(out.read_text())
+    report, stdout, stderr = run_bench_train(["--workers", "2", "--bandwidth", "1gbit", "--task",
+        "mnist1d", "--train-samples", "400", "--test-samples", "200", "--seeds", "2", "--seed", "7", "--epochs",
+        "1", "--hidden", "32", "--eval-every", "2", "--configs", "compute,topka", "--no-link-check",
+        "--json", str(out), "--plot", str(png)], out)
     assert (report["task"], report["seeds"], report["train_images"], report["test_images"]) == ("mnist1d", [7, 8],
                                                                                               400, 200)
     assert report["numel"] == 35_210 + 2_571 * 32 and report["failed"] == []        # WideNet1D(32)
@@ -275,3 +353,34 @@ def test_tiny_mnist1d_run_over_two_seeds_reports_every_seed(tmp_path):
     assert "2 seeds (7..8)" in stdout and "| topka | " in stdout and " ± " in stdout
     assert "seed 8" in stderr and "[topka] epoch 1/1" in stderr
     assert png.read_bytes().startswith(PNG_MAGIC)
+
+
+@pytest.mark.horovod
+@requires_horovod
+@requires_netns
+def test_tiny_run_at_equal_bytes_records_the_calibrated_densities(tmp_path):
+    out = tmp_path / "train.json"
+    report, stdout, stderr = run_bench_train(["--workers", "2", "--bandwidth", "1gbit", "--task",
+        "mnist1d", "--train-samples", "400", "--test-samples", "200", "--epochs", "1", "--hidden", "32",
+        "--eval-every", "2", "--configs", "compute,topka,oktopk,exdyna+d0.02,exdyna+b0.1", "--equal-bytes",
+        "topka@0.05", "--no-link-check", "--json", str(out)], out)
+    n = report["numel"]
+    eq = report["equal_bytes"]
+    assert eq["reference"] == {"preset": "topka", "density": 0.05, "sent_bytes": (n * 5 // 100) * 2 * 4}
+    assert (eq["workers"], eq["numel"], eq["simulated_numel"]) == (2, n, n)
+    assert list(eq["presets"]) == ["topka", "oktopk"] and eq["presets"]["topka"]["density"] == 0.05
+    ok = eq["presets"]["oktopk"]
+    assert ok["within_tolerance"] and abs(ok["sent_bytes"] / eq["reference"]["sent_bytes"] - 1) <= 0.03
+    d = equal_bytes.density_text(ok["density"])
+    assert eq["configs"] == {"topka": "topka+d0.05", "oktopk": f"oktopk+d{d}"}
+    rows = {r["config"]: r for r in report["results"]}
+    assert list(rows) == ["compute", "topka+d0.05", f"oktopk+d{d}", "exdyna+d0.02", "exdyna+b0.1"]
+    assert report["failed"] == []
+    # the exact top-k sends in training what it sent on the simulator
+    assert rows["topka+d0.05"]["sent_bytes_per_step"] == eq["reference"]["sent_bytes"]
+    assert rows[f"oktopk+d{d}"]["sent_bytes_per_step"] > 0
+    assert 0 < rows["exdyna+b0.1"]["sent_bytes_per_step"] < 4 * 2 * n * (2 - 1) / 2   # below the dense ring
+    assert f"at equal bytes with topka at 0.05 ({eq['reference']['sent_bytes'] / 1e3:,.1f} kB per rank and step on " \
+        f"the simulator): topka 0.05, oktopk {ok['density']:g}; otherwise density 0.01" in stdout
+    assert f"| oktopk+d{d} |" in stdout
+    assert "equal bytes" in stderr and f"[oktopk+d{d}] epoch 1/1" in stderr

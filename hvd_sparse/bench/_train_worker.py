@@ -17,7 +17,8 @@ timed steps. Configurations (:func:`parse_config`):
     <preset>[+opt..]  hvd_sparse.torch.DistributedOptimizer with Compression.<preset>(density), e.g. oktopk;
                       options: +w<N> (warmup_dense_steps=N), +mc (momentum correction: the velocity is kept by
                       error feedback and the SGD optimizer runs without momentum), +d<density> (this
-                      configuration's density instead of ``--density``, e.g. oktopk+d0.03)
+                      configuration's density instead of ``--density``, e.g. oktopk+d0.03), +b<budget> (no
+                      density: the preset's ``byte_budget=budget``, e.g. oktopk+b0.02; not with +d)
     ddp               torch.nn.parallel.DistributedDataParallel over the gloo process group, no hook
     ddp_powersgd_r<R> the same with the PowerSGD hook, matrix_approximation_rank R, vanilla allreduce for the
                       first ``--powersgd-warmup`` steps (``start_powerSGD_iter``)
@@ -55,18 +56,21 @@ def parse_config(name, presets=None):
     base, *opts = name.split("+")
     if base not in known:
         raise ValueError(f"unknown configuration {name!r}: choose from {', '.join(FIXED)}, ddp_powersgd_r<rank>, "
-                         f"or a preset ({', '.join(known)}) with options +w<steps>, +mc")
+                         f"or a preset ({', '.join(known)}) with options +w<steps>, +mc, +d<density>, +b<budget>")
     cfg = {"kind": "sparse", "name": name, "preset": base, "warmup_dense_steps": 0, "momentum_correction": False}
     for o in opts:
         if re.fullmatch(r"w\d+", o):
             cfg["warmup_dense_steps"] = int(o[1:])
         elif o == "mc":
             cfg["momentum_correction"] = True
-        elif re.fullmatch(r"d(0?\.\d+|1(\.0*)?)", o) and 0 < float(o[1:]) <= 1:
-            cfg["density"] = float(o[1:])
+        elif re.fullmatch(r"[db](0?\.\d+|1(\.0*)?)", o) and 0 < float(o[1:]) <= 1:
+            cfg["density" if o[0] == "d" else "byte_budget"] = float(o[1:])
         else:
             raise ValueError(f"configuration {name!r}: unknown option {o!r} (+w<steps>: dense warm-up steps, "
-                             "+mc: momentum correction, +d<density>: density in (0, 1])")
+                             "+mc: momentum correction, +d<density>: density in (0, 1], +b<budget>: byte budget "
+                             "in (0, 1])")
+    if "density" in cfg and "byte_budget" in cfg:
+        raise ValueError(f"configuration {name!r}: give +d<density> or +b<budget>, not both")
     if cfg["momentum_correction"] and base == "spardl":
         raise ValueError(f"configuration {name!r}: momentum correction does not apply to spardl")
     return cfg
@@ -113,15 +117,16 @@ def counting_allreduce(counter):
         dist.all_reduce = original
 
 
-def _model(args):
-    """A fresh model of ``--task`` (its initial weights drawn from torch's global generator)."""
-    if args.task == "mnist1d":
+def build_model(task, image_size, hidden):
+    """A fresh model of ``task`` (its initial weights drawn from torch's global generator): WideNet1D(hidden) for
+    mnist1d, WideNet(image_size, hidden) for digits."""
+    if task == "mnist1d":
         from .mnist1d_torch import WideNet1D
 
-        return WideNet1D(args.hidden)
+        return WideNet1D(hidden)
     from .digits_torch import WideNet
 
-    return WideNet(args.image_size, args.hidden)
+    return WideNet(image_size, hidden)
 
 
 def _load_data(args):
@@ -147,7 +152,7 @@ def _build(args, cfg, steps_total):
     from .presets import make
 
     torch.manual_seed(args.seed)
-    model = _model(args)
+    model = build_model(args.task, args.image_size, args.hidden)
     n = sum(p.numel() for p in model.parameters())
     P = hvd.size()
     kind = cfg["kind"]
@@ -178,7 +183,10 @@ def _build(args, cfg, steps_total):
             options["warmup_dense_steps"] = cfg["warmup_dense_steps"]
         if cfg["momentum_correction"]:
             options["momentum_correction"] = args.momentum
-        compression = make(cfg["preset"], cfg.get("density", args.density), **options)
+        if "byte_budget" in cfg:                            # +b<budget>: the preset derives its density
+            compression = make(cfg["preset"], None, byte_budget=cfg["byte_budget"], **options)
+        else:
+            compression = make(cfg["preset"], cfg.get("density", args.density), **options)
         optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                               compression=compression)
         return net, model, optimizer, optimizer.synchronize, lambda: exchange_stats(optimizer, n, P)[1], None

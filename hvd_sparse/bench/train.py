@@ -37,6 +37,15 @@ time_to_<target> and final_accuracy in ``spread``):
 
 The report also records the options (``task``, ``seeds``, ...), the model's parameter count (``numel``) and the
 sizes of the training and test sets (``train_images``, ``test_images``: images or MNIST-1D sequences).
+
+Equal bytes. At one density the presets send different bytes; ``--equal-bytes PRESET@DENSITY`` (e.g. ``topka@0.01``)
+first calibrates, on the in-process simulator over synthetic gradients with the model's parameter layout
+(:func:`hvd_sparse.bench.equal_bytes.calibrate`), the density at which each preset of the sparse configurations
+sends, as measured, the bytes PRESET sends at DENSITY (within 3%), and runs every sparse configuration without its
+own ``+d<density>`` or ``+b<budget>`` at it, renamed ``<name>+d<density>``. The report's ``equal_bytes`` holds the
+calibration: ``reference`` (preset, density, sent_bytes), per preset the density and the simulator's sent_bytes (per
+rank and step, scaled to the model's size), ``configs`` (each renamed configuration's new name) and the settings;
+None without the option. ``sent_bytes_per_step`` is still what the workers' meters measured in training.
 """
 
 from __future__ import annotations
@@ -74,6 +83,17 @@ def configs(text):
     return names
 
 
+def equal_bytes_reference(text):
+    """``--equal-bytes``: ``PRESET@DENSITY`` -> ``(preset, density)``
+    (:func:`hvd_sparse.bench.equal_bytes.parse_reference`)."""
+    from .equal_bytes import parse_reference
+
+    try:
+        return parse_reference(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def targets(text):
     """``--targets``: comma-separated test accuracies in (0, 1], e.g. ``0.9,0.95``."""
     try:
@@ -99,16 +119,36 @@ def _job(net, cmd, args, logdir, deadline, verbose):
     return json.loads(out.read_text())
 
 
+def _equalize(config_names, reference, workers, task, image_size, hidden, say):
+    """``--equal-bytes``: the configuration names with the calibrated densities, and the calibration
+    (:func:`hvd_sparse.bench.equal_bytes.equalize`, on the layout of the model the workers build)."""
+    from .equal_bytes import density_text, equalize, model_layout
+
+    say(f"  equal bytes: calibrating the densities to {reference[0]} at {density_text(reference[1])} on the "
+        f"simulator ({workers} ranks)")
+    names, calibration = equalize(config_names, reference, workers, model_layout(task, image_size, hidden),
+                                  say=lambda text: say(f"    {text}"))
+    ref = calibration["reference"]
+    say(f"  equal bytes: {ref['preset']} sends {ref['sent_bytes'] / 1e6:.4g} MB per rank and step; "
+        f"{calibration['seconds']:.0f} s; configurations: {', '.join(names)}")
+    return names, calibration
+
+
 def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=0.05, seed=42, seeds=1,
         task="digits", train_samples=20_000, test_samples=10_000, image_size=16, hidden=1024, eval_every=4,
         floor_epochs=None, powersgd_warmup=None, accuracy_targets=(0.9, 0.95), timeout=7200.0,
-        link_check_seconds=0.5, verbose=True, worker_cmd=None):
+        link_check_seconds=0.5, verbose=True, worker_cmd=None, equal_bytes=None):
     """Build the network, run one job per seed and configuration (seeds ``seed`` to ``seed + seeds - 1``, each
     running every configuration in turn; a failed job is listed in ``failed`` and the others still run), tear
-    everything down; return the report (see the module docstring)."""
+    everything down; return the report (see the module docstring). With ``equal_bytes`` (``(preset, density)``),
+    first calibrate the sparse configurations' densities to that reference's bytes (``--equal-bytes``)."""
     def say(msg):
         if verbose:
             print(msg, file=sys.stderr, flush=True)
+
+    calibration = None
+    if equal_bytes is not None:
+        config_names, calibration = _equalize(config_names, equal_bytes, workers, task, image_size, hidden, say)
 
     common = ["--task", task, "--epochs", epochs, "--density", density, "--batch-size", batch_size, "--lr", lr,
               "--image-size", image_size, "--hidden", hidden, "--eval-every", eval_every, "--floor-epochs",
@@ -152,6 +192,7 @@ def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=
               "train_images": raw["train_images"], "test_images": raw["test_images"],
               "torch_threads": raw["torch_threads"], "link_check_bytes_per_s": link, "cpus": os.cpu_count(),
               "load_average_before": load_before, "load_average_after": list(os.getloadavg())}
+    report["equal_bytes"] = calibration
     report["results"] = summarize(runs, accuracy_targets)
     report["failed"] = failed
     return report
@@ -166,7 +207,12 @@ def add_arguments(p):
     p.add_argument("--configs", type=configs, default=None,
                    help=f"comma-separated configurations (default: {','.join(DEFAULT_CONFIGS)}); a sparse preset "
                         "takes options: oktopk+w<N> (N dense warm-up steps), oktopk+mc (momentum correction), "
-                        "oktopk+d<density> (its own density)")
+                        "oktopk+d<density> (its own density), oktopk+b<budget> (byte_budget=budget instead of a "
+                        "density)")
+    p.add_argument("--equal-bytes", type=equal_bytes_reference, default=None, metavar="PRESET@DENSITY",
+                   help="before the jobs, give every sparse configuration without +d or +b the density at which "
+                        "its preset sends, measured on the simulator, the bytes PRESET sends at DENSITY, e.g. "
+                        "topka@0.01 (the configuration is renamed <name>+d<density>)")
     p.add_argument("--epochs", type=cli.positive_int, default=20, help="epochs per configuration (default: 20)")
     p.add_argument("--density", type=cli.density, default=0.01, help="k / n of the sparse presets (default: 0.01)")
     p.add_argument("--batch-size", type=cli.positive_int, default=32, help="per-worker batch size (default: 32)")
@@ -220,13 +266,16 @@ def main(args):
             hidden=args.hidden,
             eval_every=args.eval_every, floor_epochs=args.floor_epochs, powersgd_warmup=args.powersgd_warmup,
             accuracy_targets=args.targets, timeout=args.timeout,
-            link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet))
+            link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet,
+            equal_bytes=args.equal_bytes))
         return reports[-1]
 
     code = run_cli(prog, args, job, plot, markdown, check=check,
                    banner=f"train: {', '.join(names)} on {args.workers} workers, {args.bandwidth} per worker, "
                           f"{args.task}, {args.epochs} epochs each"
-                          + (f", seeds {args.seed}..{args.seed + args.seeds - 1}" if args.seeds > 1 else ""))
+                          + (f", seeds {args.seed}..{args.seed + args.seeds - 1}" if args.seeds > 1 else "")
+                          + (f", equal bytes with {args.equal_bytes[0]} at {args.equal_bytes[1]:g}"
+                             if args.equal_bytes else ""))
     if code == 0 and reports[-1]["failed"]:
         failed = ", ".join(f["config"] + (f" (seed {f['seed']})" if args.seeds > 1 else "")
                            for f in reports[-1]["failed"])

@@ -143,12 +143,19 @@ def _intro(report):
                 f"{report['test_images']:,} test sequences)")
     else:
         task = f"WideNet ({report['numel']:,} parameters) on digits {report['image_size']}x{report['image_size']}"
+    eq = report.get("equal_bytes")
+    density = f"density {report['density']}"
+    if eq:
+        ref = eq["reference"]
+        density = (f"sparse presets at equal bytes with {ref['preset']} at {ref['density']:g} "
+                   f"({_mb(ref['sent_bytes'])} per rank and step on the simulator): "
+                   + ", ".join(f"{p} {v['density']:g}" for p, v in eq["presets"].items()) + f"; otherwise {density}")
     many = (f"{len(seeds)} seeds ({seeds[0]}..{seeds[-1]}): step s (median), x floor, s to a target and final "
             "accuracy as mean ± sample standard deviation over the seeds; ") if len(seeds) > 1 else ""
     return (f"P = {report['workers']} workers, one network namespace each, {report['bandwidth']} full duplex per "
             f"worker (tc tbf both ways" + (f"; link check {link / 1e6:.1f} MB/s" if link else "") + f"); {task}, "
             f"{report['epochs']} epochs, batch {report['batch_size']} per worker, SGD lr {report['lr']} cosine, "
-            f"density {report['density']}; step = slowest rank, statistics after the first step; {many}"
+            f"{density}; step = slowest rank, statistics after the first step; {many}"
             f"load average before {report['load_average_before'][0]:.2f}.")
 
 
