@@ -157,7 +157,8 @@ def test_a_checkpoint_restores_into_a_preset_of_the_same_budget_only():
     state = comp.states.state_dict(0, 1)
     assert comp.sparsifier.density == comp.density_for(1)      # the preset's sparsifier: the density for P = 1
     C.oktopk(byte_budget=BUDGET).states.load_state_dict(state, 0, 1, "test")
-    for other in (C.oktopk(byte_budget=0.1), C.oktopk(BUDGET)):
+    same_density = C.oktopk(comp.density_for(1))            # the same sparsifier, without the budget
+    for other in (C.oktopk(byte_budget=0.1), C.oktopk(BUDGET), same_density):
         with pytest.raises(ValueError, match="rebuild the same compression preset"):
             other.states.load_state_dict(state, 0, 1, "test")
 

@@ -144,12 +144,15 @@ def disagreement_message(per_rank):
 # -- checkpoints: where a sparse state may be restored ------------------------------------------------------------
 def state_signature(compression):
     """What a sparse state must have been saved with: the sparsifier's and reducer's full configuration (the
-    density and every period included)."""
+    density and every period included) and the byte budget, if any (a budget's sparsifier carries the density for one
+    rank, which a preset with that density would share)."""
     from .agree import config_of
 
     reducer = config_of(compression.reducer)
     args = ", ".join(f"{k}={v!r}" for k, v in reducer.items() if k != "class")
-    return f"{compression.sparsifier!r} + {reducer['class']}({args})"
+    budget = getattr(compression, "byte_budget", None)
+    return f"{compression.sparsifier!r} + {reducer['class']}({args})" + \
+        (f" within byte_budget={budget!r}" if budget is not None else "")
 
 
 def check_state_origin(state, rank, size, compression, api):
