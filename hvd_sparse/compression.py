@@ -111,9 +111,9 @@ class SparseCompression:
                                                            repr(self)), int(size)
         return twin
 
-    def new_engine(self, comm, bucket="model"):
+    def new_engine(self, comm, unit="model"):
         """A fresh per-rank :class:`Engine` of one unit over ``comm``, running :meth:`for_size` ``comm.size``."""
-        return Engine(self.for_size(1 if comm is None else comm.size), comm, bucket)
+        return Engine(self.for_size(1 if comm is None else comm.size), comm, unit)
 
     def fresh(self):
         """A new preset of the same configuration, without state (one per optimizer)."""

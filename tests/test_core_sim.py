@@ -260,6 +260,23 @@ def test_state_dict_round_trip_resumes_bit_for_bit(preset):
     assert cold.tobytes() != straight[:, 8:].tobytes()
 
 
+def test_state_names_its_unit_and_earlier_states_still_load():
+    """A state records its unit as "unit"; states written before the key was renamed ("bucket") load alike, and a
+    state of another unit is refused by name."""
+    comp = hvd_sparse.Compression.topka(0.1)
+    engine = comp.new_engine(SimulatedWorld(1).communicators()[0], "fc")
+    engine.step(np.arange(1, 101, dtype=np.float32))
+    state = engine.state_dict()
+    assert state["unit"] == "fc" and "bucket" not in state
+    older = {("bucket" if k == "unit" else k): v for k, v in state.items()}
+    for s in (state, older):
+        fresh = comp.new_engine(SimulatedWorld(1).communicators()[0], "fc")
+        fresh.load_state_dict(s)
+        assert fresh.steps == 1 and fresh.memory.residual.tobytes() == engine.memory.residual.tobytes()
+    with pytest.raises(ValueError, match="unit 'other': the state is of unit 'fc'"):
+        comp.new_engine(SimulatedWorld(1).communicators()[0], "other").load_state_dict(state)
+
+
 @pytest.mark.parametrize("P", [1, 3])
 @pytest.mark.parametrize("name", __import__("hvd_sparse.bench.presets", fromlist=["names"]).names())
 def test_engine_on_gradient_pieces_written_in_place_equals_the_flat_path(name, P):

@@ -3,7 +3,7 @@
 A reducer talks to the other ranks only through a :class:`Communicator`. Two implementations exist:
 :class:`hvd_sparse.core.sim.SimulatedCommunicator` (P virtual ranks in one process, the test oracle) and
 the Horovod communicators of the framework adapters (``hvd.allreduce`` / ``allgather`` / ``alltoall`` /
-``broadcast`` with explicit names ``hvd_sparse.<bucket>.<phase>`` and the process set).
+``broadcast`` with explicit names ``hvd_sparse.<unit>.<phase>`` and the process set).
 
 Every collective takes a ``phase`` (``"values"``, ``"indices"``, ``"count"``, ...) that names the
 collective and keys the volume meter. Collectives are issued by every rank of the process set in the
@@ -172,7 +172,7 @@ def in_process_set(process_set, rank):
 class HorovodCommunicator:
     """The ``Communicator`` over Horovod's collectives, shared by the framework adapters.
 
-    It names every collective ``hvd_sparse.<bucket>.<phase>`` (the same on every rank, stable across steps, unique per
+    It names every collective ``hvd_sparse.<unit>.<phase>`` (the same on every rank, stable across steps, unique per
 unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
     passes the process set, and meters what moved. A framework subclass only runs the five Horovod calls on its
     own tensors: ``_allreduce(x, hvd_op, kw)``, ``_allgather(x, kw)``, ``_grouped_allgather(xs, kw) -> outs``,
@@ -186,10 +186,10 @@ unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
     that failed first rather than a survivor.
     """
 
-    def __init__(self, hvd, process_set, bucket):
+    def __init__(self, hvd, process_set, unit):
         self._hvd = hvd
         self.process_set = process_set
-        self.bucket = bucket
+        self.unit = unit
         self.rank = process_set.rank()
         self.size = process_set.size()
         self.meter = VolumeMeter()
@@ -198,11 +198,11 @@ unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
         return {"name": self.name(phase), "process_set": self.process_set}
 
     def name(self, phase):
-        """The Horovod name of ``phase``'s collective: ``hvd_sparse.<bucket>.<phase>``, unique per unit, except for
+        """The Horovod name of ``phase``'s collective: ``hvd_sparse.<unit>.<phase>``, unique per unit, except for
         the agreement step's phases, which every unit of the process set shares (``hvd_sparse.agree``, ...: see
         :mod:`hvd_sparse.core.agree`)."""
         shared = SHARED_NAMES.get(phase)
-        return f"hvd_sparse.{shared}" if shared else f"hvd_sparse.{self.bucket}.{phase}"
+        return f"hvd_sparse.{shared}" if shared else f"hvd_sparse.{self.unit}.{phase}"
 
     def _guarded(self, phase, fn, *args):
         try:

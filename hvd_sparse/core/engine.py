@@ -109,18 +109,18 @@ def _first_change(old, new):
 
 
 class Engine:
-    """State and step of one sparsification unit ("bucket") on one rank.
+    """State and step of one sparsification unit on one rank.
 
     Args:
         compression (SparseCompression): the sparsifier/reducer pair and its knobs.
         comm (Communicator): this rank's view of the process set.
-        bucket (str): the unit's name, used in collective names and state.
+        name (str): the unit's name, used in messages and state.
     """
 
-    def __init__(self, compression, comm, bucket="model"):
+    def __init__(self, compression, comm, name="model"):
         self.compression = compression
         self.comm = comm
-        self.bucket = bucket
+        self.name = name
         self.memory = ErrorFeedback()
         self.sparsifier_state = compression.sparsifier.initial_state() if compression.sparsifier else {}
         self.reducer_state = compression.reducer.initial_state()
@@ -151,7 +151,7 @@ class Engine:
         if entries == self.entries:
             return
         if fixed and self.entries is not None:
-            self.refused = (f"hvd_sparse engine '{self.bucket}': {_first_change(self.entries, entries)}; one "
+            self.refused = (f"hvd_sparse unit '{self.name}': {_first_change(self.entries, entries)}; one "
                             "compression object cannot serve two models (create one per model/optimizer)")
             return
         old, self.entries = self.entries, entries
@@ -168,8 +168,8 @@ class Engine:
     @property
     def unit(self):
         """The unit's identity across ranks (agreement, messages): the communicator's collective prefix when it
-        has one (unique per optimizer / ``sparse_allreduce`` name), else the bucket."""
-        return getattr(self.comm, "bucket", None) or self.bucket
+        has one (unique per optimizer / ``sparse_allreduce`` name), else its name."""
+        return getattr(self.comm, "unit", None) or self.name
 
     # -- one step ------------------------------------------------------------------------------------
     def step(self, grad, average=True, prescale=1.0, postscale=1.0, nonfinite="skip", out=None):
@@ -223,12 +223,12 @@ class Engine:
         gradient of another size than declared). At P = 1 a local problem raises at once."""
         pieces = list(grad) if isinstance(grad, (list, tuple)) else [grad]
         if not pieces:
-            raise ValueError(f"hvd_sparse engine '{self.bucket}': no gradient pieces")
+            raise ValueError(f"hvd_sparse unit '{self.name}': no gradient pieces")
         xp = backend_of(pieces[0])
         sizes = [xp.numel(p) for p in pieces]
         n = sum(sizes)
         if out is not None and [xp.numel(o) for o in out] != sizes:
-            raise ValueError(f"hvd_sparse engine '{self.bucket}': out must hold one array per gradient piece, "
+            raise ValueError(f"hvd_sparse unit '{self.name}': out must hold one array per gradient piece, "
                              f"of sizes {sizes}")
         local_error = self._local_error(n)
         if local_error is not None and self.comm.size == 1:
@@ -259,7 +259,7 @@ class Engine:
         if self.entries is not None and sum(self.layout) != n:
             return f"the gradient has {n} entries, but the declared layout holds {sum(self.layout)}"
         if self.numel is not None and n != self.numel:
-            return (f"hvd_sparse engine '{self.bucket}': the gradient has {n} entries, but this compression state "
+            return (f"hvd_sparse unit '{self.name}': the gradient has {n} entries, but this compression state "
                     f"was built for {self.numel}; one compression object cannot serve two models (create one per "
                     "model/optimizer)")
         return None
@@ -293,11 +293,11 @@ class Engine:
         where = f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
         if nonfinite == "raise":
             raise NonFiniteGradientError(
-                f"hvd_sparse engine '{self.bucket}': non-finite gradient (NaN or Inf) on {where} at step "
+                f"hvd_sparse unit '{self.name}': non-finite gradient (NaN or Inf) on {where} at step "
                 f"{self.steps}; raised on every rank (nonfinite='raise'). Pass nonfinite='skip' to skip such "
                 "steps, or lower the learning rate / use a loss scaler")
         self.skipped_steps += 1
-        warnings.warn(f"hvd_sparse engine '{self.bucket}': non-finite gradient on {where} at step {self.steps}: "
+        warnings.warn(f"hvd_sparse unit '{self.name}': non-finite gradient on {where} at step {self.steps}: "
                       "this step is skipped on every rank (nonfinite='skip'); sparse state is unchanged",
                       RuntimeWarning, stacklevel=4)
         self.last = StepStats(n=plan.n, k=0, selected=0, density=0.0, info={}, skipped=True,
@@ -377,7 +377,7 @@ class Engine:
                     ("nonfinite", nonfinite)) + self.notes
         entries = self.entries
         if entries is None:             # undeclared: one tensor of the gradient's size and dtype
-            entries = ((self.bucket, (n,), str(xp.dtype_of(pieces[0]))),)
+            entries = ((self.name, (n,), str(xp.dtype_of(pieces[0]))),)
         key = (entries, options)
         if self._agree[0] != key:       # only when the layout or the options changed
             desc = agree.describe(self.unit, self.compression, entries, options)
@@ -419,7 +419,7 @@ class Engine:
         velocity, with momentum correction)."""
         r, v = self.memory.residual, self.memory.velocity
         state = {
-            "bucket": self.bucket,
+            "unit": self.name,
             "numel": self.numel,
             "entries": None if self.entries is None else [list(e) for e in self.entries],
             "steps": self.steps,
@@ -433,8 +433,9 @@ class Engine:
 
     def load_state_dict(self, state):
         """Restore what :meth:`state_dict` returned (this rank's own: residuals are per rank)."""
-        if state.get("bucket") != self.bucket:
-            raise ValueError(f"hvd_sparse engine '{self.bucket}': the state is of unit {state.get('bucket')!r}")
+        unit = state.get("unit", state.get("bucket"))        # "bucket": what earlier states call it
+        if unit != self.name:
+            raise ValueError(f"hvd_sparse unit '{self.name}': the state is of unit {unit!r}")
         self.numel = state["numel"]
         self.steps = state["steps"]
         if state.get("entries") is not None:

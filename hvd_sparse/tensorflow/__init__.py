@@ -9,7 +9,7 @@ How it runs: the gradients of all sources are concatenated (in the order of ``so
 every rank) into one float32 buffer, and one engine step -- the same engine code as PyTorch and the simulator:
 agreement, error feedback, sparsifier, sparse allreduce -- runs on it inside a ``tf.py_function``, eagerly and
 inside ``tf.function`` alike, on the TensorFlow eager tensor itself; its collectives are Horovod's TensorFlow ops,
-named ``hvd_sparse.<bucket>.<phase>``. The engine's state (residuals, thresholds) lives in the compression object,
+named ``hvd_sparse.<unit>.<phase>``. The engine's state (residuals, thresholds) lives in the compression object,
 in Python, so it survives retracing; :class:`SparseState` puts it into a ``tf.train.Checkpoint``.
 
 The package, a file per role:

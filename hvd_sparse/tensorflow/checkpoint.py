@@ -16,7 +16,7 @@ _Trackable = tf.__internal__.tracking.Trackable
 
 def sparse_state_dict(compression, process_set=global_process_set):
     """This rank's sparsification state of every unit of ``compression`` (numpy arrays and Python values):
-    ``{"version", "rank", "size", "compression", "units": {bucket: Engine.state_dict()}}`` (see
+    ``{"version", "rank", "size", "compression", "units": {unit: Engine.state_dict()}}`` (see
     :meth:`hvd_sparse.core.state.UnitStates.state_dict`); a state restored but not yet used by a step is included
     as it was restored."""
     return compression.states.state_dict(process_set.rank(), process_set.size())

@@ -2,7 +2,7 @@
 
 The engine runs on TensorFlow eager tensors inside a ``tf.py_function`` (so it behaves the same eagerly and
 inside ``tf.function`` / ``model.fit``); each collective hands its tensor straight to the named Horovod op
-(``hvd_sparse.<bucket>.<phase>``, ``ignore_name_scope=True``: the same name on every rank whatever the calling
+(``hvd_sparse.<unit>.<phase>``, ``ignore_name_scope=True``: the same name on every rank whatever the calling
 name scope) and returns Horovod's tensor. ``alltoall`` splits go as int32 tensors, which Horovod requires; a grouped
 allgather moves its tensors as int32 words (Horovod's TensorFlow op takes one dtype per group).
 Volume is counted as in ``hvd_sparse.core.comm``.
@@ -16,10 +16,10 @@ from ..core.comm import HorovodCommunicator
 
 
 class HorovodTFCommunicator(HorovodCommunicator):
-    def __init__(self, process_set, bucket):
+    def __init__(self, process_set, unit):
         import horovod.tensorflow as hvd
 
-        super().__init__(hvd, process_set, bucket)
+        super().__init__(hvd, process_set, unit)
 
     def _kw(self, phase):
         return dict(super()._kw(phase), ignore_name_scope=True)

@@ -37,7 +37,7 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
     check_sparse_allreduce(isinstance(compression, SparseCompression), op, nonfinite, tensor.dtype.is_floating,
                            tensor.dtype.name, compression, _API)
     refuse_xla(_API)
-    bucket = name or "sparse_allreduce"
+    unit = name or "sparse_allreduce"
     prescale, postscale, average = scale_factors(op, 1.0)
-    return engine_step(compression, bucket, bucket, process_set, [tensor], average, prescale, postscale,
-                       nonfinite, names=[bucket])[0][0]
+    return engine_step(compression, unit, unit, process_set, [tensor], average, prescale, postscale,
+                       nonfinite, names=[unit])[0][0]

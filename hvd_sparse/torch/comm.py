@@ -1,6 +1,6 @@
 """The Communicator of the PyTorch adapter: Horovod's torch collectives, named and process-set aware.
 
-Every collective is named ``hvd_sparse.<bucket>.<phase>``: the same on every rank and stable across steps
+Every collective is named ``hvd_sparse.<unit>.<phase>``: the same on every rank and stable across steps
 (Horovod's response cache hits), never the order-dependent ``noname`` Horovod would pick. ``alltoall``
 splits go as int32 tensors, which Horovod requires. Volume is counted as in ``hvd_sparse.core.comm``.
 
@@ -74,10 +74,10 @@ def wait(handle, max_sleep=500e-6):
 
 
 class HorovodTorchCommunicator(HorovodCommunicator):
-    def __init__(self, process_set, bucket):
+    def __init__(self, process_set, unit):
         import horovod.torch as hvd
 
-        super().__init__(hvd, process_set, bucket)
+        super().__init__(hvd, process_set, unit)
         self._max_sleep = wait_max_seconds(hvd.local_size())
 
     def _allreduce(self, x, op, kw):

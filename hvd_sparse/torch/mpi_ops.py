@@ -36,15 +36,15 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
         raise TypeError(f"{_API}: tensor must be dense, got a torch.sparse tensor")
     check_sparse_allreduce(is_sparse(compression), op, nonfinite, tensor.is_floating_point(), tensor.dtype,
                            compression, _API)
-    bucket = name or "sparse_allreduce"
+    unit = name or "sparse_allreduce"
     # collectives "hvd_sparse.allreduce.<name>.<phase>": never those of an optimizer or of another name
-    engine = compression.states.engine(bucket, bucket,
-                                lambda: HorovodTorchCommunicator(process_set, f"allreduce.{bucket}"))
+    engine = compression.states.engine(unit, unit,
+                                lambda: HorovodTorchCommunicator(process_set, f"allreduce.{unit}"))
     if engine.comm.process_set is not process_set:
-        raise ValueError(f"{_API}: name {bucket!r} was first used with another process_set")
+        raise ValueError(f"{_API}: name {unit!r} was first used with another process_set")
     # shape and dtype are agreed on by every rank before any data moves (as Horovod's allreduce checks them);
     # a new shape under the same name starts the name's residual afresh
-    engine.declare([(bucket, tuple(tensor.shape), tensor.dtype)])
+    engine.declare([(unit, tuple(tensor.shape), tensor.dtype)])
     _, _, average = scale_factors(op, 1.0)
     out = engine.step(tensor.detach().reshape(-1), average=average, nonfinite=nonfinite)
     return out.view(tensor.shape)
