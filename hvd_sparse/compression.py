@@ -209,8 +209,7 @@ def _preset(factory, args, sparsifier, reducer):
 
 
 class OkTopkVariant(NamedTuple):
-    """One of Ok-Topk's variants: its local selection (density 1.0 here: ``Compression.oktopk`` sets it) and its
-    reducer."""
+    """One of Ok-Topk's variants: its local selection (density 1.0: ``Compression.oktopk`` sets it) and its reducer."""
 
     sparsifier: ThresholdReuse
     reducer: OkTopk
@@ -219,15 +218,13 @@ class OkTopkVariant(NamedTuple):
 #: Ok-Topk's variants (``Compression.oktopk(variant=...)``; docs/algorithms.md#oktopk); the authors' dense warm-up
 #: steps (128 / 512 / 0) are not reproduced
 OKTOPK_PRESETS = {
-    # the library's default (Compression.oktopk): the paper's algorithm and balancing, exact-k selection,
-    # controllers that keep |S| <= k and K <= k on reuse steps (the assumptions of the 6k(P-1)/P bound),
-    # region boundaries that split every step's measured load evenly (the bound's third assumption)
+    # the library's default: the paper's algorithm and balancing, exact-k selection, controllers that keep |S| <= k
+    # and K <= k on reuse steps and boundaries that split each step's load evenly (the 6k(P-1)/P bound's assumptions)
     "library": OkTopkVariant(
         ThresholdReuse(1.0, 32, guard_ratio=1.15, guard_factor=1.03, guard_iters=30, guard_target=1.05,
                        band_lo=0.95, band_relax=1.03),
         OkTopk(32, 64, "auto", global_control="ladder", boundaries="measured")),
-    # the paper's algorithm: periodic exact re-evaluation only (no guard, no band controllers: 1.0 = off),
-    # balancing iff max c_j > 4·avg, "values above the threshold" with exact k (ge_nonzero)
+    # the paper's: periodic exact re-evaluation only (no guard or band controllers), balancing iff max c_j > 4·avg
     "paper": OkTopkVariant(
         ThresholdReuse(1.0, 32, guard_ratio=None, band_relax=1.0, band_tighten=1.0),
         OkTopk(32, 64, "auto", balance_factor=4.0, global_relax=1.0, global_tighten=1.0)),
@@ -257,7 +254,8 @@ def _oktopk_pair(args):
                          f"got {variant!r}")
     base = OKTOPK_PRESETS[variant]
     sp = {"density": _density("oktopk", args), "max_select_ratio": args["max_select_ratio"]}
-    rd = {"max_select_ratio": args["max_select_ratio"], "few_collectives_from": args["few_collectives_from"]}
+    rd = {"max_select_ratio": args["max_select_ratio"], "few_collectives_from": args["few_collectives_from"],
+          **({"global_fill": True} if args["global_fill"] else {})}
     knobs = {k: args[k] for k in ("threshold_period", "repartition_period", "balance")}
     if variant == "library":
         sp["threshold_period"] = knobs["threshold_period"]
@@ -278,7 +276,7 @@ class Compression:
     @_documents_training_options
     def oktopk(density=None, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
                max_select_ratio=None, boundaries=None, few_collectives_from=FEW_COLLECTIVES_FROM, byte_budget=None,
-               warmup_dense_steps=0, momentum_correction=0.0):
+               warmup_dense_steps=0, momentum_correction=0.0, global_fill=False):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
         docs/algorithms.md#oktopk): the O(k) sparse allreduce. Each rank selects with a local threshold that is
         exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
@@ -312,6 +310,8 @@ class Compression:
                 fewest collectives (``OkTopk.few_collectives_from``): "measured" boundaries make no histogram
                 and follow the load of the past steps, the ladder's counts ride in the count allgather. None:
                 never. Default 1024.
+            global_fill (bool): on reuse steps, fill the global count K up to k (within P) from the candidates
+                just below the ladder's rung ("library" variant; ``OkTopk.global_fill``). Default False.
         """
         args = dict(locals())
         return _preset(Compression.oktopk, args, *_oktopk_pair(args))

@@ -719,6 +719,40 @@ def test_few_collectives_at_many_entries_per_region_do_not_change_results(P, tp)
         OkTopk(few_collectives_from=0)
 
 
+@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("few", [None, 4])
+@pytest.mark.parametrize("balance", ["auto", "never"])
+def test_global_fill_brings_k_up_to_k_without_a_collective_more(P, few, balance):
+    """global_fill: on a reuse step where the ladder's rung holds K < k and the rung below more than k, the owners
+    add their largest candidates between the two rungs, so that k - P < K <= k; G only grows (the first reuse step,
+    where both runs start from the same residuals, holds every entry of the unfilled G); the ranks agree, mass is
+    conserved, and the step makes the same collectives as without the fill (but the balancing, which follows the
+    owners' counts)."""
+    g = int_grads(12, P, 600, seed=70 + P, scale=2 ** 6)             # many ties: the ladder's counts jump
+    k = int(0.05 * 600)
+    rd = {"boundaries": "measured", "global_control": "ladder", "few_collectives_from": few}
+    runs = {fill: run(make(0.05, tp=100, rp=100, balance=balance, rd={**rd, "global_fill": fill}), g)
+            for fill in (False, True)}
+    filled = runs[True]
+    assert_mass_conserved(g, filled)
+    for r in range(1, P):
+        assert filled["updates"][:, r].tobytes() == filled["updates"][:, 0].tobytes()
+    acted = [t for t in range(1, 12) if filled["info"][t][0]["filled"]]
+    assert acted, "the data must make the ladder fall short of k"
+    for t in range(1, 12):
+        info = filled["info"][t][0]
+        assert all(filled["info"][t][r]["filled"] == info["filled"] for r in range(P))
+        if info["filled"]:                          # (a step whose top rung holds > k is not filled: K > k there)
+            assert k - P < info["K"] <= k, (t, info["K"], k)
+    calls = [{ph: c for ph, c in res["phases"][1][0]["calls"].items() if ph != "balance"} for res in runs.values()]
+    assert calls[0] == calls[1]                     # (balancing follows the owners' counts)
+    plain = set(np.flatnonzero(runs[False]["updates"][1, 0]))
+    assert plain <= set(np.flatnonzero(filled["updates"][1, 0]))
+    assert not any(runs[False]["info"][t][0]["filled"] for t in range(12))
+    with pytest.raises(ValueError, match="global_fill needs global_control='ladder'"):
+        OkTopk(global_fill=True)
+
+
 def test_library_stays_within_6k_bound_at_ten_entries_per_region():
     """k/P = 10 (the regime of P = 1024 at n = 524,288): the 6k(P-1)/P bound on every steady step of a
     24-step run. Boundaries that follow the last steps' load miss it on the steps after a re-evaluation,

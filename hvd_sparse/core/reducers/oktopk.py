@@ -14,6 +14,8 @@
         _reuse           _global_threshold: Gam ("ladder": the smallest Gam*f^j whose global count <= k, one
                                             allreduce of 9 counts; "band": the stored Gam)
                          mine = ((x+off[r], rho[x]) for |rho[x]| >= Gam)        # or > per select_rule
+                         _fill ("ladder", global_fill): K < k -> owner r adds its largest
+                               floor((k-K)·b_r/B) pairs between Gam/f and Gam  # b_r its, B all owners' there
                          G = _balance_and_allgatherv(mine)                      # sorted by global index
                          Gam = band_adjust(Gam, |G|, k, lo_G, hi_G, /relax, *tighten)  ("band")
       _finish            I = S ∩ G;  eps = a;  eps[I] = 0   # Alg.2 line 6 (the engine zeroes I)
@@ -69,10 +71,11 @@ import math
 from ..comm import SUM
 from ..selection import topk_indices
 from ..sparsifiers.threshold_reuse import band_adjust
-from ..validate import SELECT_RULE_FIX, SELECT_RULES, check_real, choice, integer, options, real
+from ..validate import SELECT_RULE_FIX, SELECT_RULES, check_real, choice, flag, integer, options, real
 from .base import (Reducer, SparseSum, allgather_count, allgather_counts, pack_pairs, sum_sparse_in_rank_order,
                    unpack_pairs, wire_index_dtype)
-from .regions import measure_load, measured_boundaries, next_boundaries, refine_load, region_split
+from .regions import (measure_load, measured_boundaries, next_boundaries, refine_load, region_split,
+                      repartition)
 
 BALANCE_POLICIES = ("auto", "always", "never")
 BOUNDARY_POLICIES = ("periodic", "result", "load", "measured")
@@ -144,6 +147,7 @@ class _OkStep:
     gamma_next: float = None
     balanced: bool = False
     capped: bool = False
+    fill: tuple = None
 
 
 @options
@@ -197,6 +201,11 @@ class OkTopk(Reducer):
             count vectors would cost 9(P-1); the owners' own counts (1 word each, phase ``count``) travel
             only when the balance rule needs them.
         ladder_factor (float): f of the ladder. Default 1.1 (Γ moves by up to x1.77 up or /1.21 down a step).
+        global_fill (bool): with the ladder, K up to k on reuse steps. The owners' sums pile up just above the
+            local thresholds, so a rung can hold 2-3x the next one's count and the rung taken leaves K at 0.5-0.9k
+            (MNIST-1D). When it holds K < k and the rung below > k, owner r also keeps its largest
+            floor((k - K)·b_r / B) of the b_r candidates between them (B: all owners'): k - P < K <= k, no
+            collective more. Default False.
         few_collectives_from (int or None): at k >= this·P (k/P: the same on every rank) no histogram and
             no ladder allreduce: ``measured`` boundaries follow the smoothed load (the ``load`` rule, a good
             forecast at many entries per region) and each owner's 9 ladder counts and load ride in the count
@@ -205,9 +214,9 @@ class OkTopk(Reducer):
 
     Per-rank state: ``t`` (sparse steps so far), ``gamma`` (Γ, identical on all ranks), ``offsets``
     (o_0..o_P, Python ints, identical on all ranks), ``size`` (P). Info returned each step: ``K``,
-    ``threshold`` (Γ used this step), ``next_threshold``, ``reeval``, ``repartition``, ``balanced``,
-    ``capped``, ``offsets``, ``owner_counts`` (per-owner candidate counts: U_r on re-eval steps, c_r on
-    others), ``t``.
+    ``threshold`` (Γ used this step), ``next_threshold``, ``reeval``, ``repartition``, ``balanced``, ``capped``,
+    ``filled`` (``global_fill`` acted), ``offsets``, ``owner_counts`` (per-owner candidate counts: U_r on re-eval
+    steps, c_r on others), ``t``.
     """
 
     name = "oktopk"
@@ -231,28 +240,16 @@ class OkTopk(Reducer):
     boundary_tolerance: float = real(1.0, 1.0, fix="e.g. 1.1 (1.0: every step)")
     load_smoothing: float = real(0.5, 0.0, below=1.0, fix="e.g. 0.5 (0: last step only)")
     few_collectives_from: int = integer(FEW_COLLECTIVES_FROM, allow_none=True)
+    global_fill: bool = flag(False)
 
     def check_together(self, api):
         check_real(self.global_band_hi, "global_band_hi", api, self.global_band_lo,
                    fix="global_band_hi must be >= global_band_lo")
+        if self.global_fill and self.global_control != "ladder":
+            raise ValueError(f"{api}: global_fill needs global_control='ladder', got {self.global_control!r}")
 
     def initial_state(self):
         return {"t": 0, "gamma": None, "offsets": None, "size": None}
-
-    # -- repartition--------------------------------------------------------------------------------------
-    @staticmethod
-    def _repartition(xp, idx, n, comm):
-        P = comm.size
-        if P == 1:
-            return [0, n]
-        m = xp.numel(idx)
-        c = m // P
-        if c >= 1:       # this rank's balanced boundaries
-            prop = xp.take(idx, xp.asarray([j * c for j in range(1, P)], xp.index_dtype, like=idx))
-        else:            # library fallback (ref: c = 0 -> idx[0]; m = 0 -> crash)
-            prop = xp.asarray([(j * n) // P for j in range(1, P)], xp.index_dtype, like=idx)
-        total = comm.allreduce(prop, SUM, "boundaries")            # int64: no overflow
-        return [0] + [int(b) // P for b in xp.to_numpy(total)] + [n]
 
     # -- split and reduce--------------------------------------------------------------------------------------
     @staticmethod
@@ -322,7 +319,7 @@ class OkTopk(Reducer):
         else:                       # boundaries from the last result; the allreduce only to start
             s.repart = s.offsets is None
         if s.repart:
-            s.offsets = self._repartition(xp, idx, n, comm)
+            s.offsets = repartition(xp, idx, n, comm)
         elif self.boundaries == "measured" and not s.few and s.P > 1:
             s.edges, s.hist = refine_load(xp, idx, *measure_load(xp, idx, state.get("cdf"), n, comm, acc), comm,
                                           acc)
@@ -354,6 +351,8 @@ class OkTopk(Reducer):
         owned = xp.scan(c_val)                      # the owner's candidates: counts and selection on |c_val|
         self._global_threshold(xp, acc, owned, comm, s)
         keep = owned.select(s.used, self.select_rule)[0]
+        if s.fill is not None:
+            keep = self._fill(xp, owned, c_val, keep, s)
         m_idx, m_val = xp.take(c_idx, keep), xp.take(c_val, keep)
         if s.P > 1:
             self._balance_and_allgatherv(xp, acc, m_idx, m_val, comm, s)
@@ -392,16 +391,32 @@ class OkTopk(Reducer):
             totals = owned.counts(ladder, self.select_rule)
         s.rung = next((j for j, tot in enumerate(totals) if tot <= s.k), len(ladder) - 1)
         s.used, s.T = ladder[s.rung], totals[s.rung]
+        if self.global_fill and s.rung > 0 and s.T < s.k < totals[s.rung - 1]:     # (lower rung, k - K, B)
+            s.fill = (ladder[s.rung - 1], s.k - s.T, totals[s.rung - 1] - s.T)
+
+    def _fill(self, xp, owned, c_val, keep, s):
+        """``keep`` and this owner's largest floor((k - K)·b_r / B) candidates between the rung below and Γ
+        (``global_fill``): the largest h + q of those at the rung below, as every one kept at Γ is larger."""
+        lower, need, band = s.fill
+        wide = owned.select(lower, self.select_rule)[0]
+        h = xp.numel(keep)
+        q = need * (xp.numel(wide) - h) // band
+        return keep if q == 0 else xp.take(wide, xp.topk(xp.take(c_val, wide), h + q)[0])
 
     def _balance_and_allgatherv(self, xp, acc, m_idx, m_val, comm, s):
         """G: every owner's kept pairs, gathered in global index order; first balanced by an alltoall when the
         policy says so (the owners' counts: from the ladder, or one allgather)."""
         if self.global_control == "ladder":                         # the owners' counts only to balance
             if s.table is not None:
-                s.owner_counts = [row[s.rung] for row in s.table]
+                lower, need, band = s.fill or (0, 0, 1)
+                s.owner_counts = [row[s.rung] + need * (row[s.rung - 1] - row[s.rung]) // band for row in s.table]
+                s.T = sum(s.owner_counts)
+            elif self.balance == "never":
+                s.owner_counts = None
             else:
-                s.owner_counts = None if self.balance == "never" else [0] * s.P if s.T == 0 else \
+                s.owner_counts = [0] * s.P if s.T == 0 and s.fill is None else \
                     allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
+                s.T = sum(s.owner_counts)
         elif s.with_load:
             s.owner_counts, s.loads = map(list, zip(*allgather_counts(xp, [xp.numel(m_idx), s.load], comm,
                                                                        "count", acc)))
@@ -409,7 +424,7 @@ class OkTopk(Reducer):
             s.owner_counts = allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
         if self.global_control != "ladder":
             s.T = sum(s.owner_counts)
-        if s.T == 0:                                                # K = 0, known to every rank
+        if s.T == 0 and (s.fill is None or s.owner_counts is not None):     # K = 0, known to every rank
             s.g_idx, s.g_val = m_idx, m_val
             return
         packed = pack_pairs(xp, m_idx, m_val, wire_index_dtype(xp, s.n), acc)
@@ -429,7 +444,7 @@ class OkTopk(Reducer):
             self.load_smoothing, s.hist and (s.edges, s.hist))
         state.update(t=s.t + 1, gamma=s.gamma_next, offsets=list(s.offsets if nxt is None else nxt), size=s.P)
         info = {"K": xp.numel(s.g_idx), "threshold": s.used, "next_threshold": s.gamma_next, "reeval": bool(s.reev),
-                "repartition": bool(s.repart), "balanced": s.balanced, "capped": s.capped,
+                "repartition": bool(s.repart), "balanced": s.balanced, "capped": s.capped, "filled": s.fill is not None,
                 "offsets": list(s.offsets), "owner_counts": s.owner_counts, "t": s.t,
                 "rebalanced": nxt is not None or s.hist is not None}
         return u, included, info

@@ -7,7 +7,7 @@ functions here place the boundaries from what every rank holds identically: afte
 (``result_boundaries``) or the loads the owners report in the step's count collective (``load_boundaries``,
 ``smoothed_load_boundaries``: an exponential average of the load CDFs); before the split, the step's own load,
 counted in bins and summed by one allreduce (``measure_load``, ``measured_boundaries``). All are pure functions
-of identical inputs: identical boundaries on every rank.
+of identical inputs: identical boundaries on every rank. ``repartition`` is the paper's own rule (one allreduce).
 """
 
 from __future__ import annotations
@@ -15,6 +15,21 @@ from __future__ import annotations
 import numpy as np
 
 from ..comm import SUM
+
+
+def repartition(xp, idx, n, comm):
+    """The paper's repartition (one allreduce, phase ``boundaries``): each rank proposes the boundaries that split
+    its sorted selection ``idx`` evenly, and o_j is the mean of the proposals. Returns [0, o_1, ..., o_{P-1}, n]."""
+    P = comm.size
+    if P == 1:
+        return [0, n]
+    c = xp.numel(idx) // P
+    if c >= 1:       # this rank's balanced boundaries
+        prop = xp.take(idx, xp.asarray([j * c for j in range(1, P)], xp.index_dtype, like=idx))
+    else:            # library fallback (ref: c = 0 -> idx[0]; m = 0 -> crash)
+        prop = xp.asarray([(j * n) // P for j in range(1, P)], xp.index_dtype, like=idx)
+    total = comm.allreduce(prop, SUM, "boundaries")            # int64: no overflow
+    return [0] + [int(b) // P for b in xp.to_numpy(total)] + [n]
 
 
 def region_split(xp, idx, offsets):
