@@ -140,6 +140,20 @@ def test_equalize_renames_only_the_sparse_configurations_without_their_own_densi
     assert all(parse_config(n) for n in names)
 
 
+def test_a_filled_oktopk_is_its_own_configuration_calibrated_apart():
+    """``+fill`` (Ok-Topk only) sets ``global_fill``; at equal bytes it gets its own density, lower than plain
+    Ok-Topk's as a filled step sends more at one density."""
+    assert parse_config("oktopk+fill+w2")["global_fill"] is True and "global_fill" not in parse_config("oktopk")
+    with pytest.raises(ValueError, match="unknown option 'fill'"):
+        parse_config("topka+fill")
+    assert equal_bytes.make_spec("oktopk+fill", 0.02).reducer.global_fill
+    layout = [100, 39_900]
+    names, cal = equal_bytes.equalize(["oktopk", "oktopk+fill"], ("topka", 0.01), 4, layout, steps=30)
+    plain, filled = (cal["presets"][s]["density"] for s in ("oktopk", "oktopk+fill"))
+    assert names == [f"oktopk+d{equal_bytes.density_text(plain)}", f"oktopk+fill+d{equal_bytes.density_text(filled)}"]
+    assert filled < plain and all(cal["presets"][s]["within_tolerance"] for s in ("oktopk", "oktopk+fill"))
+
+
 def _raw(config, kind, phases_per_rank, evals, sent=100.0):
     """Raw records as the worker writes them: per phase, per rank, per step."""
     ranks, steps = len(phases_per_rank), len(phases_per_rank[0])
@@ -258,6 +272,31 @@ def test_summary_over_two_seeds_gives_the_mean_and_spread_of_each_configuration(
     train_report.plot(report, tmp_path / "two.png")
     assert (tmp_path / "two.png").read_bytes().startswith(PNG_MAGIC)
     assert not math.isnan(h["spread"]["time_to_0.9"]["std"])
+
+
+def test_targets_chosen_after_the_run_come_from_the_curves_of_its_report(tmp_path, capsys):
+    """``train_report.retarget`` (and its command line) gives the times to other targets from the per-seed curves a
+    report holds: the same statistics as a summary made with those targets in the first place."""
+    def runs(seed, exchange, evals):
+        return [dict(_raw("compute", "compute", [[(1, 1, 0, 0)] * 3] * 2, []), seed=seed),
+                dict(_raw("horovod", "horovod", [[(1, 1, exchange, 0)] * 3] * 2, evals), seed=seed)]
+
+    raw = runs(1, 2, [[1, 0.5], [2, 0.92], [3, 0.96]]) + runs(2, 4, [[1, 0.6], [2, 0.8], [3, 0.94]])
+    report = {"workers": 2, "bandwidth": "1gbit", "numel": 10, "task": "mnist1d", "train_images": 400,
+              "test_images": 200, "epochs": 1, "batch_size": 32, "lr": 0.05, "density": 0.01, "seeds": [1, 2],
+              "targets": [0.9], "load_average_before": [0.1, 0, 0],
+              "results": train_report.summarize(raw, [0.9])}
+    again = train_report.retarget(report, [0.55, 0.95])
+    assert again["results"] == train_report.summarize(raw, [0.55, 0.95]) and again["targets"] == [0.55, 0.95]
+    spread = again["results"][1]["spread"]["time_to_0.55"]
+    assert spread == {"mean": 7, "min": 6, "max": 8, "std": pytest.approx(2 ** 0.5), "reached": 2}
+    assert "time_to_0.9" not in again["results"][1] and report["targets"] == [0.9]      # the report is not changed
+    (tmp_path / "r.json").write_text(json.dumps(report))
+    assert train_report.main([str(tmp_path / "r.json"), "--targets", "0.55,0.95", "--json", str(tmp_path / "o.json"),
+                              "--plot", str(tmp_path / "o.png")]) == 0
+    assert "s to 55%" in capsys.readouterr().out
+    assert json.loads((tmp_path / "o.json").read_text())["results"][1]["time_to_0.55"] == 7
+    assert (tmp_path / "o.png").read_bytes().startswith(PNG_MAGIC)
 
 
 def run_bench_train(args, out):

@@ -18,7 +18,8 @@ timed steps. Configurations (:func:`parse_config`):
                       options: +w<N> (warmup_dense_steps=N), +mc (momentum correction: the velocity is kept by
                       error feedback and the SGD optimizer runs without momentum), +d<density> (this
                       configuration's density instead of ``--density``, e.g. oktopk+d0.03), +b<budget> (no
-                      density: the preset's ``byte_budget=budget``, e.g. oktopk+b0.02; not with +d)
+                      density: the preset's ``byte_budget=budget``, e.g. oktopk+b0.02; not with +d), +fill
+                      (oktopk only: ``global_fill=True``, K filled up to k on reuse steps)
     ddp               torch.nn.parallel.DistributedDataParallel over the gloo process group, no hook
     ddp_powersgd_r<R> the same with the PowerSGD hook, matrix_approximation_rank R, vanilla allreduce for the
                       first ``--powersgd-warmup`` steps (``start_powerSGD_iter``)
@@ -63,12 +64,14 @@ def parse_config(name, presets=None):
             cfg["warmup_dense_steps"] = int(o[1:])
         elif o == "mc":
             cfg["momentum_correction"] = True
+        elif o == "fill" and base == "oktopk":
+            cfg["global_fill"] = True
         elif re.fullmatch(r"[db](0?\.\d+|1(\.0*)?)", o) and 0 < float(o[1:]) <= 1:
             cfg["density" if o[0] == "d" else "byte_budget"] = float(o[1:])
         else:
             raise ValueError(f"configuration {name!r}: unknown option {o!r} (+w<steps>: dense warm-up steps, "
                              "+mc: momentum correction, +d<density>: density in (0, 1], +b<budget>: byte budget "
-                             "in (0, 1])")
+                             "in (0, 1], +fill: oktopk's global_fill)")
     if "density" in cfg and "byte_budget" in cfg:
         raise ValueError(f"configuration {name!r}: give +d<density> or +b<budget>, not both")
     if cfg["momentum_correction"] and base == "spardl":
@@ -183,6 +186,8 @@ def _build(args, cfg, steps_total):
             options["warmup_dense_steps"] = cfg["warmup_dense_steps"]
         if cfg["momentum_correction"]:
             options["momentum_correction"] = args.momentum
+        if cfg.get("global_fill"):
+            options["global_fill"] = True
         if "byte_budget" in cfg:                            # +b<budget>: the preset derives its density
             compression = make(cfg["preset"], None, byte_budget=cfg["byte_budget"], **options)
         else:

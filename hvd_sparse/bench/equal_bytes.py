@@ -125,23 +125,28 @@ def measure(preset, density, source, steps=30, skip=5):
     ``skip`` .. ``steps - 1`` of ``source`` (a :class:`LayoutGradients`; its layout is the engines')."""
     from hvd_sparse.testing import simulate
 
-    from .presets import make
-
-    res = simulate(make(preset, density), source.grad, shapes=[(s,) for s in source.layout], steps=steps,
+    res = simulate(make_spec(preset, density), source.grad, shapes=[(s,) for s in source.layout], steps=steps,
                    size=source.workers, record=("volume",))
     return float(np.mean([[v["sent_bytes"] for v in res.volume[t]] for t in range(min(skip, steps - 1), steps)]))
+
+
+def make_spec(spec, density, **options):
+    """The compression of a calibrated preset: ``spec`` is a preset's name, or ``oktopk+fill`` (Ok-Topk with
+    ``global_fill=True``, calibrated apart as it sends more)."""
+    from .presets import make
+
+    name, _, extra = spec.partition("+")
+    return make(name, density, **options, **({"global_fill": True} if extra == "fill" else {}))
 
 
 def _first_guess(preset, target, workers, numel):
     """The density the cost model gives for ``target`` bytes (its budget clipped to (0, 1])."""
     from hvd_sparse.core.budget import dense_bytes
 
-    from .presets import make
-
     if workers < 2:
         return 0.01
     fraction = min(1.0, max(1e-9, target / dense_bytes(numel, workers)))
-    return make(preset, None, byte_budget=fraction).density_for(workers)
+    return make_spec(preset, None, byte_budget=fraction).density_for(workers)
 
 
 def search(bytes_at, start, target, tolerance=0.03, max_tries=8):
@@ -175,7 +180,8 @@ def calibrate(reference, workers, layout, presets, steps=100, skip=5, numel=1_00
         reference (tuple): ``(preset, density)``, e.g. ``("topka", 0.01)``.
         workers (int): the number of ranks P.
         layout (list of int): the sizes of the model's parameter tensors (n = their sum).
-        presets (iterable of str): the presets to calibrate (the reference's preset gets its own density back).
+        presets (iterable of str): the presets to calibrate (:func:`make_spec`; the reference's preset gets its own
+            density back).
         steps, skip (int): simulated steps, and the first ones left out of the mean.
         numel (int or None): simulate at most this many values (:func:`scaled_layout`); None: n.
         seed (int): the synthetic data's seed.
@@ -230,8 +236,8 @@ def equalize(config_names, reference, workers, layout, say=None, **options):
 
     cfgs = {name: parse_config(name) for name in config_names}
     free = [n for n, c in cfgs.items() if c["kind"] == "sparse" and "density" not in c and "byte_budget" not in c]
-    calibration = calibrate(reference, workers, layout, [cfgs[n]["preset"] for n in free], say=say,
-                            **options)
-    renamed = {n: f"{n}+d{density_text(calibration['presets'][cfgs[n]['preset']]['density'])}" for n in free}
+    spec = {n: cfgs[n]["preset"] + ("+fill" if cfgs[n].get("global_fill") else "") for n in free}
+    calibration = calibrate(reference, workers, layout, [spec[n] for n in free], say=say, **options)
+    renamed = {n: f"{n}+d{density_text(calibration['presets'][spec[n]]['density'])}" for n in free}
     calibration["configs"] = renamed
     return [renamed.get(n, n) for n in config_names], calibration

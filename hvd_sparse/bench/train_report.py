@@ -1,10 +1,19 @@
 """The train benchmark's report: statistics of the workers' raw per-rank, per-step records, the Markdown table and
-the plot of test accuracy against wall time (see :mod:`hvd_sparse.bench.train` for what each column means)."""
+the plot of test accuracy against wall time (see :mod:`hvd_sparse.bench.train` for what each column means).
+
+Targets chosen after a run, from the accuracy curves its report holds (no training again):
+
+    python -m hvd_sparse.bench.train_report train.json --targets 0.8,0.85 --json train.json --plot train.png
+"""
 
 from __future__ import annotations
 
+import argparse
+import copy
 import itertools
+import json
 import statistics
+import sys
 
 PHASES = ("forward", "backward", "exchange", "update")
 #: per-seed numbers whose mean over the seeds is a configuration's value
@@ -216,3 +225,43 @@ def plot(report, path):
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     cli.save_png(fig, path)
+
+
+def retarget(report, accuracy_targets):
+    """A copy of ``report`` whose times to accuracy are those of ``accuracy_targets``: each seed's from its accuracy
+    curve (evaluations every ``eval_every`` steps, as in the run), then the spreads over the seeds again."""
+    out = copy.deepcopy(report)
+    results = []
+    for row in out["results"]:
+        for r in row["per_seed"]:
+            for key in [k for k in r if k.startswith("time_to_")]:
+                del r[key]
+            for target in accuracy_targets:
+                r[f"time_to_{target:g}"] = next((w for w, a in r["accuracy_curve"] if a >= target), None)
+        results.append(_combine(row["per_seed"], accuracy_targets))
+    out["results"], out["targets"] = results, list(accuracy_targets)
+    return out
+
+
+def main(argv=None):
+    from . import cli
+    from .train import targets
+
+    p = argparse.ArgumentParser(description="A train report with other targets (module docstring).")
+    p.add_argument("report", help="the JSON report of python -m hvd_sparse.bench train")
+    p.add_argument("--targets", type=targets, required=True, help="test accuracies, e.g. 0.8,0.85")
+    p.add_argument("--json", metavar="FILE", help="write the new report as JSON")
+    p.add_argument("--plot", metavar="FILE", help="save its plot as a PNG")
+    args = p.parse_args(argv)
+    with open(args.report) as f:
+        report = retarget(json.load(f), args.targets)
+    print(markdown(report))
+    if args.json:
+        cli.write_json(args.json, report)
+    if args.plot:
+        plot(report, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
