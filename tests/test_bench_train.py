@@ -297,6 +297,12 @@ def test_targets_chosen_after_the_run_come_from_the_curves_of_its_report(tmp_pat
     assert "s to 55%" in capsys.readouterr().out
     assert json.loads((tmp_path / "o.json").read_text())["results"][1]["time_to_0.55"] == 7
     assert (tmp_path / "o.png").read_bytes().startswith(PNG_MAGIC)
+    one, two = (dict(report, seeds=[s], results=train_report.summarize(raw[2 * i:2 * i + 2], [0.9]))
+                for i, s in enumerate((1, 2)))                  # the same runs, one report per seed
+    merged = train_report.retarget(one, [0.55, 0.95], [two])
+    assert merged["results"] == again["results"] and merged["seeds"] == [1, 2]
+    with pytest.raises(ValueError, match="the reports differ in workers"):
+        train_report.retarget(one, [0.9], [dict(two, workers=4)])
 
 
 def run_bench_train(args, out):

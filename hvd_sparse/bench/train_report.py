@@ -1,9 +1,11 @@
 """The train benchmark's report: statistics of the workers' raw per-rank, per-step records, the Markdown table and
 the plot of test accuracy against wall time (see :mod:`hvd_sparse.bench.train` for what each column means).
 
-Targets chosen after a run, from the accuracy curves its report holds (no training again):
+Targets chosen after a run, from the accuracy curves its report holds (no training again), and the reports of runs
+on other seeds (``--seed 43 --seeds 1``, ...) merged into one:
 
     python -m hvd_sparse.bench.train_report train.json --targets 0.8,0.85 --json train.json --plot train.png
+    python -m hvd_sparse.bench.train_report s42.json s43.json s44.json --targets 0.8,0.85 --json train.json
 """
 
 from __future__ import annotations
@@ -227,19 +229,27 @@ def plot(report, path):
     cli.save_png(fig, path)
 
 
-def retarget(report, accuracy_targets):
+def retarget(report, accuracy_targets, others=()):
     """A copy of ``report`` whose times to accuracy are those of ``accuracy_targets``: each seed's from its accuracy
-    curve (evaluations every ``eval_every`` steps, as in the run), then the spreads over the seeds again."""
+    curve (evaluations every ``eval_every`` steps, as in the run), then the spreads over the seeds again. ``others``:
+    reports of the same configurations on other seeds, whose seeds join (their settings must be the same)."""
     out = copy.deepcopy(report)
-    results = []
-    for row in out["results"]:
-        for r in row["per_seed"]:
+    seeds = {row["config"]: row["per_seed"] for row in out["results"]}
+    for other in others:
+        for key in ("workers", "bandwidth", "task", "epochs", "numel", "batch_size", "lr"):
+            if other.get(key) != out.get(key):
+                raise ValueError(f"the reports differ in {key}: {out.get(key)!r} and {other.get(key)!r}")
+        for row in copy.deepcopy(other["results"]):
+            seeds.setdefault(row["config"], []).extend(row["per_seed"])
+        out["seeds"] = sorted(set(out.get("seeds") or []) | set(other.get("seeds") or []))
+    for rows in seeds.values():
+        for r in rows:
             for key in [k for k in r if k.startswith("time_to_")]:
                 del r[key]
             for target in accuracy_targets:
                 r[f"time_to_{target:g}"] = next((w for w, a in r["accuracy_curve"] if a >= target), None)
-        results.append(_combine(row["per_seed"], accuracy_targets))
-    out["results"], out["targets"] = results, list(accuracy_targets)
+    out["results"] = [_combine(rows, accuracy_targets) for rows in seeds.values()]
+    out["targets"] = list(accuracy_targets)
     return out
 
 
@@ -248,13 +258,16 @@ def main(argv=None):
     from .train import targets
 
     p = argparse.ArgumentParser(description="A train report with other targets (module docstring).")
-    p.add_argument("report", help="the JSON report of python -m hvd_sparse.bench train")
+    p.add_argument("reports", nargs="+", help="JSON reports of python -m hvd_sparse.bench train (several: merged)")
     p.add_argument("--targets", type=targets, required=True, help="test accuracies, e.g. 0.8,0.85")
     p.add_argument("--json", metavar="FILE", help="write the new report as JSON")
     p.add_argument("--plot", metavar="FILE", help="save its plot as a PNG")
     args = p.parse_args(argv)
-    with open(args.report) as f:
-        report = retarget(json.load(f), args.targets)
+    reports = []
+    for path in args.reports:
+        with open(path) as f:
+            reports.append(json.load(f))
+    report = retarget(reports[0], args.targets, reports[1:])
     print(markdown(report))
     if args.json:
         cli.write_json(args.json, report)
