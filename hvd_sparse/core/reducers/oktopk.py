@@ -149,6 +149,10 @@ class _OkStep:
     capped: bool = False
     fill: tuple = None
 
+    def quota(self, below, at):
+        """An owner's share of ``global_fill``: floor((k - K)·b_r / B), b_r = ``below - at`` (0 without a fill)."""
+        return 0 if self.fill is None else self.fill[1] * (below - at) // self.fill[2]
+
 
 @options
 class OkTopk(Reducer):
@@ -201,11 +205,10 @@ class OkTopk(Reducer):
             count vectors would cost 9(P-1); the owners' own counts (1 word each, phase ``count``) travel
             only when the balance rule needs them.
         ladder_factor (float): f of the ladder. Default 1.1 (Γ moves by up to x1.77 up or /1.21 down a step).
-        global_fill (bool): with the ladder, K up to k on reuse steps. The owners' sums pile up just above the
-            local thresholds, so a rung can hold 2-3x the next one's count and the rung taken leaves K at 0.5-0.9k
-            (MNIST-1D). When it holds K < k and the rung below > k, owner r also keeps its largest
-            floor((k - K)·b_r / B) of the b_r candidates between them (B: all owners'): k - P < K <= k, no
-            collective more. Default False.
+        global_fill (bool): with the ladder, K up to k on reuse steps: the owners' sums pile up above the local
+            thresholds, so a rung can hold 2-3x the next one's count (K = 0.5-0.9k on MNIST-1D). When the rung
+            holds K < k and the one below > k, owner r also keeps its largest floor((k - K)·b_r / B) of the b_r
+            candidates between them (B: all owners'): k - P < K <= k, no collective more. Default False.
         few_collectives_from (int or None): at k >= this·P (k/P: the same on every rank) no histogram and
             no ladder allreduce: ``measured`` boundaries follow the smoothed load (the ``load`` rule, a good
             forecast at many entries per region) and each owner's 9 ladder counts and load ride in the count
@@ -395,12 +398,10 @@ class OkTopk(Reducer):
             s.fill = (ladder[s.rung - 1], s.k - s.T, totals[s.rung - 1] - s.T)
 
     def _fill(self, xp, owned, c_val, keep, s):
-        """``keep`` and this owner's largest floor((k - K)·b_r / B) candidates between the rung below and Γ
-        (``global_fill``): the largest h + q of those at the rung below, as every one kept at Γ is larger."""
-        lower, need, band = s.fill
-        wide = owned.select(lower, self.select_rule)[0]
+        """``keep`` and the owner's q largest under Γ: the h + q largest at the rung below (``global_fill``)."""
+        wide = owned.select(s.fill[0], self.select_rule)[0]
         h = xp.numel(keep)
-        q = need * (xp.numel(wide) - h) // band
+        q = s.quota(xp.numel(wide), h)
         return keep if q == 0 else xp.take(wide, xp.topk(xp.take(c_val, wide), h + q)[0])
 
     def _balance_and_allgatherv(self, xp, acc, m_idx, m_val, comm, s):
@@ -408,8 +409,7 @@ class OkTopk(Reducer):
         policy says so (the owners' counts: from the ladder, or one allgather)."""
         if self.global_control == "ladder":                         # the owners' counts only to balance
             if s.table is not None:
-                lower, need, band = s.fill or (0, 0, 1)
-                s.owner_counts = [row[s.rung] + need * (row[s.rung - 1] - row[s.rung]) // band for row in s.table]
+                s.owner_counts = [row[s.rung] + s.quota(row[s.rung - 1], row[s.rung]) for row in s.table]
                 s.T = sum(s.owner_counts)
             elif self.balance == "never":
                 s.owner_counts = None
