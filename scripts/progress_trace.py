@@ -25,31 +25,23 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hvd_sparse.bench._train_worker import parse_config
+from hvd_sparse.bench._train_worker import parse_config, sparse_compression
 from hvd_sparse.bench.loop import correct, epoch_order
 from hvd_sparse.bench.mnist1d_torch import WideNet1D, load_data
-from hvd_sparse.bench.presets import make
 from hvd_sparse.core.sim import SimulatedWorld
 
 
 def compression_of(name, density):
     """The compression of a configuration name (None for ``dense``)."""
-    if name == "dense":
-        return None
-    cfg = parse_config(name)
-    options = {"warmup_dense_steps": cfg["warmup_dense_steps"]}
-    if cfg["momentum_correction"]:
-        options["momentum_correction"] = 0.9
-    if cfg.get("global_fill"):
-        options["global_fill"] = True
-    return make(cfg["preset"], cfg.get("density", density), **options)
+    return None if name == "dense" else sparse_compression(parse_config(name), density, 0.9)
 
 
 def trace_row(step, grads, update, engines):
     """What error feedback holds and what the step applied, from every rank's gradient and engine."""
     mean = np.mean(grads, 0)
     norm = float(np.linalg.norm(mean)) or 1.0
-    residual = np.mean([np.asarray(e.memory.residual) for e in engines], 0)
+    residual = np.mean([np.zeros_like(update) if e.memory.residual is None else np.asarray(e.memory.residual)
+                        for e in engines], 0)       # (no residual yet in dense warm-up steps)
     info = engines[0].last["info"]
     return {"step": step, "res": float(np.linalg.norm(residual)) / norm,
             "cos": float(update @ mean) / (float(np.linalg.norm(update)) * norm or 1.0),
@@ -99,14 +91,21 @@ def train(name, args):
                     with torch.no_grad():
                         curve.append((step, correct(m, test) / len(test[1])))
 
-    world.run(rank_loop, comms)
+    def guarded(comm):                  # a rank that fails breaks the barrier: the others raise, none hangs
+        try:
+            rank_loop(comm)
+        except BaseException:
+            barrier.abort()
+            raise
+
+    world.run(guarded, comms)
     return {"config": name, "final": curve[-1][1], "curve": curve, "trace": trace}
 
 
 def phases(trace, parts=4):
     """The trace's means over ``parts`` equal phases of the run."""
     out = []
-    for chunk in np.array_split(np.arange(len(trace)), parts):
+    for chunk in np.array_split(np.arange(len(trace)), min(parts, len(trace))):
         rows = [trace[i] for i in chunk]
         mean = {k: float(np.mean([r[k] for r in rows])) for k in ("res", "cos", "applied")}
         ks = [r["K"] / r["k"] for r in rows if r["K"] is not None]

@@ -152,7 +152,6 @@ def _build(args, cfg, steps_total):
     import hvd_sparse.torch as hvds
 
     from .loop import exchange_stats, ring_allreduce_bytes
-    from .presets import make
 
     torch.manual_seed(args.seed)
     model = build_model(args.task, args.image_size, args.hidden)
@@ -181,17 +180,7 @@ def _build(args, cfg, steps_total):
         sent = ring_allreduce_bytes(n, P, 2 if cfg["fp16"] else 4)
         return net, model, optimizer, optimizer.synchronize, lambda: sent, None
     if kind == "sparse":
-        options = {}
-        if cfg["warmup_dense_steps"]:
-            options["warmup_dense_steps"] = cfg["warmup_dense_steps"]
-        if cfg["momentum_correction"]:
-            options["momentum_correction"] = args.momentum
-        if cfg.get("global_fill"):
-            options["global_fill"] = True
-        if "byte_budget" in cfg:                            # +b<budget>: the preset derives its density
-            compression = make(cfg["preset"], None, byte_budget=cfg["byte_budget"], **options)
-        else:
-            compression = make(cfg["preset"], cfg.get("density", args.density), **options)
+        compression = sparse_compression(cfg, args.density, args.momentum)
         optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                               compression=compression)
         return net, model, optimizer, optimizer.synchronize, lambda: exchange_stats(optimizer, n, P)[1], None
@@ -199,6 +188,23 @@ def _build(args, cfg, steps_total):
         sent = ring_allreduce_bytes(n, P)
         return net, model, optimizer, None, lambda: sent, None
     return (net, model, optimizer, None) + _powersgd(net, args, cfg["powersgd_rank"], steps_total, P)
+
+
+def sparse_compression(cfg, density, momentum):
+    """The preset of a sparse configuration (:func:`parse_config`), with its options; ``density`` where the
+    configuration names neither a density nor a byte budget, ``momentum`` for ``+mc``."""
+    from .presets import make
+
+    options = {}
+    if cfg["warmup_dense_steps"]:
+        options["warmup_dense_steps"] = cfg["warmup_dense_steps"]
+    if cfg["momentum_correction"]:
+        options["momentum_correction"] = momentum
+    if cfg.get("global_fill"):
+        options["global_fill"] = True
+    if "byte_budget" in cfg:                                # +b<budget>: the preset derives its density
+        return make(cfg["preset"], None, byte_budget=cfg["byte_budget"], **options)
+    return make(cfg["preset"], cfg.get("density", density), **options)
 
 
 def _powersgd(net, args, rank, steps_total, P):

@@ -54,9 +54,17 @@ def _run_row(run, accuracy_targets):
            "wall_seconds": wall[-1] if wall else 0.0,
            "accuracy_curve": [[w, a] for w, a in curve],
            "final_accuracy": curve[-1][1] if curve else None}
-    for target in accuracy_targets:
-        row[f"time_to_{target:g}"] = next((w for w, a in curve if a >= target), None)
+    _times_to(row, accuracy_targets)
     return row
+
+
+def _times_to(row, accuracy_targets):
+    """A per-seed row's ``time_to_<target>`` for each target (and no other): the wall seconds of the first
+    evaluation of its accuracy curve at or above the target, None if none is."""
+    for key in [k for k in row if k.startswith("time_to_")]:
+        del row[key]
+    for target in accuracy_targets:
+        row[f"time_to_{target:g}"] = next((w for w, a in row["accuracy_curve"] if a >= target), None)
 
 
 def _spread(values):
@@ -244,10 +252,7 @@ def retarget(report, accuracy_targets, others=()):
         out["seeds"] = sorted(set(out.get("seeds") or []) | set(other.get("seeds") or []))
     for rows in seeds.values():
         for r in rows:
-            for key in [k for k in r if k.startswith("time_to_")]:
-                del r[key]
-            for target in accuracy_targets:
-                r[f"time_to_{target:g}"] = next((w for w, a in r["accuracy_curve"] if a >= target), None)
+            _times_to(r, accuracy_targets)
     out["results"] = [_combine(rows, accuracy_targets) for rows in seeds.values()]
     out["targets"] = list(accuracy_targets)
     return out
