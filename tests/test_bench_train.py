@@ -1,8 +1,8 @@
 """``python -m hvd_sparse.bench train``: argument errors, the configuration names, the equal-bytes calibration on the
 simulator, the MNIST-1D data and model, the report's statistics on hand-made records (one seed and two), and real
 tiny runs (2 workers in network namespaces on a tc-shaped bridge: Horovod, a preset, DDP and PowerSGD side by side
-on the digits; a preset on MNIST-1D over two seeds; presets at equal bytes on MNIST-1D) that check the report and
-that nothing of the network is left behind."""
+on the digits; a preset on MNIST-1D over two seeds; presets at equal bytes on MNIST-1D, each stopped at its target)
+that check the report and that nothing of the network is left behind."""
 
 import json
 import math
@@ -408,7 +408,7 @@ def test_tiny_run_at_equal_bytes_records_the_calibrated_densities(tmp_path):
     report, stdout, stderr = run_bench_train(["--workers", "2", "--bandwidth", "1gbit", "--task",
         "mnist1d", "--train-samples", "400", "--test-samples", "200", "--epochs", "1", "--hidden", "32",
         "--eval-every", "2", "--configs", "compute,topka,oktopk,exdyna+d0.02,exdyna+b0.1", "--equal-bytes",
-        "topka@0.05", "--no-link-check", "--json", str(out)], out)
+        "topka@0.05", "--targets", "0.01", "--stop-at-target", "--no-link-check", "--json", str(out)], out)
     n = report["numel"]
     eq = report["equal_bytes"]
     assert eq["reference"] == {"preset": "topka", "density": 0.05, "sent_bytes": (n * 5 // 100) * 2 * 4}
@@ -420,7 +420,13 @@ def test_tiny_run_at_equal_bytes_records_the_calibrated_densities(tmp_path):
     assert eq["configs"] == {"topka": "topka+d0.05", "oktopk": f"oktopk+d{d}"}
     rows = {r["config"]: r for r in report["results"]}
     assert list(rows) == ["compute", "topka+d0.05", f"oktopk+d{d}", "exdyna+d0.02", "exdyna+b0.1"]
-    assert report["failed"] == []
+    assert report["failed"] == [] and report["stop_at_target"]
+    # every trained configuration reaches 1% at its first evaluation (step 2 of 6) and stops there; the floor runs on
+    for name, r in rows.items():
+        stopped = name != "compute"
+        assert (r["steps"], r["stopped"]) == ((2, True) if stopped else ((400 // 2) // 32, False))
+        assert r["final_accuracy"] is None and len(r["accuracy_curve"]) == stopped
+        assert f"| {name} |" in stdout and "| stopped at target |" in stdout
     # the exact top-k sends in training what it sent on the simulator
     assert rows["topka+d0.05"]["sent_bytes_per_step"] == eq["reference"]["sent_bytes"]
     assert rows[f"oktopk+d{d}"]["sent_bytes_per_step"] > 0
@@ -428,4 +434,4 @@ def test_tiny_run_at_equal_bytes_records_the_calibrated_densities(tmp_path):
     assert f"at equal bytes with topka at 0.05 ({eq['reference']['sent_bytes'] / 1e3:,.1f} kB per rank and step on " \
         f"the simulator): topka 0.05, oktopk {ok['density']:g}; otherwise density 0.01" in stdout
     assert f"| oktopk+d{d} |" in stdout
-    assert "equal bytes" in stderr and f"[oktopk+d{d}] epoch 1/1" in stderr
+    assert "equal bytes" in stderr and f"[oktopk+d{d}] stopped at step 2 of 6: test acc" in stderr

@@ -9,7 +9,8 @@ weights broadcast) and the same data order (:func:`hvd_sparse.bench.loop.epoch_o
 ``--train-samples`` and ``--test-samples`` sequences), with the loop of :mod:`hvd_sparse.bench.loop` (SGD, momentum 0.9,
 cosine-decayed learning rate) and records per step and rank the seconds of forward, backward, exchange wait and
 update and the bytes sent; every ``--eval-every`` steps (and after the last) the test accuracy, outside the
-timed steps. Configurations (:func:`parse_config`):
+timed steps. With ``--stop-at ACC`` a configuration stops after the first evaluation at or above ACC.
+Configurations (:func:`parse_config`):
 
     compute           no communication at all: each rank trains alone (the floor of the step time; no accuracy)
     horovod           horovod.torch.DistributedOptimizer, Compression.none (allreduces start during backward)
@@ -97,6 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--floor-epochs", type=int, required=True)
     p.add_argument("--powersgd-warmup", type=int, default=None, help="start_powerSGD_iter (default: 10%% of the "
                                                                      "steps, at least 2)")
+    p.add_argument("--stop-at", type=float, default=None,
+                   help="stop a configuration after the evaluation at which its test accuracy reaches this")
     p.add_argument("--out", required=True, help="JSON file written by rank 0")
     return p.parse_args(argv)
 
@@ -227,6 +230,11 @@ def _powersgd(net, args, rank, steps_total, P):
     return sent_bytes, counter
 
 
+class _Reached(Exception):
+    """Raised after the evaluation that reaches ``--stop-at``: the accuracy is allreduced, so every rank raises it
+    after the same step."""
+
+
 def train(args, cfg, train_set, test_shard):
     """One configuration; returns this rank's records and the gathered ones (rank 0)."""
     import horovod.torch as hvd
@@ -261,23 +269,33 @@ def train(args, cfg, train_set, test_shard):
         step = len(rec["forward"])
         if cfg["kind"] != "compute" and (step % args.eval_every == 0 or step == total):
             evaluate(step)
+            if args.stop_at is not None and evals[-1][1] >= args.stop_at and step < total:
+                raise _Reached
         if rank == 0 and (step % spe == 0):
             acc = f"  test acc {evals[-1][1] * 100:6.2f}%" if evals else ""
             print(f"{PROGRESS} [{cfg['name']}] epoch {step // spe}/{epochs}  step {sum(seconds):.3f} s "
                   f"(rank 0){acc}", flush=True)
 
     wait(hvd.allreduce_async(barrier, name=f"{tag}.start"))
+    stopped = False
     with counting_allreduce(counter) if counter is not None else contextlib.nullcontext():
-        for epoch in range(1, epochs + 1):
-            order = epoch_order(len(x_tr), rank, P, args.seed, epoch)
-            run_epoch(net, optimizer, train_set, order, args.batch_size, schedule, synchronize=synchronize,
-                      after_step=after_step)
+        try:
+            for epoch in range(1, epochs + 1):
+                order = epoch_order(len(x_tr), rank, P, args.seed, epoch)
+                run_epoch(net, optimizer, train_set, order, args.batch_size, schedule, synchronize=synchronize,
+                          after_step=after_step)
+        except _Reached:
+            stopped = True
+            if rank == 0:
+                step, acc = evals[-1]
+                print(f"{PROGRESS} [{cfg['name']}] stopped at step {step} of {total}: test acc {acc * 100:6.2f}%",
+                      flush=True)
     gathered = {}
     for key, values in rec.items():
         g = hvd.allgather(torch.tensor([values], dtype=torch.float64), name=f"{tag}.{key}")
         gathered[key] = g.tolist()
     return {"config": cfg["name"], "kind": cfg["kind"], "numel": sum(p.numel() for p in model.parameters()),
-            "steps_per_epoch": spe, "epochs": epochs, "evals": evals, **gathered}
+            "steps_per_epoch": spe, "epochs": epochs, "evals": evals, "stopped": stopped, **gathered}
 
 
 def main(argv=None):

@@ -33,7 +33,8 @@ time_to_<target> and final_accuracy in ``spread``):
     time_to_<target>      wall seconds (the sum of the step times, evaluation excluded) until the test accuracy
                           first reaches the target; None if never (with several seeds: if any seed never does;
                           ``spread`` counts the seeds that did in ``reached``)
-    final_accuracy        the test accuracy after the last step
+    final_accuracy        the test accuracy after the last step; None for a run stopped at the highest target
+                          (``--stop-at-target``: ``stopped`` is then True, its steps fewer)
 
 The report also records the options (``task``, ``seeds``, ...), the model's parameter count (``numel``) and the
 sizes of the training and test sets (``train_images``, ``test_images``: images or MNIST-1D sequences).
@@ -137,11 +138,12 @@ def _equalize(config_names, reference, workers, task, image_size, hidden, say):
 def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=0.05, seed=42, seeds=1,
         task="digits", train_samples=20_000, test_samples=10_000, image_size=16, hidden=1024, eval_every=4,
         floor_epochs=None, powersgd_warmup=None, accuracy_targets=(0.9, 0.95), timeout=7200.0,
-        link_check_seconds=0.5, verbose=True, worker_cmd=None, equal_bytes=None):
+        link_check_seconds=0.5, verbose=True, worker_cmd=None, equal_bytes=None, stop_at_target=False):
     """Build the network, run one job per seed and configuration (seeds ``seed`` to ``seed + seeds - 1``, each
     running every configuration in turn; a failed job is listed in ``failed`` and the others still run), tear
     everything down; return the report (see the module docstring). With ``equal_bytes`` (``(preset, density)``),
-    first calibrate the sparse configurations' densities to that reference's bytes (``--equal-bytes``)."""
+    first calibrate the sparse configurations' densities to that reference's bytes (``--equal-bytes``). With
+    ``stop_at_target``, each configuration stops once it reaches the highest target (``--stop-at-target``)."""
     def say(msg):
         if verbose:
             print(msg, file=sys.stderr, flush=True)
@@ -157,6 +159,8 @@ def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=
         common += ["--train-samples", train_samples, "--test-samples", test_samples]
     if powersgd_warmup is not None:
         common += ["--powersgd-warmup", powersgd_warmup]
+    if stop_at_target:
+        common += ["--stop-at", max(accuracy_targets)]
     remove_stale(say, include_own=True)
     load_before = list(os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="hvd_sparse_train_") as tmp, Network(workers, rate) as net:
@@ -188,7 +192,8 @@ def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=
               "seeds": list(range(seed, seed + seeds)), "image_size": image_size if task == "digits" else None,
               "train_samples": train_samples if task == "mnist1d" else None,
               "test_samples": test_samples if task == "mnist1d" else None, "hidden": hidden,
-              "eval_every": eval_every, "targets": list(accuracy_targets), "numel": runs[0]["numel"],
+              "eval_every": eval_every, "targets": list(accuracy_targets), "stop_at_target": stop_at_target,
+              "numel": runs[0]["numel"],
               "train_images": raw["train_images"], "test_images": raw["test_images"],
               "torch_threads": raw["torch_threads"], "link_check_bytes_per_s": link, "cpus": os.cpu_count(),
               "load_average_before": load_before, "load_average_after": list(os.getloadavg())}
@@ -242,6 +247,10 @@ def add_arguments(p):
                    help="PowerSGD's start_powerSGD_iter (default: 10%% of the steps, at least 2)")
     p.add_argument("--targets", type=targets, default=[0.9, 0.95],
                    help="test accuracies whose time to reach is reported (default: 0.9,0.95)")
+    p.add_argument("--stop-at-target", action="store_true",
+                   help="stop each configuration once its test accuracy reaches the highest target (its final "
+                        "accuracy is then not reported): slow configurations on a slow link need not run every "
+                        "epoch")
     add_run_arguments(p, 7200.0, "save test accuracy against wall time as a PNG")
 
 
@@ -267,7 +276,7 @@ def main(args):
             eval_every=args.eval_every, floor_epochs=args.floor_epochs, powersgd_warmup=args.powersgd_warmup,
             accuracy_targets=args.targets, timeout=args.timeout,
             link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet,
-            equal_bytes=args.equal_bytes))
+            equal_bytes=args.equal_bytes, stop_at_target=args.stop_at_target))
         return reports[-1]
 
     code = run_cli(prog, args, job, plot, markdown, check=check,

@@ -52,8 +52,8 @@ def _run_row(run, accuracy_targets):
            **{f"{p}_median": statistics.median(s[i] for s in split) for i, p in enumerate(PHASES)},
            "sent_bytes_per_step": statistics.fmean(v for rank in run["sent_bytes"] for v in rank[1:] or rank),
            "wall_seconds": wall[-1] if wall else 0.0,
-           "accuracy_curve": [[w, a] for w, a in curve],
-           "final_accuracy": curve[-1][1] if curve else None}
+           "accuracy_curve": [[w, a] for w, a in curve], "stopped": bool(run.get("stopped")),
+           "final_accuracy": curve[-1][1] if curve and not run.get("stopped") else None}
     _times_to(row, accuracy_targets)
     return row
 
@@ -80,7 +80,7 @@ def _combine(rows, accuracy_targets):
     """The row of one configuration from its per-seed rows (see :func:`summarize`)."""
     first = rows[0]
     out = {"config": first["config"], "kind": first["kind"], "numel": first["numel"], "steps": first["steps"],
-           "seeds": [r["seed"] for r in rows]}
+           "seeds": [r["seed"] for r in rows], "stopped": any(r.get("stopped") for r in rows)}
     for key in MEANS:
         out[key] = _spread([r[key] for r in rows])["mean"]
     out["spread"] = {key: _spread([r[key] for r in rows]) for key in SPREAD}
@@ -92,6 +92,7 @@ def _combine(rows, accuracy_targets):
             out["spread"][key]["mean"] = None
         out[key] = out["spread"][key]["mean"]
     curves = [r["accuracy_curve"] for r in rows]        # the i-th evaluation is at the same step on every seed
+    # (up to the shortest curve: a run stopped at the highest target has fewer)
     points = list(zip(*curves))
     out["accuracy_curve"] = [[statistics.fmean(w for w, _ in p), statistics.fmean(a for _, a in p)] for p in points]
     out["accuracy_band"] = [[min(a for _, a in p), max(a for _, a in p)] for p in points]
@@ -193,7 +194,7 @@ def markdown(report):
                      f"{r['forward']:.3f} | {r['backward']:.3f} | {r['exchange']:.3f} | {r['update']:.3f} | {ab} | "
                      f"{xf} | {_mb(r['sent_bytes_per_step'])} | "
                      + " | ".join(_time(r, f"time_to_{x:g}") for x in t)
-                     + f" | {_pm(r, 'final_accuracy', 2, '%', 100)} |")
+                     + f" | {'stopped at target' if r.get('stopped') else _pm(r, 'final_accuracy', 2, '%', 100)} |")
     for f in report.get("failed", []):
         seed = f" (seed {f.get('seed')})" if several else ""
         lines.append(f"| {f['config']} | failed{seed}: {f['error'].splitlines()[0]} |" + " |" * (10 + len(t)))
@@ -201,7 +202,9 @@ def markdown(report):
               "seconds from the end of backward to the end of the exchange (DDP: its backward minus the floor's, "
               "since it waits inside backward). compute = the floor: the same steps without communication."
               + (" Over several seeds, the other columns are means; a time to a target is a mean only when every "
-                 "seed reached the target (k/N reached: how many did)." if several else "")]
+                 "seed reached the target (k/N reached: how many did)." if several else "")
+              + (" stopped at target: the run stopped once it reached the highest target (--stop-at-target)."
+                 if any(r.get("stopped") for r in report["results"]) else "")]
     return "\n".join(lines)
 
 
