@@ -120,7 +120,32 @@ class TorchBackend(KernelOps, _Indexing):
         return self.torch.topk(x, k, sorted=False).values.min()
 
     def nonzero(self, mask):
+        host = self.host(mask)              # numpy's is about 5x faster on the CPU (100,000 entries)
+        if host is not None:
+            return self.torch.from_numpy(np.flatnonzero(host))
         return self.torch.nonzero(mask, as_tuple=False).reshape(-1)
+
+    def take(self, x, idx):
+        """``x[idx]``; a 1-D gather by integer indexes is ``index_select`` (the same values, about 4x faster than
+        advanced indexing on the CPU for 100,000 indexes)."""
+        if x.dim() == 1 and self._int_index(idx):
+            return self.torch.index_select(x, 0, idx)
+        return x[idx]
+
+    def put_(self, dst, idx, value):
+        """``dst[idx] = value``; on a 1-D ``dst`` with int64 indexes, ``index_fill_`` / ``index_copy_`` (the same
+        writes, about 1.5x faster on the CPU)."""
+        if dst.dim() == 1 and self._int_index(idx) and idx.dtype == self.torch.int64:
+            if isinstance(value, (int, float)):
+                return dst.index_fill_(0, idx, value)
+            if isinstance(value, self.torch.Tensor) and value.dtype == dst.dtype and value.shape == idx.shape:
+                return dst.index_copy_(0, idx, value)
+        dst[idx] = value
+        return dst
+
+    def _int_index(self, idx):
+        return isinstance(idx, self.torch.Tensor) and idx.dim() == 1 and idx.dtype in (self.torch.int64,
+                                                                                       self.torch.int32)
 
     @staticmethod
     def scatter_add_(dst, idx, values):
