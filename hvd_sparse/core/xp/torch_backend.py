@@ -130,7 +130,7 @@ class TorchBackend(KernelOps, _Indexing):
         advanced indexing on the CPU for 100,000 indexes)."""
         if x.dim() == 1 and self._int_index(idx):
             return self.torch.index_select(x, 0, idx)
-        return x[idx]
+        return super().take(x, idx)
 
     def put_(self, dst, idx, value):
         """``dst[idx] = value``; on a 1-D ``dst`` with int64 indexes, ``index_fill_`` / ``index_copy_`` (the same
@@ -140,8 +140,7 @@ class TorchBackend(KernelOps, _Indexing):
                 return dst.index_fill_(0, idx, value)
             if isinstance(value, self.torch.Tensor) and value.dtype == dst.dtype and value.shape == idx.shape:
                 return dst.index_copy_(0, idx, value)
-        dst[idx] = value
-        return dst
+        return super().put_(dst, idx, value)
 
     def _int_index(self, idx):
         return isinstance(idx, self.torch.Tensor) and idx.dim() == 1 and idx.dtype in (self.torch.int64,
