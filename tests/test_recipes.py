@@ -33,6 +33,13 @@ def test_grad_scaler_step_is_found_and_its_skip_recorded(probe):
     assert probe["grad_scaler"] == {"scales": [256.0, 128.0, 128.0], "skipped": 1}
 
 
+def test_frames_are_read_only_without_state_and_horovod_steps_only_such_optimizers(probe):
+    res = probe["frames_read"]
+    assert res["stateless"] == [1, 1, 1]          # plain SGD keeps no state: every step asks who is calling
+    assert res["stateful"] == [1, 0, 0]           # momentum SGD: only its first step
+    assert res["broadcast_with_state"] == {"stepped": False, "exchanges": 0}
+
+
 def test_horovods_optimizer_is_found_from_compress(probe):
     res = probe["compressing_optimizer"]
     assert res["stashed"] == ["bias"]                 # the parameter's name came from Horovod's optimizer

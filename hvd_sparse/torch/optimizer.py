@@ -303,12 +303,15 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     @torch.compiler.disable
     def step(self, closure=None):
-        frame = recipes.caller()
-        if recipes.is_broadcast_optimizer_state(frame):
+        # Who is calling matters only to an optimizer without state (Horovod's broadcast_optimizer_state steps only
+        # those) or with GradScaler's grad_scale / found_inf set: only then are the frames read (recipes.py).
+        frame = recipes.caller() if not self.state or hasattr(self, "grad_scale") or hasattr(self, "found_inf") \
+            else None
+        if frame is not None and not self.state and recipes.is_broadcast_optimizer_state(frame):
             # Horovod's broadcast_optimizer_state creating missing state: the inner optimizer only, no exchange
             # (the other ranks are not stepping), sparse state untouched (hvd_sparse.torch.recipes)
             return self._hvds_inner.step(self, closure)
-        scaler = recipes.grad_scaler(self, frame, _API)
+        scaler = None if frame is None else recipes.grad_scaler(self, frame, _API)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "

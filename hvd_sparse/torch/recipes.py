@@ -6,14 +6,16 @@ fails when Horovod or PyTorch changes it).
   create it; it skips that only for Horovod's own optimizer classes. The other ranks are not stepping, so an
   exchange there would deadlock (resume, a joining elastic worker) or, when every rank steps (a fresh start), run a
   sparse exchange of zeros that moves thresholds and trajectories (DCT, ExDyna). :func:`caller` lets the optimizer
-  recognise the call and run only its inner optimizer.
+  recognise the call and run only its inner optimizer. It asks only while it has no state: with state, Horovod
+  steps nothing, so a steady step of a stateful optimizer (momentum SGD, Adam) reads no frame.
 * ``horovod.torch.DistributedOptimizer(compression=<preset>)`` calls ``compress(p.grad)`` without the parameter,
   its name, ``op`` or process set: :func:`compressing_optimizer` finds the Horovod optimizer (and the parameter)
   that is calling.
 * ``torch.amp.GradScaler.step`` calls ``step()`` on every rank when the optimizer declares
-  ``_step_supports_amp_scaling`` (overflow or not), with ``grad_scale`` / ``found_inf`` set: :func:`grad_scaler`
-  finds that scaler, so the optimizer can unscale locally, let the exchange decide the skip for every rank and write
-  that decision into the scaler's record (its ``update()`` then changes the scale alike on every rank).
+  ``_step_supports_amp_scaling`` (overflow or not), with ``grad_scale`` / ``found_inf`` set (the optimizer asks only
+  then): :func:`grad_scaler` finds that scaler, so the optimizer can unscale locally, let the exchange decide the
+  skip for every rank and write that decision into the scaler's record (its ``update()`` then changes the scale
+  alike on every rank).
 """
 
 from __future__ import annotations

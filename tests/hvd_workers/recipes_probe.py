@@ -43,6 +43,38 @@ def grad_scaler():
     return {"scales": scales, "skipped": opt.skipped_steps()}
 
 
+def frames_read():
+    """The optimizer reads the frames only when they can matter: while it has no state (Horovod's
+    broadcast_optimizer_state steps only such optimizers: with state, it steps nothing) or while GradScaler's
+    attributes are set."""
+    real, reads = recipes.caller, []
+    recipes.caller = lambda depth=2: reads.append(1) or real(depth + 1)
+    try:
+        out = {}
+        for name, momentum in (("stateless", 0.0), ("stateful", 0.9)):
+            torch.manual_seed(0)
+            model = torch.nn.Linear(6, 3)
+            opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
+                                            named_parameters=model.named_parameters(),
+                                            compression=hvds.Compression.topka(0.5))
+            per_step = []
+            for _ in range(3):
+                del reads[:]
+                opt.zero_grad()
+                model(torch.ones(2, 6)).sum().backward()
+                opt.step()
+                per_step.append(len(reads))
+            out[name] = per_step
+        before = [p.detach().clone() for p in model.parameters()]
+        exchanges = opt._hvds_exchanges
+        hvd.broadcast_optimizer_state(opt, root_rank=0)      # an optimizer with state, gradients still set
+        stepped = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        out["broadcast_with_state"] = {"stepped": stepped, "exchanges": opt._hvds_exchanges - exchanges}
+        return out
+    finally:
+        recipes.caller = real
+
+
 def compressing_optimizer():
     """Horovod's optimizer hands compress() p.grad only: its frame gives the optimizer and the parameter."""
     comp = hvds.Compression.topka(0.5)
@@ -59,4 +91,5 @@ def compressing_optimizer():
 if __name__ == "__main__":
     hvd.init()
     print("RESULT " + json.dumps({"broadcast_optimizer_state": broadcast_optimizer_state(),
-                                  "grad_scaler": grad_scaler(), "compressing_optimizer": compressing_optimizer()}))
+                                  "grad_scaler": grad_scaler(), "frames_read": frames_read(),
+                                  "compressing_optimizer": compressing_optimizer()}))
