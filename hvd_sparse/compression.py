@@ -75,7 +75,7 @@ class SparseCompression:
         self.reducer = reducer
         #: dense allreduce for the first N steps (Engine.step); the sparse schemes start at their step 0 after
         self.warmup_dense_steps = int(warmup_dense_steps)
-        #: momentum m of DGC's momentum correction and factor masking (core/memory.py); 0.0: off
+        #: momentum m of DGC's momentum correction and factor masking (core/state.py); 0.0: off
         self.momentum_correction = float(momentum_correction)
         #: the fraction of a dense ring allreduce's bytes each rank may send per step, or None (a fixed density)
         self.byte_budget = budget.check_byte_budget(byte_budget, "hvd_sparse.Compression", reducer)

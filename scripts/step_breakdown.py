@@ -9,7 +9,7 @@ Runs the network benchmark's worker path without the network (loopback): the sam
 time of all the rank's threads (``time.process_time``: Horovod's background thread included) and ``step`` the
 wall time of ``optimizer.step()``. Rank 0 prints one row per part and one column per rank (ms per step, mean over
 the measured steps), and the share of the step taken by the agreement that starts every step
-(``hvd_sparse/core/agree.py``) plus the adapter's layout read. A diagnostic tool for docs/benchmarks.md, not a
+(``hvd_sparse/core/comm.py``) plus the adapter's layout read. A diagnostic tool for docs/benchmarks.md, not a
 benchmark: the wrappers cost a little.
 """
 
@@ -89,7 +89,7 @@ def main():
     timed(oktopk.OkTopk, "reduce", "reducer (incl. its collectives)")
     timed(engine.Engine, "_emit", "write the result into p.grad")
     timed(torch.optim.SGD, "step", "SGD update")
-    # the agreement every step starts with (hvd_sparse/core/agree.py): fingerprint check + its 28-byte allgather
+    # the agreement every step starts with (hvd_sparse/core/comm.py): fingerprint check + its 28-byte allgather
     # (that allgather's wait is also in "waiting in collectives"), and the adapter's read of what is trained now
     timed(engine.Engine, "_agreement", AGREEMENT)
     timed(engine.Engine, "declare", LAYOUT)

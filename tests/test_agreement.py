@@ -1,4 +1,4 @@
-"""The agreement step of every engine step (hvd_sparse/core/agree.py), in the simulator: ranks that disagree on
+"""The agreement step of every engine step (hvd_sparse/core/comm.py), in the simulator: ranks that disagree on
 the preset, an argument, the layout, the unit or the step get the same RankDisagreementError on every rank
 before any data moves; a layout change starts the unit afresh and carries the residual by name; the fingerprint is
 computed only when what it covers changes. The same checks through real horovodrun: test_agreement_horovod.py."""
@@ -180,11 +180,11 @@ def test_ranks_that_disagree_on_the_training_options_raise():
 
 
 def test_the_fingerprint_is_computed_only_when_the_layout_or_options_change(monkeypatch):
-    from hvd_sparse.core import agree
+    from hvd_sparse.core import engine
 
     calls = []
-    real = agree.describe
-    monkeypatch.setattr(agree, "describe", lambda *a: calls.append(1) or real(*a))
+    real = engine.describe
+    monkeypatch.setattr(engine, "describe", lambda *a: calls.append(1) or real(*a))
     simulate(presets.make("oktopk", 0.1), np.random.default_rng(0).standard_normal((6, 2, 100)).astype(np.float32))
     assert len(calls) == 2                   # once per rank, not once per step
 
@@ -207,9 +207,9 @@ def test_agreement_is_control_traffic_of_28_bytes():
         e.step(grads(1, 3, 200, normal=True)[0][r])
         return e.last["control_bytes"], e.last["collectives"]
 
-    from hvd_sparse.core import agree
+    from hvd_sparse.core.comm import AGREE_WORDS
 
-    assert agree.WORDS == 7
+    assert AGREE_WORDS == 7
     assert run_ranks(fn, 3) == [(2 * 28, 1)] * 3     # 7 int32 words to each of P - 1 ranks; topka: one grouped
     #                                                  allgather of indices and values
 

@@ -387,7 +387,7 @@ def test_error_feedback_collects_the_selection_in_its_add_pass(monkeypatch):
     indices), and None when a piece cannot take the kernel (an fp16 piece) or the kernel is off."""
     import torch
 
-    from hvd_sparse.core.memory import ErrorFeedback
+    from hvd_sparse.core.state import ErrorFeedback
 
     rng = np.random.default_rng(5)
     res = rng.standard_normal(3000).astype(np.float32)
@@ -436,7 +436,7 @@ def test_error_feedback_pieces_native_equals_generic(monkeypatch):
     are the same with and without the kernel, and the residual is not touched before update()."""
     import torch
 
-    from hvd_sparse.core.memory import ErrorFeedback
+    from hvd_sparse.core.state import ErrorFeedback
 
     rng = np.random.default_rng(3)
     res = rng.standard_normal(300).astype(np.float32)
@@ -476,7 +476,7 @@ def test_algorithms_reach_the_kernels_only_through_the_backend():
     import hvd_sparse.core.reducers as reducers
     import hvd_sparse.core.sparsifiers as sparsifiers
 
-    mods = [importlib.import_module("hvd_sparse.core.memory")]
+    mods = [importlib.import_module("hvd_sparse.core.state")]
     for pkg in (reducers, sparsifiers):
         mods += [importlib.import_module(f"{pkg.__name__}.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)]
     assert len(mods) > 10

@@ -1,13 +1,13 @@
 """``hvd_sparse.torch.DistributedOptimizer.sparse_stats(average=True)`` through real `horovodrun -np 2`: the
 statistics of the exchanges since the previous call, averaged over the ranks, identical on every rank, as floats
-(what ``SummaryWriter.add_scalars`` takes); the shared window arithmetic of hvd_sparse.core.stats."""
+(what ``SummaryWriter.add_scalars`` takes); the shared window arithmetic of hvd_sparse.core.state."""
 
 import json
 
 import numpy as np
 import pytest
 
-from hvd_sparse.core.stats import KEYS, SparsityWindow, averaged, dense_bytes
+from hvd_sparse.core.state import KEYS, SparsityWindow, averaged, dense_bytes
 
 from horovod_helpers import horovodrun, requires_horovod
 

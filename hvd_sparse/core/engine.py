@@ -3,11 +3,11 @@ communicator meet (docs/design.md#engine). Framework adapters and the simulator 
 
     step(grad), one method per stage:
         1. _plan        what this step is: pieces, reducer, k = max(1, floor(d·n)), a local problem
-        2. _accumulate  acc = residual + grad                         # memory.py (float32)
+        2. _accumulate  acc = residual + grad                         # state.py (float32)
         3. _agreement   every rank exchanges the same thing, or all raise; a NaN/Inf anywhere -> _skip
         4. _reduce      S = sparsifier.select(acc, k, ctx)            # sparsifiers/<scheme>.py
                         u, I, info = reducer.reduce(acc, S, comm)     # reducers/<scheme>.py: global sum, included set
-        5. _commit      residual = acc with acc[I] = 0                # memory.py (or info["residual"], e.g. SparDL)
+        5. _commit      residual = acc with acc[I] = 0                # state.py (or info["residual"], e.g. SparDL)
                         sparsifier.update(info, ctx)                  # threshold / partition controllers, if any
         6. _emit        u · prescale · postscale / P                  # average (op=Average) or u (op=Sum), grad dtype
 
@@ -19,12 +19,12 @@ of the compression change the step:
   residual stays empty); the sparsifier and reducer neither run nor change state, and their step counter
   (``ctx.step``) starts at 0 on the first sparse step, on every rank alike;
 * ``momentum_correction = m``: the velocity ``u = m·u + grad`` replaces ``grad`` above and is zeroed where the
-  step's included set was sent (memory.py); the user's optimizer then runs without momentum.
+  step's included set was sent (state.py: ErrorFeedback); the user's optimizer then runs without momentum.
 
 Per-step statistics (selected count, achieved density, words and bytes sent and received) are kept in
 :attr:`Engine.last`.
 
-Agreement: before any data collective every rank takes part in the agreement step of :mod:`hvd_sparse.core.agree`
+Agreement: before any data collective every rank takes part in the agreement step of the agreement of :mod:`hvd_sparse.core.comm`
 (one allgather of a 7-word vector, Horovod name ``hvd_sparse.agree``, phase ``nonfinite``; P = 1: none): a
 non-finite flag, a local-problem flag, the step counter and a fingerprint of the unit, its preset and arguments
 and the layout (:meth:`Engine.declare`). A difference raises
@@ -57,10 +57,11 @@ import warnings
 
 import numpy as np
 
-from . import agree
+from .comm import (AGREE_GATHER, AGREE_PHASE, AGREE_WORDS, agreed, agreement_vector, describe, explain,
+                   fingerprint)
 from .context import Plan, Prefiltered, StepContext, StepStats
 from .errors import NonFiniteGradientError, RankDisagreementError, disagreement_message
-from .memory import ErrorFeedback
+from .state import ErrorFeedback
 from .reducers.base import SparseSum
 from .reducers.dense import Dense
 from .xp import backend_of
@@ -367,7 +368,7 @@ class Engine:
         return out
 
     def _agreement(self, plan, finite, local_error, average, prescale, postscale, nonfinite):
-        """The agreement step (:mod:`hvd_sparse.core.agree`): the ranks (sorted) whose gradient holds a NaN or
+        """The agreement step (the agreement of :mod:`hvd_sparse.core.comm`): the ranks (sorted) whose gradient holds a NaN or
         Inf, after proving that every rank exchanges the same thing at the same step; raises
         :class:`RankDisagreementError` on every rank otherwise (and for a ``local_error`` of any rank)."""
         xp, pieces, n = plan.xp, plan.pieces, plan.n
@@ -380,14 +381,14 @@ class Engine:
             entries = ((self.name, (n,), str(xp.dtype_of(pieces[0]))),)
         key = (entries, options)
         if self._agree[0] != key:       # only when the layout or the options changed
-            desc = agree.describe(self.unit, self.compression, entries, options)
-            self._agree = (key, desc, agree.fingerprint(desc))
+            desc = describe(self.unit, self.compression, entries, options)
+            self._agree = (key, desc, fingerprint(desc))
         _, desc, fp = self._agree
-        mine = agree.vector(not finite, local_error is not None, self.steps, fp)
-        rows = xp.to_numpy(self.comm.allgather(xp.asarray(mine, xp.int32, like=pieces[0]), agree.PHASE))
-        table = rows.reshape(self.comm.size, agree.WORDS).tolist()
-        if not agree.agreed(table):
-            per_rank = agree.explain(xp, self.comm, dict(desc, step=self.steps, local_error=local_error), pieces[0])
+        mine = agreement_vector(not finite, local_error is not None, self.steps, fp)
+        rows = xp.to_numpy(self.comm.allgather(xp.asarray(mine, xp.int32, like=pieces[0]), AGREE_PHASE))
+        table = rows.reshape(self.comm.size, AGREE_WORDS).tolist()
+        if not agreed(table):
+            per_rank = explain(xp, self.comm, dict(desc, step=self.steps, local_error=local_error), pieces[0])
             raise RankDisagreementError(disagreement_message(per_rank))
         return [r for r, row in enumerate(table) if row[0]]
 
@@ -401,12 +402,12 @@ class Engine:
             return [obj]
         xp = backend_of(like)
         # the gather proves the unit and the step; the step's agreement proves the rest (with its precise message)
-        mine = [0, agree.GATHER, self.steps & 0x7FFFFFFF, *agree.fingerprint({"unit": self.unit})]
-        rows = xp.to_numpy(self.comm.allgather(xp.asarray(mine, xp.int32, like=like), agree.PHASE))
-        if agree.agreed(rows.reshape(self.comm.size, agree.WORDS).tolist(), flag=agree.GATHER):
-            return agree.explain(xp, self.comm, obj, like)
-        desc = agree.describe(self.unit, self.compression, self.entries or (), {"gather": True})
-        per_rank = agree.explain(xp, self.comm, dict(desc, step=self.steps, local_error=None), like)
+        mine = [0, AGREE_GATHER, self.steps & 0x7FFFFFFF, *fingerprint({"unit": self.unit})]
+        rows = xp.to_numpy(self.comm.allgather(xp.asarray(mine, xp.int32, like=like), AGREE_PHASE))
+        if agreed(rows.reshape(self.comm.size, AGREE_WORDS).tolist(), flag=AGREE_GATHER):
+            return explain(xp, self.comm, obj, like)
+        desc = describe(self.unit, self.compression, self.entries or (), {"gather": True})
+        per_rank = explain(xp, self.comm, dict(desc, step=self.steps, local_error=None), like)
         raise RankDisagreementError(disagreement_message(per_rank))
 
     # -- state -------------------------------------------------------------------------------------

@@ -55,7 +55,7 @@ def check_replicas_agree(names, per_rank, step, api):
 class RankDisagreementError(ValueError):
     """The ranks were about to exchange different things (another unit, preset, argument, parameter layout or
     step): raised on every rank alike, by the agreement step that precedes every exchange
-    (:mod:`hvd_sparse.core.agree`), before any data moved."""
+    (the agreement of :mod:`hvd_sparse.core.comm`), before any data moved."""
 
 
 def _ranks(ranks):
@@ -94,7 +94,7 @@ def _first_param_difference(unit, per_rank):
 
 def disagreement_message(per_rank):
     """The message of :class:`RankDisagreementError` from every rank's description (rank order): the first thing
-    that differs, with the ranks that hold each value. Descriptions are those of :func:`hvd_sparse.core.agree
+    that differs, with the ranks that hold each value. Descriptions are those of :func:`hvd_sparse.core.comm
     .describe` plus ``"step"`` and ``"local_error"``."""
     errors = [(r, d["local_error"]) for r, d in enumerate(per_rank) if d.get("local_error")]
     if errors:
@@ -146,7 +146,7 @@ def state_signature(compression):
     """What a sparse state must have been saved with: the sparsifier's and reducer's full configuration (the
     density and every period included) and the byte budget, if any (a budget's sparsifier carries the density for one
     rank, which a preset with that density would share)."""
-    from .agree import config_of
+    from .comm import config_of
 
     reducer = config_of(compression.reducer)
     args = ", ".join(f"{k}={v!r}" for k, v in reducer.items() if k != "class")

@@ -13,7 +13,7 @@ With a sparse preset the whole model is one sparsification unit:
 2. ``synchronize()`` reads which parameters take part *now* -- those of the current ``param_groups`` that require
    grad, so ``add_param_group`` and freezing/unfreezing take effect at the next step -- and runs one engine step
    over their gradients, one flat float32 vector in sorted parameter-name order (a parameter without a gradient
-   contributes zeros). The engine's first collective is the agreement (:mod:`hvd_sparse.core.agree`): every rank
+   contributes zeros). The engine's first collective is the agreement (:mod:`hvd_sparse.core.comm`): every rank
    proves it exchanges the same unit, preset, arguments, parameters (names, shapes, dtypes) and step, or every
    rank raises :class:`~hvd_sparse.core.errors.RankDisagreementError`. Then error feedback, the sparsifier, the
    sparse allreduce over ``process_set``; the averaged result is written back into ``p.grad``, in place (for
@@ -54,7 +54,7 @@ from horovod.torch.mpi_ops import Average, global_process_set
 
 from ..core.comm import in_process_set
 from ..core.state import already_used
-from ..core.stats import SparsityWindow
+from ..core.state import SparsityWindow
 from ..core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int, scale_factors
 from . import consistency, recipes
 from .base import SparseOptimizer

@@ -6,7 +6,7 @@ statistics averaged over ranks, as a dict of floats that fits ``torch.utils.tens
         writer.add_scalars("sparse", stats, global_step)
         # or, one chart per value: for key, value in stats.items(): writer.add_scalar(f"sparse/{key}", value, step)
 
-Keys (the numbers Keras' ``SparsityCallback`` logs, computed by the same code, :mod:`hvd_sparse.core.stats`):
+Keys (the numbers Keras' ``SparsityCallback`` logs, computed by the same code, :mod:`hvd_sparse.core.state`):
 ``density``, ``sent_bytes`` and ``recv_bytes`` (per step and rank), each the mean over the exchanges since the
 previous ``sparse_stats(average=True)`` call (or since the start) and over the ranks, and ``residual_norm`` (the
 error-feedback residual's L2 norm now, mean over the ranks). The values are identical on every rank; ``{}`` when no
@@ -25,7 +25,7 @@ import horovod.torch as hvd
 import torch
 
 from ..core.comm import in_process_set
-from ..core.stats import averaged
+from ..core.state import averaged
 
 _NAME = "hvd_sparse.model.sparse_stats"
 

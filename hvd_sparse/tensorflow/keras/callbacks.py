@@ -38,7 +38,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
-from ...core.stats import SparsityWindow, averaged
+from ...core.state import SparsityWindow, averaged
 from .._variables import broadcast_variables, broadcastable, keras_flavour, optimizer_variables, same_variable
 from ._lr_schedule import LearningRateScheduleCallbackImpl, LearningRateWarmupCallbackImpl, _to_numpy
 
@@ -210,7 +210,7 @@ class SparsityCallbackImpl:
             logs.update(self._latest)
 
     def _reduce(self, window, tag):
-        """Collective: the window's statistics averaged over ranks (hvd_sparse.core.stats)."""
+        """Collective: the window's statistics averaged over ranks (hvd_sparse.core.state)."""
         norm_fn = getattr(self._optimizer(), "residual_norm", None)
         local = window.local(float(norm_fn()) if norm_fn is not None else 0.0)
         total = _allreduce_vector(local, f"{_PREFIX}.SparsityCallback.{tag}", hvd.Sum)
