@@ -18,6 +18,25 @@ from oracles import run_oktopk as run
 
 
 # -- the boundary functions and policies ----------------------------------------------------------------------------
+def test_oktopk_builds_its_two_policies_from_its_options_and_keeps_them_out_of_its_configuration():
+    """``regions`` and ``control`` are built from the flat options (again by ``dataclasses.replace``); the
+    configuration the ranks agree on and the checkpoints record (``repr``, ``config_of``) holds the options only."""
+    from hvd_sparse.core.comm import config_of
+    from hvd_sparse.core.reducers.oktopk import Band, Ladder, OkTopk
+    from hvd_sparse.core.reducers.regions import Regions
+
+    r = OkTopk(boundaries="load", repartition_period=16, boundary_tolerance=1.2, load_smoothing=0.25,
+               global_control="ladder", ladder_factor=1.2, global_fill=True, select_rule="gt")
+    assert r.regions == Regions("load", 16, 1.2, 0.25)
+    assert r.control == Ladder(1.2, True, "gt")
+    band = dataclasses.replace(r, global_control="band", global_fill=False, global_band_lo=0.5)
+    assert band.control == Band(0.5, 1.25, 1.01, 1.008, "gt") and band.regions == r.regions
+    assert OkTopk().regions == Regions("periodic", 64, 1.0, 0.5)
+    assert set(config_of(r)) == {"class"} | {f.name for f in dataclasses.fields(r)}
+    assert repr(band) == ("OkTopk(repartition_period=16, global_band_lo=0.5, select_rule='gt', ladder_factor=1.2, "
+                          "boundaries='load', boundary_tolerance=1.2, load_smoothing=0.25)")
+
+
 def test_load_boundaries_split_the_measured_load_evenly():
     from hvd_sparse.core.reducers.regions import load_boundaries
 

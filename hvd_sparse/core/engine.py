@@ -24,7 +24,7 @@ of the compression change the step:
 Per-step statistics (selected count, achieved density, words and bytes sent and received) are kept in
 :attr:`Engine.last`.
 
-Agreement: before any data collective every rank takes part in the agreement step of the agreement of :mod:`hvd_sparse.core.comm`
+Agreement: before any data collective every rank takes part in the agreement step (:mod:`hvd_sparse.core.comm`)
 (one allgather of a 7-word vector, Horovod name ``hvd_sparse.agree``, phase ``nonfinite``; P = 1: none): a
 non-finite flag, a local-problem flag, the step counter and a fingerprint of the unit, its preset and arguments
 and the layout (:meth:`Engine.declare`). A difference raises
@@ -368,7 +368,7 @@ class Engine:
         return out
 
     def _agreement(self, plan, finite, local_error, average, prescale, postscale, nonfinite):
-        """The agreement step (the agreement of :mod:`hvd_sparse.core.comm`): the ranks (sorted) whose gradient holds a NaN or
+        """The agreement step (:mod:`hvd_sparse.core.comm`): the ranks (sorted) whose gradient holds a NaN or
         Inf, after proving that every rank exchanges the same thing at the same step; raises
         :class:`RankDisagreementError` on every rank otherwise (and for a ``local_error`` of any rank)."""
         xp, pieces, n = plan.xp, plan.pieces, plan.n

@@ -2,7 +2,7 @@
 
     reduce(a, S):                                   # engine: a = eps + g; S = ThresholdReuse.select(a)
       _start             reev = (t % tau_p == 0)    # t = 0 is always a re-eval AND repartition step
-      _boundaries        if t % tau == 0: off = repartition(a, L)    # one allreduce ("periodic"; "result", "load",
+      regions.plan       if t % tau == 0: off = repartition(a, L)    # one allreduce ("periodic"; "result", "load",
                                                     # "measured": t = 0 only, then off = next_off below)
                          ("measured", t > 0: H = allreduce(histogram of S, 2P bins; heavy bins finer);
                           off = even split of H)
@@ -11,16 +11,16 @@
         _reevaluate      C = allgather((x+off[r], rho[x]) for rho[x] != 0)    # identical on all ranks
                          Gam = kth_abs(C.val, min(k, |C|));  G = deterministic top-min(k,|C|) of C
       else:
-        _reuse           _global_threshold: Gam ("ladder": the smallest Gam*f^j whose global count <= k, one
-                                            allreduce of 9 counts; "band": the stored Gam)
-                         mine = ((x+off[r], rho[x]) for |rho[x]| >= Gam)        # or > per select_rule
-                         _fill ("ladder", global_fill): K < k -> owner r adds its largest
-                               floor((k-K)·b_r/B) pairs between Gam/f and Gam  # b_r its, B all owners' there
+        _reuse           control.threshold: Gam (Ladder: the smallest Gam*f^j whose global count <= k, one
+                                            allreduce of 9 counts; Band: the stored Gam)
+                         control.keep: mine = ((x+off[r], rho[x]) for |rho[x]| >= Gam)   # or > per select_rule
+                               (Ladder, fill: K < k -> owner r adds its largest
+                                floor((k-K)·b_r/B) pairs between Gam/f and Gam)  # b_r its, B all owners' there
                          G = _balance_and_allgatherv(mine)                      # sorted by global index
-                         Gam = band_adjust(Gam, |G|, k, lo_G, hi_G, /relax, *tighten)  ("band")
+                         Gam = control.next_threshold   # Band: band_adjust(Gam, |G|, k, lo, hi, /relax, *tighten)
       _finish            I = S ∩ G;  eps = a;  eps[I] = 0   # Alg.2 line 6 (the engine zeroes I)
-                         next_off = even split of the load  # "load": the pairs region r received, one more word
-                                                            # in the count collective; "result": P quantiles of G
+                         regions.follow: next_off = even split of the load  # "load": the pairs region r received,
+                                           # one more word in the count collective; "result": P quantiles of G
                          t += 1;  return SparseSum(G.idx, G.val), I   # the SUM (the engine divides by P)
 
     repartition(a, L):
@@ -69,13 +69,12 @@ import dataclasses
 import math
 
 from ..comm import SUM
-from ..selection import topk_indices
+from ..selection import global_topk
 from ..sparsifiers.threshold_reuse import band_adjust
 from ..validate import SELECT_RULE_FIX, SELECT_RULES, check_real, choice, flag, integer, options, real
 from .base import (Reducer, SparseSum, allgather_count, allgather_counts, pack_pairs, sum_sparse_in_rank_order,
                    unpack_pairs, wire_index_dtype)
-from .regions import (measure_load, measured_boundaries, next_boundaries, refine_load, region_split,
-                      repartition)
+from .regions import Regions, region_split
 
 BALANCE_POLICIES = ("auto", "always", "never")
 BOUNDARY_POLICIES = ("periodic", "result", "load", "measured")
@@ -98,21 +97,105 @@ def balance_splits(counts, rank):
     return splits
 
 
-def global_topk(xp, c_idx, c_val, k):
-    """Deterministic top-min(k, |C|) of candidates sorted by global index (ties: ascending index).
-
-    Returns ``(G.idx, G.val, Γ)`` with Γ the K-th largest |value| (``inf`` when C is empty)."""
-    m = xp.numel(c_val)
-    if m == 0:
-        return c_idx, c_val, math.inf
-    if m > k:
-        pos, th = topk_indices(xp, c_val, k)
-        return xp.take(c_idx, pos), xp.take(c_val, pos), th
-    return c_idx, c_val, float(xp.kth_largest(xp.abs(c_val), m))
-
-
 #: exponents j of the Γ ladder Γ·f^j (global_control="ladder")
 LADDER_STEPS = tuple(range(-2, 7))
+
+
+# -- the global control: how Γ follows K between re-evaluations (OkTopk.global_control) --------------------------
+@dataclasses.dataclass(frozen=True)
+class Band:
+    """``global_control="band"`` (the authors' post-hoc controller): a reuse step keeps the owners' candidates at
+    the stored Γ, every owner's count is gathered (phase ``count``, with its load when the regions follow it), and Γ
+    moves one small step after the step (``band_adjust``): Γ·``tighten`` when K > ``hi``·k, Γ/``relax`` when
+    K < ``lo``·k (``OkTopk``'s ``global_band_lo/hi``, ``global_relax``, ``global_tighten``). It lags behind a
+    growing residual (measured: K = 2-8k on synthetic and digits gradients, docs/benchmarks.md)."""
+
+    lo: float
+    hi: float
+    relax: float
+    tighten: float
+    rule: str
+
+    def threshold(self, xp, acc, owned, comm, s):
+        s.used = s.gamma
+
+    def keep(self, xp, owned, c_val, s):
+        return owned.select(s.used, self.rule)[0]
+
+    def owner_counts(self, xp, acc, m_idx, comm, s, balance):
+        if s.with_load:
+            s.owner_counts, s.loads = map(list, zip(*allgather_counts(xp, [xp.numel(m_idx), s.load], comm, "count",
+                                                                       acc)))
+        else:
+            s.owner_counts = allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
+        s.T = sum(s.owner_counts)
+
+    def next_threshold(self, s):
+        return band_adjust(s.gamma, s.T, s.k, self.lo, self.hi, self.relax, self.tighten)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ladder:
+    """``global_control="ladder"``: each owner counts its candidates at the thresholds Γ·f^j, j = -2..6 (f =
+    ``factor``, ``OkTopk.ladder_factor``), one allreduce (phase ``ladder``) sums the 9 counts, and every rank takes
+    the smallest rung whose global count is <= k; Γ keeps it. So K <= k on reuse steps whenever the ladder reaches
+    (the paper's volume bound assumes K <= k), for 2·9 words received where an allgather of the count vectors
+    would cost 9(P-1); the owners' own counts (phase ``count``) travel only when the balance rule needs them.
+
+    ``fill`` (``OkTopk.global_fill``): the owners' sums pile up above the local thresholds, so a rung can hold
+    2-3x the next one's count (K = 0.5-0.9k on MNIST-1D). When the rung holds K < k and the one below > k, owner
+    r also keeps its largest floor((k - K)·b_r / B) of the b_r candidates between them (B: all owners'):
+    k - P < K <= k, no collective more."""
+
+    factor: float
+    fill: bool
+    rule: str
+
+    def threshold(self, xp, acc, owned, comm, s):
+        """The rung: the owners' 9 counts summed by one allreduce (with the senders' splits when the regions follow
+        the load), or gathered with the loads when few; the fill's (lower rung, k - K, B) when it applies."""
+        ladder = [s.gamma * self.factor ** j for j in LADDER_STEPS]
+        if s.few:                                   # the counts (and the loads) of every owner: one allgather
+            mine = owned.counts(ladder, self.rule)
+            s.table = allgather_counts(xp, mine + [s.load] if s.with_load else mine, comm, "count", acc)
+            s.loads = [row.pop() for row in s.table] if s.with_load else None
+            totals = [sum(col) for col in zip(*s.table)]
+        elif s.P > 1:                               # their totals (and the senders' splits) by one allreduce
+            mine = owned.count_array(ladder, self.rule)                 # on the device: read only the totals
+            if s.with_load:
+                mine = xp.concat([mine, xp.asarray(s.splits, xp.index_dtype, like=acc)], like=acc)
+            totals = [int(v) for v in xp.to_numpy(comm.allreduce(mine, SUM, "ladder"))]
+            totals, s.loads = totals[:len(ladder)], (totals[len(ladder):] if s.with_load else None)
+        else:
+            totals = owned.counts(ladder, self.rule)
+        s.rung = next((j for j, tot in enumerate(totals) if tot <= s.k), len(ladder) - 1)
+        s.used, s.T = ladder[s.rung], totals[s.rung]
+        if self.fill and s.rung > 0 and s.T < s.k < totals[s.rung - 1]:
+            s.fill = (ladder[s.rung - 1], s.k - s.T, totals[s.rung - 1] - s.T)
+
+    def keep(self, xp, owned, c_val, s):
+        """The owner's candidates at Γ, and with a fill its q largest under Γ: the h + q largest at the rung below."""
+        keep = owned.select(s.used, self.rule)[0]
+        if s.fill is None:
+            return keep
+        wide = owned.select(s.fill[0], self.rule)[0]
+        h = xp.numel(keep)
+        q = s.quota(xp.numel(wide), h)
+        return keep if q == 0 else xp.take(wide, xp.topk(xp.take(c_val, wide), h + q)[0])
+
+    def owner_counts(self, xp, acc, m_idx, comm, s, balance):
+        if s.table is not None:                     # from the gathered ladder counts
+            s.owner_counts = [row[s.rung] + s.quota(row[s.rung - 1], row[s.rung]) for row in s.table]
+            s.T = sum(s.owner_counts)
+        elif balance == "never":
+            s.owner_counts = None
+        else:
+            s.owner_counts = [0] * s.P if s.T == 0 and s.fill is None else \
+                allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
+            s.T = sum(s.owner_counts)
+
+    def next_threshold(self, s):
+        return s.used
 
 
 @dataclasses.dataclass
@@ -163,24 +246,12 @@ class OkTopk(Reducer):
     Args:
         threshold_period (int): τ', re-evaluate the global threshold Γ exactly every τ' sparse steps
             (t % τ' == 0, t = this reducer's own step counter from 0). Default 32.
-        repartition_period (int): τ, recompute the region boundaries every τ steps. Default 64.
-        boundaries (str): how the regions follow the selection (docs/algorithms.md#oktopk, ``regions.py``).
-            ``"periodic"`` (default, paper): the allreduce repartition every ``repartition_period`` steps only;
-            the selection drifts in between (a region received 2.3x its share at P = 256 within 40 steps).
-            ``"result"``: the P quantiles of the step's global result G (no communication; G is more
-            concentrated than the selections, so the split stays uneven). ``"load"``: the pairs each region
-            received ride in the step's count collective (+1 word per owner in the allgather, +P per rank in
-            the ladder's allreduce) and the next boundaries split this load evenly. ``"measured"`` (the
-            ``Compression.oktopk`` preset): before the split, one allreduce (phase ``histogram``, 2P int64)
-            sums the ranks' counts in 2 bins per region and the step's boundaries split this, its own load,
-            evenly (a forecast is poor at ~10 entries per region: a step clears the entries that carried the
-            last one's load). ``result`` and ``load`` recompute when the last step's imbalance exceeds
-            ``boundary_tolerance``; with all three the allreduce repartition runs only on the first step (and
-            after a change of P or n).
-        load_smoothing (float): β of ``load`` (and of ``measured``'s bins): the boundaries split an exponential
-            average of the measured load CDFs, β·(average so far) + (1-β)·(this step's), evenly
-            (``smoothed_load_boundaries``): the hot entries a step clears move the load elsewhere, and the
-            last step alone forecasts the next poorly. 0: the last step only. Default 0.5.
+        repartition_period (int): τ, recompute the region boundaries every τ steps (``periodic``). Default 64.
+        boundaries (str): how the regions follow the selection: ``"periodic"`` (default, paper), ``"result"``,
+            ``"load"`` or ``"measured"`` (the ``Compression.oktopk`` preset); each rule is described in
+            :class:`~hvd_sparse.core.reducers.regions.Regions`, the policy object built from these four options.
+        load_smoothing (float): β of ``load`` (and of ``measured``'s bins): the boundaries split β·(average so far)
+            + (1-β)·(this step's) of the measured load CDFs evenly. 0: the last step only. Default 0.5.
         boundary_tolerance (float): the recompute trigger of ``result`` and ``load``; 1.0 recomputes on
             every step. Default 1.0.
         balance (str): data balancing before the final allgatherv: ``"auto"`` (default, paper: iff
@@ -194,21 +265,11 @@ class OkTopk(Reducer):
         max_select_ratio (float or None): optional hard cap: when K > ratio·k on a reuse step
             (known from the allgathered counts), keep the exact top-k of the gathered values and
             re-evaluate Γ from them. Default None (off, as ref).
-        global_control (str): how Γ follows K between re-evaluations. ``"band"`` (default, ref): the
-            authors' post-hoc controller (Γ·``global_tighten`` above hi·k, Γ/``global_relax`` below lo·k, one
-            small step per iteration); it lags behind a growing residual (measured: K = 2-8k on synthetic and
-            digits gradients, see docs/benchmarks.md). ``"ladder"`` (the ``Compression.oktopk`` preset):
-            each owner counts its candidates at the thresholds Γ·f^j, j = -2..6 (f = ``ladder_factor``), one
-            allreduce (phase ``ladder``) sums the 9 counts, and every rank takes the smallest Γ·f^j whose
-            global count is <= k; Γ keeps it. So K <= k on reuse steps whenever the ladder reaches (the
-            paper's volume bound assumes K <= k). The sum costs 2·9 words received where an allgather of the
-            count vectors would cost 9(P-1); the owners' own counts (1 word each, phase ``count``) travel
-            only when the balance rule needs them.
+        global_control (str): how Γ follows K between re-evaluations: ``"band"`` (default, the authors' code;
+            :class:`Band`, with the four ``global_*`` options above) or ``"ladder"`` (the ``Compression.oktopk``
+            preset: K <= k on reuse steps; :class:`Ladder`, with the two below).
         ladder_factor (float): f of the ladder. Default 1.1 (Γ moves by up to x1.77 up or /1.21 down a step).
-        global_fill (bool): with the ladder, K up to k on reuse steps: the owners' sums pile up above the local
-            thresholds, so a rung can hold 2-3x the next one's count (K = 0.5-0.9k on MNIST-1D). When the rung
-            holds K < k and the one below > k, owner r also keeps its largest floor((k - K)·b_r / B) of the b_r
-            candidates between them (B: all owners'): k - P < K <= k, no collective more. Default False.
+        global_fill (bool): with the ladder, K up to k on reuse steps (:class:`Ladder`). Default False.
         few_collectives_from (int or None): at k >= this·P (k/P: the same on every rank) no histogram and
             no ladder allreduce: ``measured`` boundaries follow the smoothed load (the ``load`` rule, a good
             forecast at many entries per region) and each owner's 9 ladder counts and load ride in the count
@@ -251,6 +312,16 @@ class OkTopk(Reducer):
         if self.global_fill and self.global_control != "ladder":
             raise ValueError(f"{api}: global_fill needs global_control='ladder', got {self.global_control!r}")
 
+    def __post_init__(self):
+        super().__post_init__()
+        # the two policies, each a small object of the options it reads (the fields above stay the public options)
+        object.__setattr__(self, "regions", Regions(self.boundaries, self.repartition_period, self.boundary_tolerance,
+                                                    self.load_smoothing))
+        object.__setattr__(self, "control", Ladder(self.ladder_factor, self.global_fill, self.select_rule)
+                           if self.global_control == "ladder" else
+                           Band(self.global_band_lo, self.global_band_hi, self.global_relax, self.global_tighten,
+                                self.select_rule))
+
     def initial_state(self):
         return {"t": 0, "gamma": None, "offsets": None, "size": None}
 
@@ -276,16 +347,17 @@ class OkTopk(Reducer):
     def reduce(self, xp, acc, idx, k, comm, state, ctx):
         """One step of Algorithm 1 (the module docstring), a method per phase:
 
-        1. :meth:`_start`             re-evaluation or reuse step, repartition or not, few collectives or not;
-        2. :meth:`_boundaries`        the regions: the allreduce repartition, or the step's measured load;
+        1. :meth:`_start`             re-evaluation or reuse step, few collectives or not;
+        2. ``regions.plan``           the regions (:class:`~.regions.Regions`): the allreduce repartition, or the
+                                      step's measured load;
         3. :meth:`_split_and_reduce`  region r of the sum of the selections (P = 1: ``acc`` on S);
         4. :meth:`_reevaluate`        re-evaluation steps: the exact global top-k of the gathered candidates, or
-           :meth:`_reuse`             the others: the owners' candidates above Γ (:meth:`_global_threshold`: the
-                                      ladder or the band) and :meth:`_balance_and_allgatherv`;
-        5. :meth:`_finish`            I = S ∩ G, the next boundaries and the state.
+           :meth:`_reuse`             the others: the owners' candidates at Γ (``control``: :class:`Ladder` or
+                                      :class:`Band`) and :meth:`_balance_and_allgatherv`;
+        5. :meth:`_finish`            I = S ∩ G, the next boundaries (``regions.follow``) and the state.
         """
         s = self._start(xp, acc, k, comm, state)
-        self._boundaries(xp, acc, idx, comm, state, s)
+        self.regions.plan(xp, acc, idx, comm, state, s)
         if s.P == 1:                                                # rho = a on S (no collective)
             vals = xp.take(acc, idx)
             nz = xp.nonzero(xp.gt(xp.abs(vals), 0.0))
@@ -312,25 +384,6 @@ class OkTopk(Reducer):
         s.few = P > 1 and self.few_collectives_from is not None and k >= self.few_collectives_from * P
         return s
 
-    def _boundaries(self, xp, acc, idx, comm, state, s):
-        """The regions of this step: the paper's repartition (one allreduce) every ``repartition_period`` steps
-        (``periodic``) or to start; with ``measured``, the step's own load counted before the split (histogram,
-        and the refine of its heavy bins) and split evenly."""
-        n = s.n
-        if self.boundaries == "periodic":
-            s.repart = s.t % self.repartition_period == 0 or s.offsets is None
-        else:                       # boundaries from the last result; the allreduce only to start
-            s.repart = s.offsets is None
-        if s.repart:
-            s.offsets = repartition(xp, idx, n, comm)
-        elif self.boundaries == "measured" and not s.few and s.P > 1:
-            s.edges, s.hist = refine_load(xp, idx, *measure_load(xp, idx, state.get("cdf"), n, comm, acc), comm,
-                                          acc)
-            s.offsets = measured_boundaries(s.edges, s.hist, state.get("cdf"), n, s.P) or s.offsets
-        # "load" boundaries (and "measured" ones without a histogram): the owners' split loads ride in the step's
-        # count collective (one more word each in an allgather, the senders' splits in the ladder)
-        s.with_load = s.P > 1 and s.hist is None and self.boundaries in ("load", "measured")
-
     def _reevaluate(self, xp, acc, c_idx, c_val, comm, s):
         """Global re-evaluation: every owner's candidates gathered (identical on every rank), G their exact
         top-min(k, |C|), Γ its K-th magnitude."""
@@ -349,13 +402,11 @@ class OkTopk(Reducer):
         s.used = s.gamma_next = s.gamma
 
     def _reuse(self, xp, acc, c_idx, c_val, comm, s):
-        """Threshold reuse: each owner keeps its candidates at the global threshold (:meth:`_global_threshold`),
-        G is their balanced allgatherv, and Γ moves for the next step (the cap, the ladder or the band)."""
+        """Threshold reuse: each owner keeps its candidates at the global threshold (``control``: the ladder's rung
+        or the band's Γ), G is their balanced allgatherv, and Γ moves for the next step (the cap, or ``control``)."""
         owned = xp.scan(c_val)                      # the owner's candidates: counts and selection on |c_val|
-        self._global_threshold(xp, acc, owned, comm, s)
-        keep = owned.select(s.used, self.select_rule)[0]
-        if s.fill is not None:
-            keep = self._fill(xp, owned, c_val, keep, s)
+        self.control.threshold(xp, acc, owned, comm, s)
+        keep = self.control.keep(xp, owned, c_val, s)
         m_idx, m_val = xp.take(c_idx, keep), xp.take(c_val, keep)
         if s.P > 1:
             self._balance_and_allgatherv(xp, acc, m_idx, m_val, comm, s)
@@ -366,64 +417,13 @@ class OkTopk(Reducer):
         if self.max_select_ratio is not None and s.T > self.max_select_ratio * s.k:
             s.g_idx, s.g_val, s.gamma_next = global_topk(xp, s.g_idx, s.g_val, s.k)    # hard cap
             s.capped = True
-        elif self.global_control == "ladder":
-            s.gamma_next = s.used
         else:
-            s.gamma_next = band_adjust(s.gamma, s.T, s.k, self.global_band_lo, self.global_band_hi,
-                                       self.global_relax, self.global_tighten)
-
-    def _global_threshold(self, xp, acc, owned, comm, s):
-        """The Γ this step uses: the stored one (``band``), or the smallest rung Γ·f^j of the ladder whose global
-        count is <= k (the owners' 9 counts summed by one allreduce, or gathered with the loads when few)."""
-        s.used = s.gamma
-        if self.global_control != "ladder":
-            return
-        ladder = [s.gamma * self.ladder_factor ** j for j in LADDER_STEPS]
-        if s.few:                                   # the counts (and the loads) of every owner: one allgather
-            mine = owned.counts(ladder, self.select_rule)
-            s.table = allgather_counts(xp, mine + [s.load] if s.with_load else mine, comm, "count", acc)
-            s.loads = [row.pop() for row in s.table] if s.with_load else None
-            totals = [sum(col) for col in zip(*s.table)]
-        elif s.P > 1:                               # their totals (and the senders' splits) by one allreduce
-            mine = owned.count_array(ladder, self.select_rule)          # on the device: read only the totals
-            if s.with_load:
-                mine = xp.concat([mine, xp.asarray(s.splits, xp.index_dtype, like=acc)], like=acc)
-            totals = [int(v) for v in xp.to_numpy(comm.allreduce(mine, SUM, "ladder"))]
-            totals, s.loads = totals[:len(ladder)], (totals[len(ladder):] if s.with_load else None)
-        else:
-            totals = owned.counts(ladder, self.select_rule)
-        s.rung = next((j for j, tot in enumerate(totals) if tot <= s.k), len(ladder) - 1)
-        s.used, s.T = ladder[s.rung], totals[s.rung]
-        if self.global_fill and s.rung > 0 and s.T < s.k < totals[s.rung - 1]:     # (lower rung, k - K, B)
-            s.fill = (ladder[s.rung - 1], s.k - s.T, totals[s.rung - 1] - s.T)
-
-    def _fill(self, xp, owned, c_val, keep, s):
-        """``keep`` and the owner's q largest under Γ: the h + q largest at the rung below (``global_fill``)."""
-        wide = owned.select(s.fill[0], self.select_rule)[0]
-        h = xp.numel(keep)
-        q = s.quota(xp.numel(wide), h)
-        return keep if q == 0 else xp.take(wide, xp.topk(xp.take(c_val, wide), h + q)[0])
+            s.gamma_next = self.control.next_threshold(s)
 
     def _balance_and_allgatherv(self, xp, acc, m_idx, m_val, comm, s):
         """G: every owner's kept pairs, gathered in global index order; first balanced by an alltoall when the
-        policy says so (the owners' counts: from the ladder, or one allgather)."""
-        if self.global_control == "ladder":                         # the owners' counts only to balance
-            if s.table is not None:
-                s.owner_counts = [row[s.rung] + s.quota(row[s.rung - 1], row[s.rung]) for row in s.table]
-                s.T = sum(s.owner_counts)
-            elif self.balance == "never":
-                s.owner_counts = None
-            else:
-                s.owner_counts = [0] * s.P if s.T == 0 and s.fill is None else \
-                    allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
-                s.T = sum(s.owner_counts)
-        elif s.with_load:
-            s.owner_counts, s.loads = map(list, zip(*allgather_counts(xp, [xp.numel(m_idx), s.load], comm,
-                                                                       "count", acc)))
-        else:
-            s.owner_counts = allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
-        if self.global_control != "ladder":
-            s.T = sum(s.owner_counts)
+        policy says so (the owners' counts: ``control.owner_counts``)."""
+        self.control.owner_counts(xp, acc, m_idx, comm, s, self.balance)
         if s.T == 0 and (s.fill is None or s.owner_counts is not None):     # K = 0, known to every rank
             s.g_idx, s.g_val = m_idx, m_val
             return
@@ -439,9 +439,7 @@ class OkTopk(Reducer):
         I = S ∩ G (exact), the next boundaries and the state."""
         u = SparseSum(s.g_idx, s.g_val)
         included = xp.intersect(idx, s.g_idx)       # S ∩ G, ascending
-        nxt = None if self.boundaries == "periodic" or s.P == 1 else next_boundaries(
-            self.boundaries, xp, s.g_idx, s.offsets, s.loads, s.n, state, self.boundary_tolerance,
-            self.load_smoothing, s.hist and (s.edges, s.hist))
+        nxt = self.regions.follow(xp, state, s)
         state.update(t=s.t + 1, gamma=s.gamma_next, offsets=list(s.offsets if nxt is None else nxt), size=s.P)
         info = {"K": xp.numel(s.g_idx), "threshold": s.used, "next_threshold": s.gamma_next, "reeval": bool(s.reev),
                 "repartition": bool(s.repart), "balanced": s.balanced, "capped": s.capped, "filled": s.fill is not None,

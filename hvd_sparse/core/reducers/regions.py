@@ -12,6 +12,8 @@ of identical inputs: identical boundaries on every rank. ``repartition`` is the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from ..comm import SUM
@@ -287,3 +289,56 @@ def next_boundaries(policy, xp, g_idx, offsets, loads, n, state, tolerance, beta
         if max(pos[j + 1] - pos[j] for j in range(P)) * P <= tolerance * m:
             return None
     return result_boundaries(xp, g_idx, P, n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Regions:
+    """Ok-Topk's region policy, built from :class:`~hvd_sparse.core.reducers.oktopk.OkTopk`'s options: ``rule`` its
+    ``boundaries``, ``period`` its ``repartition_period``, ``tolerance`` its ``boundary_tolerance``, ``smoothing``
+    its ``load_smoothing``. The rules:
+
+    * ``"periodic"`` (the paper): the allreduce repartition every ``period`` steps only; the selection drifts in
+      between (a region received 2.3x its share at P = 256 within 40 steps).
+    * ``"result"``: the P quantiles of the step's global result G (no communication; G is more concentrated than
+      the selections, so the split stays uneven).
+    * ``"load"``: the pairs each region received ride in the step's count collective (+1 word per owner in the
+      allgather, +P per rank in the ladder's allreduce) and the next boundaries split this load evenly.
+    * ``"measured"`` (the ``Compression.oktopk`` preset): before the split, one allreduce (phase ``histogram``, 2P
+      int64) sums the ranks' counts in 2 bins per region and the step's boundaries split this, its own load, evenly
+      (a forecast is poor at ~10 entries per region: a step clears the entries that carried the last one's load).
+
+    ``result`` and ``load`` recompute when the last step's imbalance exceeds ``tolerance``; ``load`` and
+    ``measured``'s bins follow an exponential average of the load CDFs (``smoothing`` = β,
+    :func:`smoothed_load_boundaries`: the hot entries a step clears move the load elsewhere, and the last step alone
+    forecasts the next poorly). With all three the allreduce repartition runs only on the first step (and after a
+    change of P or n).
+
+    Two calls per step, on a step record ``s`` (P, n, t, the few-collectives flag; the regions and what follows
+    them are written into it): :meth:`plan` before the split, :meth:`follow` once the result G is known."""
+
+    rule: str
+    period: int
+    tolerance: float
+    smoothing: float
+
+    def plan(self, xp, acc, idx, comm, state, s):
+        """The regions of this step (``s.offsets``): the paper's repartition (one allreduce) every ``period`` steps
+        (``periodic``) or, for the others, to start; with ``measured``, the step's own load counted before the split
+        (histogram, and the refine of its heavy bins) and split evenly. ``s.with_load``: whether the owners' split
+        loads ride in the step's count collective (``load``, and ``measured`` without a histogram)."""
+        s.repart = s.offsets is None or (self.rule == "periodic" and s.t % self.period == 0)
+        if s.repart:
+            s.offsets = repartition(xp, idx, s.n, comm)
+        elif self.rule == "measured" and not s.few and s.P > 1:
+            s.edges, s.hist = refine_load(xp, idx, *measure_load(xp, idx, state.get("cdf"), s.n, comm, acc), comm,
+                                          acc)
+            s.offsets = measured_boundaries(s.edges, s.hist, state.get("cdf"), s.n, s.P) or s.offsets
+        s.with_load = s.P > 1 and s.hist is None and self.rule in ("load", "measured")
+
+    def follow(self, xp, state, s):
+        """The next step's boundaries from this step's (:func:`next_boundaries`), or None to keep ``s.offsets``
+        (``periodic``, P = 1, or an imbalance within ``tolerance``)."""
+        if self.rule == "periodic" or s.P == 1:
+            return None
+        return next_boundaries(self.rule, xp, s.g_idx, s.offsets, s.loads, s.n, state, self.tolerance,
+                               self.smoothing, s.hist and (s.edges, s.hist))
