@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hvd_sparse.core import native
+from hvd_sparse.core.native import kernels
 from hvd_sparse.core.context import StepContext
 from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.core.sparsifiers.exdyna import ExDyna
@@ -151,14 +152,14 @@ def test_workspace_overflow_grows_and_a_spike_does_not_pin_memory():
     x[-60_000:] = 2.0                       # every match in the last thread's chunk: its segment overflows
     x[::1000] = 3.0
     for threads in (1, 3):
-        native._tls.ws = native._Workspace()
+        kernels._tls.ws = kernels._Workspace()
         idx, val = native.select(x, 1.0, "gt", values=True, threads=threads, expect=10)
         np.testing.assert_array_equal(idx, reference(x, 1.0, "gt"))
         assert np.all(val >= 2.0)
-        assert native._tls.ws.cap >= 60_000 // 2
+        assert kernels._tls.ws.cap >= 60_000 // 2
         # a small selection afterwards releases the large segments
         idx, _ = native.select(x, 2.5, "gt", threads=threads)
-        assert idx.size == n // 1000 and native._tls.ws.cap == 0
+        assert idx.size == n // 1000 and kernels._tls.ws.cap == 0
     # results are fresh arrays: the next call does not overwrite them
     a, _ = native.select(x, 1.0, "gt")
     b, _ = native.select(x, 2.5, "gt")

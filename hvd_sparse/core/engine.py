@@ -42,8 +42,8 @@ every rank alike,
 
 * ``"skip"`` (default, like AMP's ``GradScaler``): the step is skipped -- residual, thresholds, partitions and
   the step counter are left untouched, nothing is selected or exchanged, :attr:`Engine.last` says
-  ``skipped=True`` and names the ranks (as does a ``RuntimeWarning``), and the returned gradient is all NaN on every rank, so a loss scaler
-  that inspects it backs off on every rank and the adapters skip the optimizer update;
+  ``skipped=True`` and names the ranks (as does a ``RuntimeWarning``), and the returned gradient is all NaN on
+  every rank, so a loss scaler that inspects it backs off on every rank and the adapters skip the optimizer update;
 * ``"raise"``: :class:`NonFiniteGradientError` names the ranks and the step, on every rank.
 
 The agreement's 28 bytes are reported as ``control_bytes`` and not added to the algorithm's volume.
@@ -219,9 +219,9 @@ class Engine:
         return self._emit(plan.xp, u, scale, plan.pieces, out, plan.zeroed)
 
     def _plan(self, grad, out):
-        """Stage 1, check: the step's :class:`~hvd_sparse.core.context.Plan` -- its pieces, the reducer (the preset's, or the dense one of a
-        warm-up step), the context of the sparsifier and reducer, and a local problem to report on every rank (a
-        gradient of another size than declared). At P = 1 a local problem raises at once."""
+        """Stage 1, check: the step's :class:`~hvd_sparse.core.context.Plan` -- its pieces, the reducer (the
+        preset's, or the dense one of a warm-up step), the context of the sparsifier and reducer, and a local problem
+        to report on every rank (a gradient of another size than declared). At P = 1 a local problem raises at once."""
         pieces = list(grad) if isinstance(grad, (list, tuple)) else [grad]
         if not pieces:
             raise ValueError(f"hvd_sparse unit '{self.name}': no gradient pieces")

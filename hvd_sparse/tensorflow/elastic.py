@@ -51,7 +51,7 @@ from horovod.tensorflow.functions import broadcast_object
 from horovod.tensorflow.mpi_ops import init, rank, shutdown
 
 from ..compression import SparseCompression
-from ..core.validate import ELASTIC_RESIDUALS, check_elastic_residuals
+from ..core.validate import check_elastic_residuals
 from ._variables import broadcast_variables, broadcastable, unique_variables
 
 #: what in a ``tf.errors.OpError``'s message means "another rank failed, Horovod shut down": hvd_sparse's

@@ -143,5 +143,5 @@ def calls():
 
 
 # the wrappers read ``_library`` and ``_calls`` above
-from .kernels import (INF_BITS, RULES, _tls, _Workspace, add, add_select, bounds, count, f32_view,  # noqa: E402
-                      i64_view, intersect, merge_add, select, wrap)
+from .kernels import (RULES, add, add_select, bounds, count, f32_view, i64_view, intersect, merge_add,  # noqa: E402
+                      select, wrap)

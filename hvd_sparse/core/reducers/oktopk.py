@@ -102,6 +102,8 @@ LADDER_STEPS = tuple(range(-2, 7))
 
 
 # -- the global control: how Γ follows K between re-evaluations (OkTopk.global_control) --------------------------
+# Each answers OkTopk._reuse's four calls on the step record s: threshold (s.used, this step's Γ), keep (the owner's
+# candidates kept), owner_counts (s.owner_counts, s.T: to balance) and next_threshold (the next reuse step's Γ).
 @dataclasses.dataclass(frozen=True)
 class Band:
     """``global_control="band"`` (the authors' post-hoc controller): a reuse step keeps the owners' candidates at

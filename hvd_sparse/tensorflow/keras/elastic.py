@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import tensorflow as tf
 
+from ...core.validate import ELASTIC_RESIDUALS
 from .._variables import optimizer_variables, unique_variables
-from ..elastic import ELASTIC_RESIDUALS, _SparseElasticState, run
+from ..elastic import _SparseElasticState, run
 
 __all__ = ["KerasState", "run", "ELASTIC_RESIDUALS"]
 
