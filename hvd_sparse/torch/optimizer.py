@@ -53,8 +53,7 @@ import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
 from ..core.comm import in_process_set
-from ..core.state import already_used
-from ..core.state import SparsityWindow
+from ..core.state import SparsityWindow, already_used
 from ..core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int, scale_factors
 from . import consistency, recipes
 from .base import SparseOptimizer
@@ -303,15 +302,14 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     @torch.compiler.disable
     def step(self, closure=None):
-        # Who is calling matters only to an optimizer without state (Horovod's broadcast_optimizer_state steps only
-        # those) or with GradScaler's grad_scale / found_inf set: only then are the frames read (recipes.py).
-        frame = recipes.caller() if not self.state or hasattr(self, "grad_scale") or hasattr(self, "found_inf") \
-            else None
-        if frame is not None and not self.state and recipes.is_broadcast_optimizer_state(frame):
+        # Who is calling (recipes.py reads the frames) matters only without state: Horovod's broadcast_optimizer_state
+        # steps only such optimizers, to create the state
+        if not self.state and recipes.is_broadcast_optimizer_state(recipes.caller()):
             # Horovod's broadcast_optimizer_state creating missing state: the inner optimizer only, no exchange
             # (the other ranks are not stepping), sparse state untouched (hvd_sparse.torch.recipes)
             return self._hvds_inner.step(self, closure)
-        scaler = None if frame is None else recipes.grad_scaler(self, frame, _API)
+        # torch.amp.GradScaler.step sets grad_scale / found_inf before it calls step(): only then is its scaler sought
+        scaler = recipes.grad_scaler(self, _API) if hasattr(self, "grad_scale") or hasattr(self, "found_inf") else None
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "

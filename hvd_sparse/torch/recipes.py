@@ -44,12 +44,11 @@ def is_broadcast_optimizer_state(frame):
     return frame.f_code is broadcast_optimizer_state.__code__
 
 
-def grad_scaler(optimizer, frame, api):
-    """The ``torch.amp.GradScaler`` whose ``step()`` (``frame``) is calling ``optimizer.step()``, or None. Raises
-    when ``grad_scale``/``found_inf`` were set by something else: the agreed skip could not be recorded."""
-    if not hasattr(optimizer, "grad_scale") and not hasattr(optimizer, "found_inf"):
-        return None
-    scaler = frame.f_locals.get("self")
+def grad_scaler(optimizer, api):
+    """The ``torch.amp.GradScaler`` whose ``step()`` is calling ``optimizer.step()`` (which calls this while
+    ``grad_scale``/``found_inf`` are set). Raises when they were set by something else: the agreed skip could not be
+    recorded."""
+    scaler = caller(depth=3).f_locals.get("self")
     if isinstance(scaler, torch.amp.GradScaler) and id(optimizer) in scaler._per_optimizer_states:
         return scaler
     raise RuntimeError(f"{api}: step() was called with grad_scale/found_inf set by something other than "
