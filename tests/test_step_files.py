@@ -3,12 +3,10 @@
 optimizer without state), and every one of them named in README's list of the hops."""
 
 import re
-import subprocess
-import sys
 
 import pytest
 
-from horovod_helpers import HERE, HOROVODRUN, job_env, requires_horovod
+from horovod_helpers import HERE, horovodrun, requires_horovod
 
 pytestmark = requires_horovod
 
@@ -16,10 +14,7 @@ pytestmark = requires_horovod
 @pytest.fixture(scope="module")
 def paths():
     """{momentum: [file, ...]} as rank 0 of ``horovodrun -np 2 python scripts/step_files.py`` prints them."""
-    cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
-           str(HERE.parent / "scripts" / "step_files.py")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=job_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = horovodrun(2, HERE.parent / "scripts" / "step_files.py")      # an absolute path: not in hvd_workers/
     found = [re.search(r"SGD\(momentum=([0-9.]+)\): (.*)$", line) for line in proc.stdout.splitlines()]
     return {float(m.group(1)): m.group(2).split(" -> ") for m in found if m}
 
