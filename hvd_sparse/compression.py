@@ -223,25 +223,25 @@ OKTOPK_PRESETS = {
     "library": OkTopkVariant(
         ThresholdReuse(1.0, 32, guard_ratio=1.15, guard_factor=1.03, guard_iters=30, guard_target=1.05,
                        band_lo=0.95, band_relax=1.03),
-        OkTopk(32, 64, "auto", global_control="ladder", boundaries="measured")),
+        OkTopk(32, 64, global_control="ladder", boundaries="measured")),
     # the paper's: periodic exact re-evaluation only (no guard or band controllers), balancing iff max c_j > 4·avg
     "paper": OkTopkVariant(
         ThresholdReuse(1.0, 32, guard_ratio=None, band_relax=1.0, band_tighten=1.0),
-        OkTopk(32, 64, "auto", balance_factor=4.0, global_relax=1.0, global_tighten=1.0)),
+        OkTopk(32, 64, global_relax=1.0, global_tighten=1.0)),
     "ref_lstm": OkTopkVariant(
         ThresholdReuse(1.0, 32, select_rule="gt", guard_ratio=1.5, guard_factor=1.03, guard_iters=5,
                        band_lo=0.75, band_hi=1.25, band_relax=1.012, band_tighten=1.012),
-        OkTopk(32, 64, "never", global_band_lo=0.75, global_band_hi=1.25, global_relax=1.01,
+        OkTopk(32, 64, global_band_lo=0.75, global_band_hi=1.25, global_relax=1.01,
                global_tighten=1.008, select_rule="gt")),
     "ref_vgg": OkTopkVariant(
         ThresholdReuse(1.0, 32, select_rule="gt", guard_ratio=4 / 3, guard_factor=1.03, guard_iters=5,
                        band_lo=2 / 3, band_hi=1.25, band_relax=1.012, band_tighten=1.012),
-        OkTopk(32, 64, "never", global_band_lo=2 / 3, global_band_hi=4 / 3, global_relax=1.008,
+        OkTopk(32, 64, global_band_lo=2 / 3, global_band_hi=4 / 3, global_relax=1.008,
                global_tighten=1.008, select_rule="gt")),
     "ref_bert": OkTopkVariant(
         ThresholdReuse(1.0, 128, select_rule="gt", guard_ratio=None, band_lo=0.8, band_hi=1.25,
                        band_relax=1.025, band_tighten=1.025),
-        OkTopk(128, 64, "always", global_band_lo=0.8, global_band_hi=1.25, global_relax=1.036,
+        OkTopk(128, 64, global_band_lo=0.8, global_band_hi=1.25, global_relax=1.036,
                global_tighten=1.025, select_rule="gt")),
 }
 
@@ -256,14 +256,17 @@ def _oktopk_pair(args):
     sp = {"density": _density("oktopk", args), "max_select_ratio": args["max_select_ratio"]}
     rd = {"max_select_ratio": args["max_select_ratio"], "few_collectives_from": args["few_collectives_from"],
           **({"global_fill": True} if args["global_fill"] else {})}
-    knobs = {k: args[k] for k in ("threshold_period", "repartition_period", "balance")}
+    if args["balance"] != "auto":
+        raise ValueError(f"hvd_sparse.Compression.oktopk: balance={args['balance']!r} does not apply any more: each "
+                         "owner sends a fixed number of pairs in the gather (a message of one shape every step), so "
+                         "nothing is left to balance; leave balance at 'auto' (it changes nothing)")
+    knobs = {k: args[k] for k in ("threshold_period", "repartition_period")}
     if variant == "library":
         sp["threshold_period"] = knobs["threshold_period"]
         rd.update(knobs)
-    elif knobs != {"threshold_period": 32, "repartition_period": 64, "balance": "auto"}:
-        raise ValueError(f"hvd_sparse.Compression.oktopk: variant={variant!r} fixes threshold_period, "
-                         f"repartition_period and balance, got {knobs}; leave them at their defaults or use "
-                         "variant='library'")
+    elif knobs != {"threshold_period": 32, "repartition_period": 64}:
+        raise ValueError(f"hvd_sparse.Compression.oktopk: variant={variant!r} fixes threshold_period and "
+                         f"repartition_period, got {knobs}; leave them at their defaults or use variant='library'")
     if args["boundaries"] is not None:
         rd["boundaries"] = args["boundaries"]
     return dataclasses.replace(base.sparsifier, **sp), dataclasses.replace(base.reducer, **rd)
@@ -281,34 +284,34 @@ class Compression:
         docs/algorithms.md#oktopk): the O(k) sparse allreduce. Each rank selects with a local threshold that is
         exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
         split into P regions re-balanced every ``repartition_period`` steps; each region's owner reduces what
-        falls in it (one alltoall), keeps the values above a global threshold (exact every
-        ``threshold_period`` steps) and the results are balanced and allgathered. Error feedback keeps
-        S \\ G. Cost: at most 6k(P-1)/P words per rank on threshold-reuse steps of balanced input.
+        falls in it (one alltoall), and its largest sums travel in one allgather of a fixed size, where every rank
+        keeps those above a global threshold (exact every ``threshold_period`` steps). Error feedback keeps
+        S \\ G. Three collectives per step, each of one shape (Horovod's response cache serves them). Cost: at
+        most 6k(P-1)/P words per rank on threshold-reuse steps of balanced input.
 
         Args:
             density (float): k = max(1, floor(density·n)), in (0, 1].
             threshold_period (int): tau', steps between exact local and global threshold evaluations (32).
             repartition_period (int): tau, steps between region repartitions (64).
-            balance (str): "auto" (balance before the allgather iff the largest owner holds > 4x the mean,
-                the paper's rule), "always" or "never".
+            balance (str): "auto", the only value: the paper's balancing step has nothing to do when every owner
+                sends a fixed number of pairs (kept so that existing calls run).
             variant (str): the threshold controllers, one of ``OKTOPK_PRESETS``. "library" (default): exact-k
                 selection, a guard that brings the local count back to <= k in one step and a ladder that keeps
                 the global count K <= k (see ThresholdReuse.guard_target and OkTopk.global_control); "paper"
                 (no controllers), "ref_lstm", "ref_vgg", "ref_bert" (the authors' code, per model). For the
-                "paper"/"ref_*" variants the variant fixes the three knobs above (other values raise).
+                "paper"/"ref_*" variants the variant fixes the two periods above (other values raise).
             max_select_ratio (float >= 1 or None): a hard cap on reuse steps, for every variant (default None:
-                off, as in the paper and the authors' code). When a rank's reused threshold selects more than
-                ratio·k entries, that rank takes its exact top-k for this step; when the global count K exceeds
-                ratio·k (every rank knows it from the gathered counts), every rank keeps the exact top-k of the
-                gathered values and re-evaluates the global threshold from them. It bounds the volume of a
-                gradient spike; the "library" variant's controllers already keep both counts near k.
+                off, as in the paper and the authors' code). A rank's selection is cut to ratio·k entries (its
+                threshold climbs until they fit: the largest stay); when the global count K exceeds ratio·k
+                (every rank knows it from the gathered counts), every rank keeps the exact top-k of the gathered
+                values and re-evaluates the global threshold from them. It bounds the volume of a gradient
+                spike; the "library" variant's controllers already keep both counts near k.
             boundaries (str or None): how the regions follow the selection (``OkTopk.boundaries``): None takes
-                the variant's ("measured" for "library": every step splits its own load, summed by one
-                allreduce of 2P counts before the split; "periodic" for the others: only every
-                ``repartition_period`` steps, as the paper), or "periodic", "result", "load", "measured".
-            few_collectives_from (int or None): at k >= this·P (many entries per region), each step makes the
-                fewest collectives (``OkTopk.few_collectives_from``): "measured" boundaries make no histogram
-                and follow the load of the past steps, the ladder's counts ride in the count allgather. None:
+                the variant's ("measured" for "library": every step splits its own load, counted in 2P bins in
+                the step's opening; "periodic" for the others: only every ``repartition_period`` steps, as the
+                paper), or "periodic", "result", "load", "measured".
+            few_collectives_from (int or None): at k >= this·P (many entries per region), "measured" boundaries
+                count no histogram and follow the load of the past steps (``OkTopk.few_collectives_from``). None:
                 never. Default 1024.
             global_fill (bool): on reuse steps, fill the global count K up to k (within P) from the candidates
                 just below the ladder's rung ("library" variant; ``OkTopk.global_fill``). Default False.

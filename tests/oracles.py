@@ -15,6 +15,7 @@ from scipy.special import ndtri
 from hvd_sparse.compression import SparseCompression
 from hvd_sparse.core.context import StepContext
 from hvd_sparse.core.reducers.oktopk import OkTopk
+from hvd_sparse.core.sparsifiers.base import CLIMB
 from hvd_sparse.core.sparsifiers.threshold_reuse import ThresholdReuse
 from hvd_sparse.core.xp import backend_of
 from hvd_sparse.testing import RECORDS, simulate
@@ -121,42 +122,50 @@ def topka_reference(g, density, average=False):
 
 
 def gaussian_select_ref(a, density, adjust="lstm"):
-    """Gaussiank's steps 1-4 (hvd_sparse/core/sparsifiers/gaussiank.py) in float64 (comparisons exact); returns
-    (mask, th0, th, iterations)."""
+    """Gaussiank's steps 1-4 (hvd_sparse/core/sparsifiers/gaussiank.py) in float64 (comparisons exact): the loop's
+    thresholds th0·f^-j (th0·f^j up), then up the ladder (the loop's and ``CLIMB``) while more than the capacity 2k
+    pass, but not to none; cut to 2k by index past the last rung. Returns (mask, th0, th, iterations)."""
     n = a.size
     k = k_of(density, n)
     a64 = a.astype(np.float64)
     mu = a64.mean()
     sd = a64.std(ddof=1) if n > 1 else 0.0
-    th0 = th = float(mu + ndtri(1 - density / 2) * sd)
+    th0 = float(mu + ndtri(1 - density / 2) * sd)
     mag = np.abs(a64)
 
-    def cnt(t):
-        return int(((mag > t) & (a != 0)).sum())
+    def cnt(f):
+        return int(((mag > max(th0 * f, 0.0)) & (a != 0)).sum())
 
+    f, iters = (1.02, 20) if adjust == "vgg" else (1.012, 50 if adjust == "lstm" else 20)
+    down, up = [1.0], [1.0]
+    for _ in range(iters):
+        down.append(down[-1] / f)
+        up.append(up[-1] * f)
     it, k34 = 0, max(1, (3 * k) // 4)          # at least one entry (k = 1), as the library does
-    if adjust == "lstm":
-        for _ in range(50):
-            if cnt(th) < k34:
-                th /= 1.012
+    fac = 1.0
+    if adjust in ("lstm", "bert"):
+        goal = k34 if adjust == "lstm" or cnt(1.0) >= k34 else max(1, (5 * k) // 6)
+        if adjust == "lstm" or th0 > 0 and cnt(1.0) < k34:
+            while it < iters and th0 * down[it] > 0 and cnt(down[it]) < goal:
                 it += 1
-            else:
-                break
-    elif adjust == "bert":
-        if cnt(th) < k34:
-            while it < 20 and cnt(th) < max(1, (5 * k) // 6):
-                th /= 1.012
-                it += 1
-    else:
-        if cnt(th) < k34:
-            while it < 20 and cnt(th) < k34:
-                th /= 1.02
-                it += 1
-        elif cnt(th) > (5 * k) // 4:
-            while it < 20 and cnt(th) > (5 * k) // 4:
-                th *= 1.02
-                it += 1
-    return (mag > th) & (a != 0), th0, th, it
+            fac = down[it]
+    elif th0 > 0 and cnt(1.0) < k34:
+        while it < iters and cnt(down[it]) < k34:
+            it += 1
+        fac = down[it]
+    elif th0 > 0 and cnt(1.0) > (5 * k) // 4:
+        while it < iters and cnt(up[it]) > (5 * k) // 4:
+            it += 1
+        fac = up[it]
+    cap = int(2 * k)
+    above = sorted(x for x in set(down) | set(up) | set(CLIMB) if x >= fac)
+    fit = next((i for i, x in enumerate(above) if cnt(x) <= cap), len(above) - 1)
+    if fit and cnt(above[fit]) == 0:
+        fit -= 1
+    th = th0 * above[fit]
+    mask = (mag > max(th, 0.0)) & (a != 0)
+    mask[np.flatnonzero(mask)[cap:]] = False
+    return mask, th0, th, it
 
 
 def tree_merge_ref(A, B, k):
@@ -258,19 +267,23 @@ def oktopk_reference(g, density, tp=32, sp=None, rd=None):
             th = L[r]
             if t % tp == 0 or th is None or not th > 0:
                 m, th = ref_exact(a[r], k, rule)
-            else:
-                if spk["guard_ratio"] is not None:
-                    limit = spk["guard_ratio"] * k
-                    for _ in range(spk["guard_iters"]):
-                        if rule_mask(a[r], th, rule).sum() > limit:
-                            th *= spk["guard_factor"]
-                            if spk["guard_target"] is not None:     # once triggered: down to target·k
-                                limit = spk["guard_target"] * k
-                        else:
-                            break
+            else:                                   # the ladder L·f^j: the guard's climb, then the capacity's
+                F = [1.0]
+                for _ in range(max(spk["guard_iters"], 60)):
+                    F.append(F[-1] * spk["guard_factor"])
+                counts = [int(rule_mask(a[r], th * f, rule).sum()) for f in F]
+                cap = max(1, min(n, int(1.25 * k)))
+                if spk["max_select_ratio"] is not None:
+                    cap = max(1, min(cap, int(spk["max_select_ratio"] * k)))
+                j = next((j for j, c in enumerate(counts) if c <= cap), len(F) - 1)
+                if spk["guard_ratio"] is not None and spk["guard_iters"] and counts[0] > spk["guard_ratio"] * k:
+                    limit = (spk["guard_target"] or spk["guard_ratio"]) * k
+                    j = max(j, next((i for i in range(1, spk["guard_iters"] + 1) if counts[i] <= limit),
+                                    spk["guard_iters"]))
+                j = min(j, max(0, sum(c > 0 for c in counts) - 1))         # not to an empty rung (ties)
+                th = th * F[j]
                 m = rule_mask(a[r], th, rule)
-                if spk["max_select_ratio"] is not None and m.sum() > spk["max_select_ratio"] * k:
-                    m, th = ref_exact(a[r], k, rule)
+                m[np.flatnonzero(m)[cap:]] = False
             masks.append(m)
             Lu.append(th)
             L[r] = band(th, int(m.sum()), k, spk["band_lo"], spk["band_hi"], spk["band_relax"],
@@ -346,6 +359,17 @@ def mean_density_ratio(compression, data, steps, partitioned=False):
 
 
 # == harness ======================================================================================================
+def real(out):
+    """The real entries of what a sparsifier's ``select`` returned: ``(indices padded with n, count[, note])``
+    (the built-in ones), or the indices alone; as a numpy array (ascending)."""
+    if not isinstance(out, tuple):
+        return np.asarray(out)
+    idx, count = out[0], out[1]
+    xp = backend_of(idx)
+    return np.asarray(xp.to_numpy(idx))[:int(xp.item(count))]
+
+
+
 def comp(sparsifier, reducer):
     return SparseCompression(sparsifier, reducer)
 
@@ -364,19 +388,22 @@ def run_world(comp, g, shapes=None, backend="numpy", average=False):
 
 
 class Recording(ThresholdReuse):
-    """ThresholdReuse that also leaves its selection in the state (test instrument only)."""
+    """ThresholdReuse that also leaves its selection (its real entries) in the state (test instrument only)."""
 
     def select(self, xp, acc, k, state, ctx):
-        idx = super().select(xp, acc, k, state, ctx)
-        state["_sel"] = xp.to_numpy(idx).copy()
-        return idx
+        out = super().select(xp, acc, k, state, ctx)
+        state["_sel"] = xp.to_numpy(out[0])[:int(xp.item(out[1]))].copy()
+        return out
 
 
-def make_oktopk(density, tp=32, rp=64, balance="auto", sp=None, rd=None, record=True):
-    """Ok-Topk: ThresholdReuse (``Recording`` with ``record``) + OkTopk, with the periods and the arguments given."""
+def make_oktopk(density, tp=32, rp=64, sp=None, rd=None, record=True):
+    """Ok-Topk: ThresholdReuse (``Recording`` with ``record``) + OkTopk, with the periods and the arguments given;
+    unless ``rd`` says otherwise, every owner may send k pairs (``gather_capacity=None``: nothing is cut, as the
+    central reference assumes)."""
     cls = Recording if record else ThresholdReuse
     return SparseCompression(cls(density, threshold_period=tp, **(sp or {})),
-                             OkTopk(threshold_period=tp, repartition_period=rp, balance=balance, **(rd or {})))
+                             OkTopk(threshold_period=tp, repartition_period=rp,
+                                    **{"gather_capacity": None, **(rd or {})}))
 
 
 def run_oktopk(comp, g, average=False, torch_backend=False, before_step=None):

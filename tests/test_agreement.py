@@ -180,11 +180,11 @@ def test_ranks_that_disagree_on_the_training_options_raise():
 
 
 def test_the_fingerprint_is_computed_only_when_the_layout_or_options_change(monkeypatch):
-    from hvd_sparse.core import engine
+    from hvd_sparse.core import comm
 
     calls = []
-    real = engine.describe
-    monkeypatch.setattr(engine, "describe", lambda *a: calls.append(1) or real(*a))
+    real = comm.describe
+    monkeypatch.setattr(comm, "describe", lambda *a: calls.append(1) or real(*a))
     simulate(presets.make("oktopk", 0.1), np.random.default_rng(0).standard_normal((6, 2, 100)).astype(np.float32))
     assert len(calls) == 2                   # once per rank, not once per step
 
@@ -201,17 +201,17 @@ def test_the_fingerprint_is_computed_only_when_the_layout_or_options_change(monk
     assert len(calls) == 4                   # per rank: the first layout and the changed one
 
 
-def test_agreement_is_control_traffic_of_28_bytes():
+def test_the_agreement_is_a_header_of_36_bytes_in_the_steps_first_collective():
     def fn(r, comm):
         e = Compression.topka(0.1).new_engine(comm)
         e.step(grads(1, 3, 200, normal=True)[0][r])
-        return e.last["control_bytes"], e.last["collectives"]
+        return e.last["control_bytes"], e.last["collectives"], e.last["control_collectives"], e.last["sent_words"]
 
     from hvd_sparse.core.comm import AGREE_WORDS
 
-    assert AGREE_WORDS == 7
-    assert run_ranks(fn, 3) == [(2 * 28, 1)] * 3     # 7 int32 words to each of P - 1 ranks; topka: one grouped
-    #                                                  allgather of indices and values
+    assert AGREE_WORDS == 9
+    # 9 int32 words to each of P - 1 ranks, in topka's one collective (its 2k words: the algorithm's volume)
+    assert run_ranks(fn, 3) == [(2 * 36, 1, 0, 2 * 2 * 20)] * 3
 
 
 @pytest.mark.parametrize("preset", presets.names())

@@ -141,8 +141,8 @@ def test_equalize_renames_only_the_sparse_configurations_without_their_own_densi
 
 
 def test_a_filled_oktopk_is_its_own_configuration_calibrated_apart():
-    """``+fill`` (Ok-Topk only) sets ``global_fill``; at equal bytes it gets its own density, lower than plain
-    Ok-Topk's as a filled step sends more at one density."""
+    """``+fill`` (Ok-Topk only) sets ``global_fill``; at equal bytes it gets its own density, about plain Ok-Topk's:
+    the fill takes more of the gathered pairs, whose number is fixed (the gather's shape), so it sends no more."""
     assert parse_config("oktopk+fill+w2")["global_fill"] is True and "global_fill" not in parse_config("oktopk")
     with pytest.raises(ValueError, match="unknown option 'fill'"):
         parse_config("topka+fill")
@@ -151,7 +151,8 @@ def test_a_filled_oktopk_is_its_own_configuration_calibrated_apart():
     names, cal = equal_bytes.equalize(["oktopk", "oktopk+fill"], ("topka", 0.01), 4, layout, steps=30)
     plain, filled = (cal["presets"][s]["density"] for s in ("oktopk", "oktopk+fill"))
     assert names == [f"oktopk+d{equal_bytes.density_text(plain)}", f"oktopk+fill+d{equal_bytes.density_text(filled)}"]
-    assert filled < plain and all(cal["presets"][s]["within_tolerance"] for s in ("oktopk", "oktopk+fill"))
+    assert abs(filled - plain) <= 0.05 * plain
+    assert all(cal["presets"][s]["within_tolerance"] for s in ("oktopk", "oktopk+fill"))
 
 
 def _raw(config, kind, phases_per_rank, evals, sent=100.0):

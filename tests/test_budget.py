@@ -29,12 +29,13 @@ RUNS = {4: (20000, 40, 0), 8: (20000, 40, 0), 64: (50000, 14, 8), 256: (100000, 
 #: (preset, P) -> (steps, first) where RUNS's differ: every step of an exact top-k scheme sends the same bytes
 WINDOWS = {**{(name, P): (1, 0) for name in ("topka", "gtopk", "spardl") for P in (64, 256)},
            ("oktopk", 64): (4, 1), ("exdyna", 256): (14, 8)}
-#: (preset, P) the model cannot meet at b = 0.05 on this data (module docstring of budget.py): they warn
-UNREACHABLE = {("dct", P) for P in RUNS} | {("gaussiank", 64), ("gaussiank", 256)}
 #: (preset, P) -> the smallest measured share of the budget accepted, where it is below 0.4: TopkDSA's reduced union
 #: starts near k (the ranks' first gradients share their large entries) and grows over tens of steps to the 40-step
 #: mean of the model; the step measured at P = 256 sends 0.39 of the budget
 FLOOR = {("topk_dsa", 256): 0.3}
+#: (preset, P) -> the largest share accepted, where above 1: Ok-Topk's per-owner control words (the gather's header:
+#: 10 words to each of P - 1 ranks) do not scale with k, and at P = 256 the budget leaves k/P = 6
+CEILING = {("oktopk", 256): 1.15}
 
 
 def sent_fraction(comp, P, n, steps, first):
@@ -54,23 +55,19 @@ def test_the_sent_bytes_stay_within_the_budget(name, P):
     comp = getattr(C, name)(byte_budget=BUDGET)
     n, steps, first = RUNS[P]
     steps, first = WINDOWS.get((name, P), (steps, first))
-    if (name, P) in UNREACHABLE:
-        with pytest.warns(RuntimeWarning, match="even at the smallest density"):
-            comp.new_engine(SimulatedWorld(P).communicators()[0])
-        return
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*cost model", category=RuntimeWarning)
         share, ranks = sent_fraction(comp, P, n, steps, first)
-    assert FLOOR.get((name, P), 0.4) * BUDGET <= share <= BUDGET * (1 + 1e-9), share / BUDGET
+    assert FLOOR.get((name, P), 0.4) * BUDGET <= share <= BUDGET * CEILING.get((name, P), 1 + 1e-9), share / BUDGET
     assert ranks == [(comp.density_for(P), P, f"Compression.{name}(byte_budget={BUDGET})")] * P
 
 
-def test_an_unreachable_budget_runs_at_the_smallest_density_and_sends_more():
-    comp = C.dct(byte_budget=BUDGET)
-    with pytest.warns(RuntimeWarning, match=r"dct\(byte_budget=0.05\): at P = 4 ranks the cost model expects"):
-        share, ranks = sent_fraction(comp, 4, 20000, 10, 0)
-    assert ranks[0][0] == budget.SELECTED["dct"][0][0] == comp.density_for(4)
-    assert share > BUDGET
+@pytest.mark.parametrize("name", ["gaussiank", "dct", "exdyna"])
+def test_a_threshold_preset_sends_its_capacity_whatever_it_selects(name):
+    """Their thresholds follow the density loosely (Gaussian fit, stale per-tensor thresholds, a controller), but
+    the wire carries the selection's capacity on every step: the bytes are the budget's."""
+    share, _ = sent_fraction(getattr(C, name)(byte_budget=BUDGET), 4, 20000, 10, 0)
+    assert 0.99 * BUDGET <= share <= BUDGET
 
 
 @pytest.mark.parametrize("name", PRESETS)

@@ -33,7 +33,8 @@ def test_every_preset_has_a_plain_signature_with_the_training_options(name):
 @pytest.mark.parametrize("call, name", [
     (lambda: C.oktopk(0.01), "oktopk(density=0.01)"),
     (lambda: C.oktopk(0.01, 16), "oktopk(density=0.01, threshold_period=16)"),
-    (lambda: C.oktopk(0.01, balance="never", variant="library"), "oktopk(density=0.01, balance='never')"),
+    (lambda: C.oktopk(0.01, few_collectives_from=None, variant="library"),
+     "oktopk(density=0.01, few_collectives_from=None)"),
     (lambda: C.oktopk(0.02, variant="paper", boundaries="load"),
      "oktopk(density=0.02, variant='paper', boundaries='load')"),
     (lambda: C.gaussiank(0.1, "vgg"), "gaussiank(density=0.1, adjust='vgg')"),
@@ -50,7 +51,7 @@ def test_names_list_the_arguments_that_differ_from_the_defaults(call, name):
 
 
 def test_the_name_is_a_call_that_rebuilds_the_same_configuration():
-    for c in (C.oktopk(0.01, 16, 8, "always", boundaries="load", warmup_dense_steps=3),
+    for c in (C.oktopk(0.01, 16, 8, boundaries="load", warmup_dense_steps=3),
               C.spardl(0.1, 2, sag="recursive"), C.exdyna(0.05, init_threshold=None)):
         again = eval(repr(c), {"Compression": C})
         assert (again.sparsifier, again.reducer, again.warmup_dense_steps) == \
@@ -58,7 +59,7 @@ def test_the_name_is_a_call_that_rebuilds_the_same_configuration():
 
 
 def test_a_variant_that_fixes_the_periods_rejects_other_periods():
-    with pytest.raises(ValueError, match="variant='paper' fixes threshold_period, repartition_period and balance"):
+    with pytest.raises(ValueError, match="variant='paper' fixes threshold_period and repartition_period"):
         C.oktopk(0.05, 2, variant="paper")
     with pytest.raises(ValueError, match="variant must be one of"):
         C.oktopk(0.05, variant="fast")
@@ -69,9 +70,17 @@ def test_variants_are_instances_and_the_preset_applies_the_call_on_top():
         c = C.oktopk(0.03, variant=name, max_select_ratio=2.0)
         assert c.sparsifier == dataclasses.replace(v.sparsifier, density=0.03, max_select_ratio=2.0)
         assert c.reducer == dataclasses.replace(v.reducer, max_select_ratio=2.0)
-    lib = C.oktopk(0.01, 8, 16, "never")
-    assert (lib.sparsifier.threshold_period, lib.reducer.threshold_period, lib.reducer.repartition_period,
-            lib.reducer.balance) == (8, 8, 16, "never")
+    lib = C.oktopk(0.01, 8, 16)
+    assert (lib.sparsifier.threshold_period, lib.reducer.threshold_period, lib.reducer.repartition_period) == \
+        (8, 8, 16)
+
+
+def test_oktopk_refuses_a_balance_policy_with_the_reason():
+    """The gather sends a fixed number of pairs per owner: no balancing step is left for a policy to steer."""
+    assert C.oktopk(0.01, 32, 64, "auto").reducer == C.oktopk(0.01).reducer
+    for policy in ("never", "always"):
+        with pytest.raises(ValueError, match="balance='{}' does not apply.*nothing is left to balance".format(policy)):
+            C.oktopk(0.01, balance=policy)
 
 
 # one bad value per option class: (class, positional arguments, the bad keyword, the message's rule)

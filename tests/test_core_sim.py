@@ -177,9 +177,9 @@ def test_simulate_hooks_run_on_every_rank_around_every_step_over_the_given_commu
             self.calls += 1
             return self.comm.allreduce(x, op, phase)
 
-        def allgather(self, x, phase):
+        def allgather(self, x, phase, parts=None):
             self.calls += 1
-            return self.comm.allgather(x, phase)
+            return self.comm.allgather(x, phase, parts=parts)
 
         def grouped_allgather(self, xs, phases):
             self.calls += 1
@@ -229,10 +229,17 @@ def test_public_sparsifiers_module():
     assert sp.ThresholdReuse is hvd_sparse.ThresholdReuse and sp.TopK is hvd_sparse.TopK
 
 
+@pytest.mark.parametrize("device", [False, True])
 @pytest.mark.parametrize("preset", ["topka", "gaussiank", "topk_dsa", "gtopk", "oktopk", "exdyna", "dct", "spardl"])
-def test_state_dict_round_trip_resumes_bit_for_bit(preset):
-    """Engines rebuilt from state_dict() continue exactly as uninterrupted ones; without it they do not."""
+def test_state_dict_round_trip_resumes_bit_for_bit(preset, device):
+    """Engines rebuilt from state_dict() continue exactly as uninterrupted ones; without it they do not. On the
+    device paths (torch tensors as on a GPU) the statistics a step leaves on the device come back as plain values."""
+    import contextlib
+    import json
+
+    import torch
     from hvd_sparse.bench.presets import make
+    from hvd_sparse.bench.syncs import as_if_on_a_device
 
     g = np.random.default_rng(0).standard_normal((16, 3, 600)).astype(np.float32)
 
@@ -247,14 +254,18 @@ def test_state_dict_round_trip_resumes_bit_for_bit(preset):
 
         def body(comm):
             for t in range(start, start + steps):
-                outs[comm.rank].append(engines[comm.rank].step(g[t, comm.rank]))
+                x = torch.from_numpy(g[t, comm.rank].copy()) if device else g[t, comm.rank]
+                outs[comm.rank].append(np.asarray(engines[comm.rank].step(x)))
 
-        world.run(body, comms)
+        with as_if_on_a_device() if device else contextlib.nullcontext():
+            world.run(body, comms)
         return engines, np.array(outs)
 
     _, straight = run(0, 16)
     engines, _ = run(0, 8)
-    _, resumed = run(8, 8, [e.state_dict() for e in engines])
+    states = [e.state_dict() for e in engines]
+    json.dumps([{key: s[key] for key in ("sparsifier", "reducer")} for s in states])      # plain values only
+    _, resumed = run(8, 8, states)
     _, cold = run(8, 8)
     assert resumed.tobytes() == straight[:, 8:].tobytes()
     assert cold.tobytes() != straight[:, 8:].tobytes()

@@ -22,7 +22,7 @@ from hvd_sparse.core.sparsifiers.exdyna import (ExDyna, adjust_topology, exdyna_
 from hvd_sparse.core.xp import backend_of
 from hvd_sparse.testing import simulate
 
-from oracles import PS, ctx_of, int_grads, mean_density_ratio, run_world
+from oracles import PS, ctx_of, int_grads, mean_density_ratio, real, run_world
 
 
 # the warning "num_blk < 4·P" (ExDyna raises the block count) is expected with the small num_blk used here
@@ -31,13 +31,17 @@ pytestmark = pytest.mark.filterwarnings("ignore:hvd_sparse.ExDyna:RuntimeWarning
 
 # -- test doubles ---------------------------------------------------------------------------------------------------
 class RecExDyna(ExDyna):
-    """Test double: records the selection and the tau it was made with (state only, like the real one)."""
+    """Test double: records the selection and the tau it was made with (state only, like the real one), with room
+    for all of it: the wire's capacity (2·k/P a rank) cuts what the rule selects beyond it, and these tests check the
+    rule itself."""
+
+    capacity_ratio = 1e9
 
     def select(self, xp, acc, k, state, ctx):
-        idx = super().select(xp, acc, k, state, ctx)
-        state["_idx"] = np.array(xp.to_numpy(idx), dtype=np.int64)
+        out = super().select(xp, acc, k, state, ctx)
+        state["_idx"] = real(out).astype(np.int64)
         state["_tau_used"] = state["tau"]
-        return idx
+        return out
 
 
 class TopkANoCounts(TopkA):
@@ -259,24 +263,27 @@ def test_exdyna_default_geometry_and_threshold_rules_match_reference(P, rule):
 
 @pytest.mark.parametrize("P", PS)
 def test_exdyna_exact_volume_per_phase(P):
+    """Fixed shapes: every rank sends its capacity c = 2·k/P of indices (the step's opening, its count in the
+    header) and the allreduce carries P·c values, whatever each rank selected."""
     n, steps = 2000, 4
     g = imbalanced_int_grads(steps, P, n, seed=40 + P)
-    recs = run_world(SparseCompression(RecExDyna(0.05, num_blk=32, align=1, init_threshold=2000.0),
+    recs = run_world(SparseCompression(ExDyna(0.05, num_blk=32, align=1, init_threshold=2000.0),
                                        ExDynaReducer()), g)
+    c = int(2 * 100 / P)                                              # k = 100
     for t in range(steps):
         ks = recs[t][0]["state"]["ks"]
-        K = sum(ks)
-        assert recs[t][0]["info"] == {"counts": ks, "K": K}
+        assert recs[t][0]["info"] == {"counts": ks, "K": sum(ks)} and max(ks) <= c
         for r in range(P):
             ph = recs[t][r]["phases"]
             if P == 1:
                 assert recs[t][r]["collectives"] == 0 and ph["calls"] == {}
                 continue
-            assert ph["calls"] == {"count": 1, "indices": 0, "values": 1}     # indices ride with the counts
-            assert ph["sent_words"] == {"count": P - 1, "indices": ks[r] * (P - 1), "values": 2 * K * (P - 1) // P}
-            assert ph["recv_words"] == {"count": P - 1, "indices": K - ks[r], "values": 2 * K * (P - 1) // P}
-            assert ph["sent_bytes"]["indices"] == 4 * ks[r] * (P - 1)          # int32 on the wire
-            assert ph["sent_bytes"]["values"] == 4 * (2 * K * (P - 1) // P)
+            assert ph["calls"] == {"agree": 0, "indices": 1, "values": 1}     # the indices open the step
+            values = 2 * P * c * (P - 1) // P
+            assert ph["sent_words"] == {"agree": 9 * (P - 1), "indices": c * (P - 1), "values": values}
+            assert ph["recv_words"] == ph["sent_words"]
+            assert ph["sent_bytes"]["indices"] == 4 * c * (P - 1)             # int32 on the wire
+            assert ph["sent_bytes"]["values"] == 4 * values
 
 
 def test_exdyna_single_rank_issues_no_collective_and_keeps_semantics():

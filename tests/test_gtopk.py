@@ -14,7 +14,7 @@ from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.core.sparsifiers import TopK
 from hvd_sparse.testing import simulate
 
-from oracles import (NP, PS, assert_mass_conserved, cases, comp, distinct_grads, gtopk_reference, int_grads, k_of,
+from oracles import (NP, PS, real, assert_mass_conserved, cases, comp, distinct_grads, gtopk_reference, int_grads, k_of,
                      ref_topk, tree_merge_ref)
 
 
@@ -109,7 +109,7 @@ def test_gtopk_info_and_no_duplicates_when_fewer_than_k_nonzeros_survive():
     def run(comm):
         r = comm.rank
         ctx = StepContext(r, P, 0, (n,), comm, True)
-        idx = TopK(k / n).select(NP, g[r], k, {}, ctx)
+        idx = real(TopK(k / n).select(NP, g[r], k, {}, ctx))
         out[r] = GTopk().reduce(NP, g[r], idx, k, comm, {}, ctx)
 
     world.run(run)

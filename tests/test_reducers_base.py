@@ -1,4 +1,4 @@
-"""The reducers' shared wire format (hvd_sparse/core/reducers/base.py, docs/algorithms.md#wire-format): (index, value)
+"""The reducers' shared wire format (hvd_sparse/core/reducers/base.py, docs/algorithms.md#the-wire): (index, value)
 pairs packed into one array of int32 or int64 words (int32 while every index fits), the value bit-cast, and unpacked
 exactly, on numpy and torch."""
 

@@ -1,7 +1,7 @@
 """Ok-Topk's region boundaries (hvd_sparse/core/reducers/regions.py), docs/algorithms.md#oktopk: the pure boundary
-functions (load, smoothed load, histogram and its refinement), and the boundary policies of OkTopk (periodic, result,
-load, measured) on the simulator: the same bits whatever the boundaries, the same boundaries on every rank, the words
-of their collectives, and the split balance they keep."""
+functions (load, smoothed load, histogram), and the boundary policies of OkTopk (periodic, result, load, measured) on
+the simulator: the same bits whatever the boundaries, the same boundaries on every rank, the words they add to the
+step's messages, and the split balance they keep."""
 
 import dataclasses
 
@@ -9,8 +9,6 @@ import numpy as np
 import pytest
 
 from hvd_sparse.compression import SparseCompression
-from hvd_sparse.core.sim import SimulatedWorld
-from hvd_sparse.core.xp import backend_of
 
 from oracles import assert_mass_conserved, int_grads
 from oracles import make_oktopk as make
@@ -69,10 +67,9 @@ def test_boundary_policies_do_not_change_results_and_stay_replica_consistent(P, 
             assert runs[b]["info"][t][0]["repartition"] == (t == 0)     # the allreduce only to start
     moved = [t for t in range(1, 14) if runs["load"]["info"][t][0]["offsets"] != runs["load"]["info"][0][0]["offsets"]]
     assert moved                                                        # the load boundaries do move
-    if P > 1:                                                           # one word more in the count allgather
-        phase = "reeval_count" if tp == 1 else "count"
-        assert runs["load"]["phases"][3][0]["recv_words"][phase] == \
-            runs["periodic"]["phases"][3][0]["recv_words"][phase] + (P - 1)
+    for t in range(14):                                                 # one word more in the gather's header
+        assert runs["load"]["phases"][t][0]["recv_words"]["gather.head"] == \
+            runs["periodic"]["phases"][t][0]["recv_words"]["gather.head"] + (P - 1)
 
 
 def _split_max_per_step(comp, src, P, steps):
@@ -96,8 +93,9 @@ def _split_max_per_step(comp, src, P, steps):
 
 def test_smoothed_load_boundaries_keep_the_split_balanced_at_ten_entries_per_region():
     """k/P = 10 (the regime of P = 1024): the last step's load alone forecasts the next poorly (the hot
-    entries it clears move the load), its busiest owner receives up to 1.75x its share 2k(P-1)/P after the
-    transient; the exponential average of the load CDFs (load_smoothing = 0.5) keeps it within 1.55x."""
+    entries it clears move the load), its busiest owner receives up to 1.8x its share 2k(P-1)/P after the
+    transient; the exponential average of the load CDFs (load_smoothing = 0.5) keeps it within 1.65x, and most
+    steps within 1.4x."""
     import hvd_sparse
     from hvd_sparse.bench.data import SyntheticGradients
 
@@ -106,10 +104,11 @@ def test_smoothed_load_boundaries_keep_the_split_balanced_at_ten_entries_per_reg
     share = 2 * k * (P - 1) / P
     comp = hvd_sparse.Compression.oktopk(density, boundaries="load")
     assert comp.reducer.load_smoothing == 0.5
-    worst = _split_max_per_step(comp, src, P, steps)[5:].max() / share
-    assert worst <= 1.55, worst
+    smoothed = _split_max_per_step(comp, src, P, steps)[5:] / share
+    assert smoothed.max() <= 1.65 and np.median(smoothed) <= 1.4, smoothed
     last_only = SparseCompression(comp.sparsifier, dataclasses.replace(comp.reducer, load_smoothing=0.0))
-    assert _split_max_per_step(last_only, src, P, steps)[5:].max() / share > 1.6     # drifts further
+    drift = _split_max_per_step(last_only, src, P, steps)[5:] / share
+    assert drift.max() > 1.7 and np.median(drift) > np.median(smoothed)             # drifts further
 
 
 def test_smoothed_load_boundaries_are_an_even_split_of_the_average():
@@ -127,56 +126,25 @@ def test_measured_boundaries_split_the_histogram_evenly():
 
     edges = histogram_edges(None, 2, 200)
     assert edges == [0, 50, 100, 150, 200]                  # no forecast yet: equal-width bins, 2 per region
-    assert measured_boundaries(edges, [30, 10, 10, 30], None, 200) == [0, 100, 200]
-    assert measured_boundaries(edges, [60, 0, 0, 20], None, 200) == [0, 33, 200]     # 40 of 60: 2/3 of bin 0
+    assert measured_boundaries(edges, [30, 10, 10, 30], None, 200, 2) == [0, 100, 200]
+    assert measured_boundaries(edges, [60, 0, 0, 20], None, 200, 2) == [0, 33, 200]   # 40 of 60: 2/3 of bin 0
     # shaped like the forecast inside a bin: its middle point (10) halves the bin's load
     forecast = [0, 10, 50, 60, 100, 120, 150, 170, 200]
     assert histogram_edges(forecast, 2, 200) == [0, 50, 100, 150, 200]
-    assert measured_boundaries(edges, [60, 0, 0, 20], forecast, 200) == [0, 23, 200]
-    assert measured_boundaries(edges, [0, 0, 0, 0], forecast, 200) is None
-
-
-def test_a_histogram_bin_heavier_than_a_share_is_counted_again_finer():
-    """refine_load on P = 4 simulated ranks: the one bin that holds most of the load is cut into sub-bins of about a
-    quarter share and counted by one allreduce (the same counts on every rank, summing to the bin's); a histogram
-    whose bins hold at most a share each makes no collective. The boundaries then split the refined load evenly,
-    where the coarse histogram would have spread the heavy bin over its whole width."""
-    from hvd_sparse.core.reducers.regions import measured_boundaries, refine_load
-
-    P, n = 4, 800
-    edges = [0, 100, 200, 300, 400, 500, 600, 700, 800]
-    sel = [np.unique(np.r_[np.arange(r, 80, 2), [150 + r, 450 + r, 650 + r]]).astype(np.int64) for r in range(P)]
-    hist = [int(sum(np.count_nonzero((s >= edges[b]) & (s < edges[b + 1])) for s in sel)) for b in range(2 * P)]
-    W = sum(hist)
-    assert hist == [158, 4, 0, 0, 4, 0, 4, 0] and hist[0] * P > W      # bin 0: 158 of 170, over a share
-
-    world = SimulatedWorld(P)
-    out = world.run(lambda comm: refine_load(backend_of(sel[comm.rank]), sel[comm.rank], edges, hist, comm,
-                                             sel[comm.rank]) + (dict(comm.meter.calls),))
-    e, h, calls = out[0]
-    assert all(o[:2] == (e, h) for o in out)
-    s = -(-4 * P * hist[0] // W)                                      # ceil(4·P·h/W) = 15 sub-bins of bin 0
-    assert e[:s + 1] == [(j * 100) // s for j in range(s + 1)] and e[s:] == edges[1:]
-    assert sum(h[:s]) == hist[0] and h[s:] == hist[1:] and calls == {"refine": 1}
-    assert max(h[:s]) * 2 * P <= W                                     # each sub-bin at most half a share
-    bounds = measured_boundaries(e, h, None, n, P)
-    assert 0 < bounds[1] < bounds[2] < bounds[3] < 80                  # three boundaries where the load is
-    loads = [sum(int(np.count_nonzero((x >= bounds[j]) & (x < bounds[j + 1]))) for x in sel) for j in range(P)]
-    assert max(loads) <= W / P + max(h[:s])                            # a share, give or take one sub-bin
-    assert measured_boundaries(edges, hist, None, n, P)[3] > 80        # unrefined: the last boundary past the load
-
-    for flat in ([10] * 8, [10, 10, 10, 10, 0, 0, 0, 0]):             # half a share each; exactly a share each
-        assert world.run(lambda comm: refine_load(backend_of(sel[0]), sel[0], edges, flat, comm, sel[0]) +
-                         (dict(comm.meter.calls),))[0] == (edges, flat, {})
+    assert measured_boundaries(edges, [60, 0, 0, 20], forecast, 200, 2) == [0, 23, 200]
+    assert measured_boundaries(edges, [0, 0, 0, 0], forecast, 200, 2) is None
 
 
 @pytest.mark.parametrize("P", [2, 3, 5])
 @pytest.mark.parametrize("tp", [1, 4])
 @pytest.mark.parametrize("control", ["band", "ladder"])
 def test_measured_boundaries_and_the_ladder_sum_do_not_change_results(P, tp, control):
-    """``measured`` boundaries (this step's histogram, allreduced before the split) and the ladder's counts
-    summed by an allreduce: the same updates and residuals, bit for bit, as the paper's boundaries, the same
-    boundaries on every rank, and exactly the words of their collectives."""
+    """``measured`` boundaries (this step's histogram, in the step's opening; at fewer than 2P² entries, k = 15
+    here for P = 3 and 5, the smoothed load instead) and the ladder's counts in the gather's header: the same updates
+    and residuals, bit for bit, as the paper's boundaries, the same boundaries on every rank, and exactly the words
+    they add to the messages, the same on every step."""
+    from hvd_sparse.core.reducers.oktopk import HISTOGRAM_FROM, LADDER_STEPS
+
     g = int_grads(14, P, 300, seed=80 + P)
     runs = {b: run(make(0.05, tp=tp, rp=6, rd={"boundaries": b, "global_control": control}), g)
             for b in ("periodic", "measured")}
@@ -189,8 +157,9 @@ def test_measured_boundaries_and_the_ladder_sum_do_not_change_results(P, tp, con
         assert all(runs["measured"]["info"][t][r]["offsets"] == offs for r in range(P))
         for b, res in runs.items():
             rw = res["phases"][t][0]["recv_words"]
-            assert rw.get("histogram", 0) == (2 * (2 * P) * (P - 1) // P if b == "measured" and t else 0)
-            if control == "ladder" and not res["info"][t][0]["reeval"]:
-                assert rw["ladder"] == 2 * 9 * (P - 1) // P and rw.get("count", 0) <= P - 1
+            histogram = b == "measured" and 15 >= HISTOGRAM_FROM * P * P
+            assert rw.get("histogram", 0) == (2 * P * (P - 1) if histogram else 0)
+            head = (len(LADDER_STEPS) if control == "ladder" else 1) + (b == "measured")   # counts, load
+            assert rw["gather.head"] == head * (P - 1)
     offsets = [runs["measured"]["info"][t][0]["offsets"] for t in range(14)]
     assert any(o != offsets[0] for o in offsets[1:])                    # the measured boundaries do move

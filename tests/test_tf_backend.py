@@ -63,10 +63,10 @@ def test_every_preset_on_tensorflow_equals_numpy_bit_for_bit(preset, P):
 @pytest.mark.parametrize("name, make, P", [
     # branches the presets at density 0.05 do not reach
     ("topk_dsa dense switch", lambda: Compression.topk_dsa(0.4), 3),
-    ("oktopk paper, balanced, tau'=2", lambda: SparseCompression(
+    ("oktopk paper, uncut gather, tau'=2", lambda: SparseCompression(
         dataclasses.replace(OKTOPK_PRESETS["paper"].sparsifier, density=0.05, threshold_period=2),
         dataclasses.replace(OKTOPK_PRESETS["paper"].reducer, threshold_period=2, repartition_period=3,
-                            balance="always")), 4),
+                            gather_capacity=None)), 4),
     ("oktopk gt + hard cap", lambda: SparseCompression(
         ThresholdReuse(0.05, 2, select_rule="gt", max_select_ratio=1.5),
         OkTopk(2, 2, select_rule="gt", max_select_ratio=1.5)), 3),

@@ -32,6 +32,7 @@ The warm-up call also pays the kernel's one-time build (cached on disk afterward
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
 import sys
 import time
@@ -71,6 +72,7 @@ def sparsifier_call(name, buf, k, density, layout):
     from ..compression import Compression
     from ..core.context import StepContext
     from ..core.sim import SimulatedWorld
+    from ..core.sparsifiers.base import fit_selection
     from ..core.xp import backend_of
 
     preset, setup = SPARSIFIERS[name]
@@ -84,9 +86,10 @@ def sparsifier_call(name, buf, k, density, layout):
     if name == "threshold_reuse" and setup % sp.threshold_period == 0:   # pragma: no cover - config guard
         raise RuntimeError("select: the timed ThresholdReuse step would be a re-evaluation step")
     state = sp.initial_state()
-    for t in range(setup):
-        sp.select(xp, buf, k, state, ctx(t))
-        sp.update(xp, state, {}, ctx(t))
+    n = xp.numel(buf)
+    for t in range(setup):              # as the engine steps it: its count and note back to update, on the host
+        _, count, note = fit_selection(xp, sp.select(xp, buf, k, state, ctx(t)), n, sp.capacity(k, n), buf)
+        sp.update(xp, state, {}, dataclasses.replace(ctx(t), selected=int(xp.item(count)), note=int(xp.item(note))))
     out = {}
 
     def make_call():
@@ -103,7 +106,7 @@ def sparsifier_call(name, buf, k, density, layout):
             raise RuntimeError("select: threshold_reuse re-evaluated on the timed step")
         if name == "dct" and st.get("recomputed"):
             raise RuntimeError("select: dct recomputed its thresholds on the timed step")
-        return xp.numel(out["idx"])
+        return int(xp.item(fit_selection(xp, out["idx"], n, sp.capacity(k, n), buf)[1]))
 
     return make_call, check
 

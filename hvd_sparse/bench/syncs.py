@@ -1,15 +1,17 @@
-"""Host reads of a sparse step, counted on the CPU: the places where, on a GPU, the host waits for the device.
+"""The fixed costs of a sparse step, counted on the CPU: host reads, negotiated collectives and operations.
 
 On a CUDA tensor every read of a value by the host -- ``float(t)``, ``int(t)``, ``bool(t)``, ``t.item()``,
 ``t.tolist()``, a copy to numpy -- and every operation whose output size depends on the data (``nonzero``,
 boolean-mask indexing, ``unique``, ``masked_select``) makes the host wait until the GPU has finished the work
 queued before it (one ``cudaStreamSynchronize``). :class:`HostReads` is a ``torch`` function mode that counts these
 calls on any device, so the engine's syncs per step can be counted -- and guarded by a test -- on a machine without a
-GPU. :func:`count` runs P simulated ranks with CPU torch tensors on the paths of CUDA tensors (no C kernel, no numpy
-view of a buffer) and counts each rank's reads per step, outside the collectives (a collective's own
-copies are Horovod's, not the engine's; what the engine reads from its result is counted).
+GPU. :class:`AtenOps` counts the ``aten`` operations a step dispatches (each one Python and dispatch work, and on
+a GPU a kernel launch). :func:`count` runs P simulated ranks with CPU torch tensors on the paths of CUDA tensors
+(no C kernel, no numpy view of a buffer) and counts each rank's reads and operations per step, outside the
+collectives (a collective's own copies are Horovod's, not the engine's; what the engine reads from its result is
+counted), and the step's negotiated collectives (the agreement's included).
 
-    python -m hvd_sparse.bench.syncs --size 4     # the table of docs/algorithms.md ("Host reads per step")
+    python -m hvd_sparse.bench.syncs --size 4     # the table of docs/algorithms.md ("The fixed costs of a step")
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import collections
 import contextlib
 import os
 import traceback
+from typing import NamedTuple
 
 #: calls that read a value on the host (``numpy``: a copy to the host; ``.cpu()`` before it is not counted again)
 READS = frozenset({"__float__", "__int__", "__bool__", "__index__", "item", "tolist", "numpy"})
@@ -38,24 +41,16 @@ def _torch_function_mode():
     return TorchFunctionMode
 
 
-class HostReads(_torch_function_mode()):
-    """Counts the host reads (:data:`READS`, :data:`SIZED`, boolean-mask indexing) while active and not
-    :meth:`paused`; ``where`` counts them by the library line that made them (the caller of the array backend)."""
+def _torch_dispatch_mode():
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-        self.where = collections.Counter()
-        self._paused = 0
+    return TorchDispatchMode
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not self._paused:
-            name = getattr(func, "__name__", "")
-            if name in READS or name in SIZED or (name in ("__getitem__", "__setitem__") and _bool_index(args[1])):
-                self.reads += 1
-                self.where[f"{name} at {_library_line()}"] += 1
-        return func(*args, **kwargs)
+
+class _Pausable:
+    """A counter that :meth:`paused` stops counting (nested: counting resumes when the outermost pause ends)."""
+
+    _paused = 0
 
     @contextlib.contextmanager
     def paused(self):
@@ -66,6 +61,40 @@ class HostReads(_torch_function_mode()):
             self._paused -= 1
 
 
+class HostReads(_Pausable, _torch_function_mode()):
+    """Counts the host reads (:data:`READS`, :data:`SIZED`, boolean-mask indexing) while active and not
+    :meth:`paused`; ``where`` counts them by the library line that made them (the caller of the array backend)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+        self.where = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self._paused:
+            name = getattr(func, "__name__", "")
+            if name in READS or name in SIZED or (name in ("__getitem__", "__setitem__") and _bool_index(args[1])):
+                self.reads += 1
+                self.where[f"{name} at {_library_line()}"] += 1
+        return func(*args, **kwargs)
+
+
+class AtenOps(_Pausable, _torch_dispatch_mode()):
+    """Counts the ``aten`` operations dispatched while active and not :meth:`paused` (``by_name``: per operation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.by_name = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self._paused:
+            self.ops += 1
+            self.by_name[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _library_line():
     for fs in reversed(traceback.extract_stack(limit=12)):
         if "/hvd_sparse/" in fs.filename and "/core/xp/" not in fs.filename and not fs.filename.endswith("/syncs.py"):
@@ -74,10 +103,10 @@ def _library_line():
 
 
 class _Unmetered:
-    """A communicator whose collectives run with ``reads`` paused (everything else passes through)."""
+    """A communicator whose collectives run with the ``counters`` paused (everything else passes through)."""
 
-    def __init__(self, comm, reads):
-        self._comm, self._reads = comm, reads
+    def __init__(self, comm, *counters):
+        self._comm, self._counters = comm, counters
 
     def __getattr__(self, name):
         attr = getattr(self._comm, name)
@@ -85,46 +114,57 @@ class _Unmetered:
             return attr
 
         def collective(*args, **kwargs):
-            with self._reads.paused():
+            with contextlib.ExitStack() as stack:
+                for counter in self._counters:
+                    stack.enter_context(counter.paused())
                 return attr(*args, **kwargs)
         return collective
 
 
+class StepCosts(NamedTuple):
+    """Per step of rank 0: ``reads``, ``collectives`` (negotiated, the agreement's included) and ``ops`` (aten
+    operations of its engine step); ``where``: the library lines that made the last step's reads."""
+
+    reads: list
+    collectives: list
+    ops: list
+    where: collections.Counter
+
+
 def count(compression, size, n, steps, seed=0):
-    """Per step t, the host reads of rank 0's engine step (list of ints, one per step) and the lines that made them
-    on the last step (a Counter). ``compression``: a preset (its configuration; fresh engines). Also per step the
-    negotiated collectives of the step, the agreement's included (the third result)."""
+    """The :class:`StepCosts` of rank 0's engine steps: ``compression`` (its configuration; fresh engines) on P =
+    ``size`` simulated ranks, gradient-like data of ``n`` entries, CPU tensors on the paths of CUDA tensors."""
     import torch
 
     from ..core.sim import SimulatedWorld
     from .data import SyntheticGradients
 
     source = SyntheticGradients(n, size, seed=seed)
-    per_rank = [HostReads() for _ in range(size)]
+    counters = [(HostReads(), AtenOps()) for _ in range(size)]
     config = compression.fresh()
 
     def rank_loop(comm):
-        reads = per_rank[comm.rank]
-        engine = config.new_engine(_Unmetered(comm, reads), "model")
-        counts, collectives = [], []
+        reads, ops = counters[comm.rank]
+        engine = config.new_engine(_Unmetered(comm, reads, ops), "model")
+        out = StepCosts([], [], [], reads.where)
         for t in range(steps):
             grad = torch.from_numpy(source.grad(t, comm.rank))
-            before = reads.reads
+            before, ops.ops = reads.reads, 0
             if t == steps - 1:
                 reads.where.clear()
-            with reads:
+            with reads, ops:
                 engine.step(grad)
-            counts.append(reads.reads - before)
-            collectives.append(engine.last["collectives"] + (size > 1))     # + the agreement
-        return counts, collectives
+            out.reads.append(reads.reads - before)
+            out.ops.append(ops.ops)
+            out.collectives.append(engine.last["collectives"] + engine.last["control_collectives"])
+        return out
 
-    with _as_if_on_a_device():
-        results = SimulatedWorld(size).run(rank_loop)
-    return results[0][0], per_rank[0].where, results[0][1]
+    with as_if_on_a_device():
+        return SimulatedWorld(size).run(rank_loop)[0]
 
 
 @contextlib.contextmanager
-def _as_if_on_a_device():
+def as_if_on_a_device():
     """CPU tensors take the paths of CUDA tensors: no C kernel (``HVD_SPARSE_NATIVE=0``) and no numpy view of a
     buffer (``TorchBackend.host`` answers None, as for device memory)."""
     from ..core.xp.torch_backend import TorchBackend
@@ -144,15 +184,17 @@ def _as_if_on_a_device():
 
 def table(size, n=20_000, steps=10, density=0.01, names=None):
     """Markdown: per preset, the host reads of the first step and of a steady step (the most over steps 1..), the
-    steady step's negotiated collectives (the agreement's included), and where the steady step makes its reads."""
+    steady step's negotiated collectives (the agreement's included) and aten operations, and where the steady step
+    makes its reads."""
     from . import presets
 
-    lines = [f"| preset | host reads, first step | steady step (P = {size}) | collectives, steady step | where |",
-             "|---|---|---|---|---|"]
+    lines = [f"| preset | host reads, first step | steady step (P = {size}): host reads | collectives | aten ops "
+             "| where the reads are |", "|---|---|---|---|---|---|"]
     for name in names or presets.names():
-        counts, where, collectives = count(presets.make(name, density), size, n, steps)
-        places = ", ".join(f"{v}x {k}" if v > 1 else k for k, v in sorted(where.items(), key=lambda kv: kv[0]))
-        lines.append(f"| {name} | {counts[0]} | {max(counts[1:])} | {max(collectives[1:])} | {places} |")
+        c = count(presets.make(name, density), size, n, steps)
+        places = ", ".join(f"{v}x {k}" if v > 1 else k for k, v in sorted(c.where.items(), key=lambda kv: kv[0]))
+        lines.append(f"| {name} | {c.reads[0]} | {max(c.reads[1:])} | {max(c.collectives[1:])} | {max(c.ops[1:])} "
+                     f"| {places} |")
     return "\n".join(lines)
 
 

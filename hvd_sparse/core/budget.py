@@ -3,15 +3,16 @@
 ``Compression.<preset>(byte_budget=b)`` runs the preset at the density at which each rank sends, per step on average
 over ranks and steps, at most the fraction b in (0, 1] of what a ring allreduce of the same float32 gradient sends
 (:func:`dense_bytes`, 2·n·(P−1)/P words of 4 bytes), as far as the model below predicts it. Bytes are counted as the volume meter counts them
-(``hvd_sparse/core/comm.py``: what a rank *sends*; the agreement's 28-byte control vector apart).
+(``hvd_sparse/core/comm.py``: what a rank *sends*, the padding of a fixed-size message included; the agreement's
+header apart).
 
 The model. One step of a preset sends about
 
     4 · f(P) · s(d) · n · (P−1)/P  bytes per rank,
 
-with s(d) the fraction of the n entries one rank selects at density d (:func:`selected_fraction`; d itself for an
-exact top-k) and f(P) the 4-byte words its reducer sends per selected entry, in units of (P−1)/P
-(:func:`words_per_entry`). Equal to b · 8·n·(P−1)/P, it gives
+with s(d) the fraction of the n entries one rank puts on the wire at density d (:func:`wire_fraction`) and f(P) the
+4-byte words its reducer sends per such entry, in units of (P−1)/P (:func:`words_per_entry`). Equal to
+b · 8·n·(P−1)/P, it gives
 
     s(d) = 2·b / f(P):
 
@@ -19,71 +20,55 @@ n cancels, so the density depends on b and P only (:func:`density_for`): every r
 number of ranks, and a new process set derives it again. The density is clipped to (0, 1]; at P = 1 (nothing is
 sent) it is the limit of the formula.
 
+s(d): the selection travels in a message of a fixed size (docs/algorithms.md#the-wire), its capacity: k for an exact
+top-k (TopK), ``capacity_ratio``·k for the others (Gaussiank, DCT: 2; ThresholdReuse: 1.25; ExDyna: 2·k/P per rank),
+whatever they select; so s(d) = ratio·d (ExDyna: ratio·d/P). Ok-Topk's split sends its selection's real entries
+(about k: its controllers keep the count near k), so s(d) = d there.
+
 =========  =====================  ==============================================================================
-reducer    f(P)                   what a rank sends per step (k = max(1, ⌊d·n⌋), |S| its selection)
+reducer    f(P)                   what a rank sends per step (c its selection's capacity)
 =========  =====================  ==============================================================================
-topka      2P                     its |S| (index, value) pairs to P−1 ranks (allgather): 2|S|(P−1)
+topka      2P                     its c (index, value) slots to P−1 ranks (allgather): 2c(P−1)
 topk_dsa   TOPK_DSA_WORDS         2k(P−1)/P in the reduce-scatter, then its share of the reduced union N, 2N/P
                                   pairs to P−1 ranks: N grows from k to Pk as the selections overlap less
 gtopk      4                      every rank but rank 0 sends its k pairs once and rank 0 broadcasts k pairs:
                                   4k(P−1)/P on average over the ranks (rank 0 alone sends 2k(P−1))
-oktopk     7                      the paper's bound 6k(P−1)/P, plus k(P−1)/P for the per-step control words (load
-                                  histogram of 2P int64 counts, ladder, counts: about 10(P−1) 4-byte words)
-exdyna     3P                     per entry it selects in its partition (about k/P of them): the index to P−1
-                                  ranks and the allreduce of the values at the union of the P partitions
+oktopk     3 + 2·g                its |S| ≈ k pairs in the split (2k(P−1)/P), g·k/P pairs to P−1 ranks in the
+                                  gather (g = ``gather_capacity``, 1.5; None: 2P²), and about k(P−1)/P of control
+                                  words (the histogram, proposals and the gather's header)
+exdyna     3P                     per slot of its capacity (c = 2·k/P): the index to P−1 ranks and the allreduce
+                                  of the values at all P·c slots
 spardl     (4(Q−1) + 2(g−1))/Q    g = groups teams of Q = P/g ranks: 2⌊k/Q⌋ words per hop of the reduce-scatter and
            · P/(P−1)              of the all-gather, at most as many per other team (4k(P−1)/P for g = 1)
 =========  =====================  ==============================================================================
-
-s(d) per sparsifier: TopK selects k, and so does Ok-Topk's ThresholdReuse, whose controllers keep the count near k
-(Ok-Topk's K as well); ExDyna's ranks select 1.5·k/P each (:data:`SELECTED_RATIO`: its threshold starts from one
-top-k, selects 2-3.5k for the first steps and settles near 1.1-1.2k); Gaussiank's and DCT's counts follow the density
-loosely (:data:`SELECTED`), since their thresholds are statistical (μ + zσ of a heavy-tailed accumulator: 10-20k
-at d = 1e-4) or stale (DCT's is recomputed once per ``lifespan``, and error feedback pushes the count between
-recomputations to 15k at d = 0.01, and to 2% of n at any d ≤ 1e-5, where every tensor selects one entry).
 
 Calibration: ``hvd_sparse.testing.simulate`` of every preset (defaults) at the density the model derives, on
 ``SyntheticGradients(100000, P, seed=0)`` (16 layers), 40 steps (the start-up steps included); the mean sent bytes per
 rank and step over ``byte_budget`` x :func:`dense_bytes`, for b = 0.05:
 
 =========  ======  ======  ======  ======  ========================================================================
-preset     P = 4   P = 8   P = 64  P = 256 why below 1
+preset     P = 4   P = 8   P = 64  P = 256 why not 1
 =========  ======  ======  ======  ======  ========================================================================
 topka      1.00    1.00    0.998   0.973   exact (k = ⌊d·n⌋ rounds down)
 topk_dsa   0.915   0.908   0.883   0.825   N varies with the data (table: 40-step means of b = 0.01-0.2, ~8% margin)
 gtopk      1.00    1.00    1.00    1.00    exact
-oktopk     0.526   0.543   0.651   0.861   measures 3.7-4.5k(P−1)/P; at P = 256 the control words are a quarter
-exdyna     0.827   0.839   0.854   0.893   the count varies around k (1.2-1.25k over 40 steps, model 1.5k)
+oktopk     0.812   0.829   0.895   1.24    the split carries |S| ≈ 0.9k; at P = 256 (k/P = 6.5) the gather's
+                                           header (10 words an owner) and c = ⌈1.5k/P⌉ exceed the model's allowance
+exdyna     1.00    0.998   0.999   0.999   its capacity is sent whatever it selects
 spardl     1.00    0.998   0.998   0.922   exact but for ⌊k/Q⌋ per block
-gaussiank  0.897   0.895   1.21*   4.83*   the count varies with the data (seed 7: 0.76 and 0.67 at P = 4, 8)
-dct        1.49*   2.96*   23.4*   93.6*   the count does not follow the density
+gaussiank  1.00    0.998   0.998   0.922   its capacity is sent (k = ⌊d·n⌋ rounds down)
+dct        1.00    0.998   0.998   0.922   its capacity is sent
 =========  ======  ======  ======  ======  ========================================================================
 
-Starred: out of the model's reach (:func:`fraction` at the smallest density exceeds b): the preset runs at that density
-(Gaussiank 1e-6, DCT 1e-5) with a ``RuntimeWarning`` and sends more than the budget. At b = 0.2 (P = 4, 8, 64) the
-ratios are 0.83-0.86 (topk_dsa), 0.58-0.61 (oktopk), 0.77-0.79 (exdyna), 0.89-0.92 (gaussiank), 0.93 (dct, P = 4);
-at b = 0.01, 0.90-0.91, 0.52-0.91, 0.86-0.95 and 0.91 (gaussiank, P = 4, 8).
+Budgets out of reach. The density has no floor, but k = max(1, ⌊d·n⌋) is at least 1: when d·n < 1 the preset
+sends one entry per rank, f(P)·(P−1)/P words, more than the budget (n below about P/b for TopkA), without a warning:
+n is not known when the density is derived.
 
-The selected fraction of Gaussiank and DCT (lifespan 1000) per rank, mean over 40 steps at P = 2, the larger of
-seeds 0 and 7, times 1.1, interpolated log-log (:data:`SELECTED`): Gaussiank 0.00103 at d = 1e-6, 0.00462 at 1e-3,
-0.0145 at 1e-2; DCT 0.027 at d ≤ 1e-5, 0.0806 at 1e-3, 0.164 at 1e-2. With TopkA's allgather (2|S|(P−1) words) DCT
-therefore sends at least 0.027·P of the dense bytes on this data: 0.11 at P = 4, more than the dense allreduce from
-P = 38; Gaussiank reaches b = 0.05 up to P = 48.
-
-Budgets out of reach. For an exact top-k the density has no floor, but k = max(1, ⌊d·n⌋) is at least 1: when
-d·n < 1 the preset sends one entry per rank, f(P)·(P−1)/P words, more than the budget (n below about P/b for
-TopkA), without a warning: n is not known when the density is derived. For the table-based sparsifiers the smallest
-density is the table's first; below it the model's bytes stop falling.
-
-Limits of the model: the per-step control words (counts, Ok-Topk's histogram) do not scale with k, so where k/P is
-small they add to the volume (Ok-Topk at P = 256: 0.86 of the budget at k = 5.6P, more below); int64 indices (n > 2^31 − 2) make a pair 12 bytes, not 8;
-Gaussiank's count settles lower after its first 10-20 steps (long runs use less of the budget) while DCT's grows with
-the steps since its last recomputation (over 200 steps 1.1-1.5 times the 40-step mean: a long
-``lifespan`` exceeds the budget); the model is the library's Ok-Topk variant: "paper" and "ref_*", without its count
-controllers, select several k for tens of steps (docs/algorithms.md) and exceed the budget (P = 8: 5.4 and 1.7 times
-it for "paper" and "ref_vgg") unless ``max_select_ratio`` caps the counts (1.2: 0.68 of it for both). SparDL with
-``groups`` > 1 stays below its bound (P = 64, groups = 4: 0.64 of the budget; P = 8, groups = 2: 0.88, and 1.00 with
-``sag="recursive"``).
+Limits of the model: the per-step control words (Ok-Topk's histogram, the gather's header) do not scale with k, so
+where k/P is small they add to the volume (Ok-Topk at k/P = 6.5: 1.24 of the budget); int64 indices (n > 2^31 − 2) make a pair 12 bytes, not 8; the model is
+the library's Ok-Topk variant: "paper" and "ref_*", without its count controllers, select more than k for tens of
+steps (their capacity, 1.25k, bounds them). SparDL with ``groups`` > 1 stays below its bound (P = 64, groups = 4:
+0.64 of the budget; P = 8, groups = 2: 0.88, and 1.00 with ``sag="recursive"``).
 """
 
 from __future__ import annotations
@@ -103,28 +88,16 @@ TEMPLATE_DENSITY = 1.0
 #: (disjoint selections)
 TOPK_DSA_WORDS = ((1, 4.0), (2, 6.1), (4, 9.2), (8, 13.8), (16, 19.3), (32, 25.3), (64, 31.8), (256, 45.0))
 
-#: words per selected entry, in units of (P−1)/P, by reducer name: ``f(reducer, P)`` (module docstring)
+#: words per entry on the wire, in units of (P−1)/P, by reducer name: ``f(reducer, P)`` (module docstring)
 WORDS = {
     "topka": lambda reducer, P: 2.0 * P,
     "topk_dsa": lambda reducer, P: _dsa_words(P),
     "gtopk": lambda reducer, P: 4.0,
-    "oktopk": lambda reducer, P: 7.0,
+    "oktopk": lambda reducer, P: 3.0 + 2.0 * (2 * P * P if reducer.gather_capacity is None else
+                                              reducer.gather_capacity),
     "exdyna": lambda reducer, P: 3.0 * P,
     "spardl": lambda reducer, P: _spardl_words(reducer.groups, P),
 }
-
-#: (density, selected fraction per rank) of the sparsifiers whose count follows the density loosely: 40-step means
-#: on SyntheticGradients(100000), the larger of seeds 0 and 7, times 1.1 (the module docstring's calibration)
-SELECTED = {
-    "gaussiank": ((1e-6, 0.00103), (3e-6, 0.00123), (1e-5, 0.00151), (3e-5, 0.00185), (1e-4, 0.00242),
-                  (3e-4, 0.00318), (1e-3, 0.00462), (3e-3, 0.0071), (1e-2, 0.0145), (3e-2, 0.0349),
-                  (0.1, 0.0994), (0.3, 0.28), (1.0, 1.0)),
-    "dct": ((1e-5, 0.027), (3e-5, 0.0278), (1e-4, 0.0357), (3e-4, 0.0562), (1e-3, 0.0806), (3e-3, 0.111),
-            (1e-2, 0.164), (3e-2, 0.226), (0.1, 0.322), (0.3, 0.481), (1.0, 1.0)),
-}
-
-#: count / k of the sparsifiers that select about a constant multiple of k (all ranks together); others: 1
-SELECTED_RATIO = {"exdyna": 1.5}
 
 
 def dense_bytes(numel, size):
@@ -176,34 +149,29 @@ def sparsifier_for(byte_budget, sparsifier, reducer, size, who):
 
 
 def words_per_entry(reducer, size):
-    """f(P): 4-byte words a rank of ``reducer`` sends per entry it selects, in units of (P−1)/P."""
+    """f(P): 4-byte words a rank of ``reducer`` sends per entry it puts on the wire, in units of (P−1)/P."""
     return WORDS[reducer.name](reducer, max(1, int(size)))
 
 
-def selected_fraction(sparsifier, reducer, density, size):
-    """s(d): the fraction of the entries one rank selects at ``density`` over ``size`` ranks (the model's)."""
-    if not reducer.uses_selection:                   # the exchange picks k entries itself (SparDL)
+def wire_fraction(sparsifier, reducer, density, size):
+    """s(d): the fraction of the entries one rank puts on the wire at ``density`` over ``size`` ranks: its
+    selection's capacity (module docstring)."""
+    if not reducer.uses_selection or reducer.name == "oktopk" or sparsifier.exact_k:   # k itself (SparDL: its own)
         return density
-    name = getattr(sparsifier, "name", None)
-    if name in SELECTED:
-        return _loglog(SELECTED[name], density)
     share = size if getattr(sparsifier, "partitioned", False) else 1
-    return SELECTED_RATIO.get(name, 1.0) * density / share
+    return sparsifier.capacity_ratio * density / share
 
 
 def fraction(sparsifier, reducer, density, size):
     """The model's sent bytes at ``density`` as a fraction of :func:`dense_bytes` (P = 1: the limit P -> 1)."""
-    return words_per_entry(reducer, size) * selected_fraction(sparsifier, reducer, density, size) / 2.0
+    return words_per_entry(reducer, size) * wire_fraction(sparsifier, reducer, density, size) / 2.0
 
 
 def density_for(byte_budget, sparsifier, reducer, size):
     """The density at which the model's sent bytes are ``byte_budget`` x :func:`dense_bytes` over ``size`` ranks,
-    in (0, 1]; the smallest density of the sparsifier's table when even that sends more (see :func:`fraction`)."""
+    in (0, 1]."""
     target = 2.0 * float(byte_budget) / words_per_entry(reducer, size)     # s(d) to reach
-    name = getattr(sparsifier, "name", None)
-    if reducer.uses_selection and name in SELECTED:
-        return _loglog(SELECTED[name], target, inverse=True)
-    return min(1.0, target / (selected_fraction(sparsifier, reducer, 1.0, size)))
+    return min(1.0, target / wire_fraction(sparsifier, reducer, 1.0, size))
 
 
 def _dsa_words(P):
@@ -224,18 +192,3 @@ def _spardl_words(groups, P):
     g = groups if P % groups == 0 else 1
     Q = P // g
     return (4.0 * (Q - 1) + 2.0 * (g - 1)) / Q * P / (P - 1)
-
-
-def _loglog(table, x, inverse=False):
-    """Piecewise log-log interpolation of ``table`` ((d, s) points, both increasing) at d = ``x`` (s = ``x`` with
-    ``inverse``), clamped to the table's ends."""
-    pts = [(s, d) for d, s in table] if inverse else list(table)
-    if x <= pts[0][0]:
-        return pts[0][1]
-    if x >= pts[-1][0]:
-        return pts[-1][1]
-    for (x0, y0), (x1, y1) in zip(pts, pts[1:]):
-        if x0 <= x <= x1:
-            t = math.log(x / x0) / math.log(x1 / x0)
-            return math.exp(math.log(y0) + t * math.log(y1 / y0))
-    return pts[-1][1]

@@ -24,6 +24,14 @@ class StepContext:
         prefiltered: None, or a :class:`Prefiltered`: what ``rule`` selects from the step's accumulator at
             ``threshold``, found by error feedback's add pass because the sparsifier asked for it
             (:meth:`Sparsifier.prefilter`); saves the sparsifier a read pass over the accumulator.
+        open: for the reducer (``Reducer.opens``): ``open(payload, parts, read=0)`` sends its first message in the
+            step's opening (:mod:`hvd_sparse.core.comm`) and returns ``(rows, counts, host)``: every rank's payload
+            as (P, m) rows, every rank's count of selected entries and the first ``read`` words of every payload,
+            read on the host with the header.
+        padded: the accumulator with one more entry, a zero at index n, where padded selections point.
+        selected: the real entries of the selection (for the reducer: an int, or a device value; for the
+            sparsifier's ``update``: this rank's, an int).
+        note: for the sparsifier's ``update``: the note its ``select`` returned (an int, read with the header).
     """
 
     rank: int
@@ -33,6 +41,10 @@ class StepContext:
     comm: object
     exact_k: bool = False
     prefiltered: Prefiltered = None
+    open: object = None
+    padded: object = None
+    selected: object = None
+    note: int = 0
 
 
 class Prefiltered(NamedTuple):
@@ -67,5 +79,6 @@ class Plan(NamedTuple):
 
 class StepStats(dict):
     """Statistics of the last step: ``n, k, selected, density, sent_bytes, recv_bytes, sent_words,
-    recv_words, collectives`` (the algorithm's traffic), ``control_bytes`` (the non-finite flag), ``skipped``
-    (``True`` when a non-finite gradient skipped the step) and ``nonfinite_ranks``."""
+    recv_words, collectives`` (the algorithm's traffic), ``control_bytes`` and ``control_collectives`` (the
+    agreement's header words; a collective that carried nothing else), ``skipped`` (``True`` when a non-finite
+    gradient skipped the step) and ``nonfinite_ranks``."""

@@ -4,15 +4,16 @@ communicator meet (docs/design.md#engine). Framework adapters and the simulator 
     step(grad), one method per stage:
         1. _plan        what this step is: pieces, reducer, k = max(1, floor(d·n)), a local problem
         2. _accumulate  acc = residual + grad                         # state.py (float32)
-        3. _agreement   every rank exchanges the same thing, or all raise; a NaN/Inf anywhere -> _skip
-        4. _reduce      S = sparsifier.select(acc, k, ctx)            # sparsifiers/<scheme>.py
+        3. _reduce      S = sparsifier.select(acc, k, ctx)            # sparsifiers/<scheme>.py, at its capacity
+                        _open: the agreement's header, in front of the reducer's first message (or alone);
+                               every rank exchanges the same thing, or all raise; a NaN/Inf anywhere -> _skip
                         u, I, info = reducer.reduce(acc, S, comm)     # reducers/<scheme>.py: global sum, included set
-        5. _commit      residual = acc with acc[I] = 0                # state.py (or info["residual"], e.g. SparDL)
+        4. _commit      residual = acc with acc[I] = 0                # state.py (or info["residual"], e.g. SparDL)
                         sparsifier.update(info, ctx)                  # threshold / partition controllers, if any
-        6. _emit        u · prescale · postscale / P                  # average (op=Average) or u (op=Sum), grad dtype
+        5. _emit        u · prescale · postscale / P                  # average (op=Average) or u (op=Sum), grad dtype
 
 The modes are data of the plan, not branches of the step: the dense reducer (the ``dense`` preset, and warm-up
-steps) skips selection and residual; an empty gradient and a local problem stop after the agreement. Two options
+steps) skips selection and residual; an empty gradient and a local problem stop after the opening. Two options
 of the compression change the step:
 
 * ``warmup_dense_steps = N``: the first N steps are a dense allreduce of ``acc`` (every entry is included, so the
@@ -24,11 +25,14 @@ of the compression change the step:
 Per-step statistics (selected count, achieved density, words and bytes sent and received) are kept in
 :attr:`Engine.last`.
 
-Agreement: before any data collective every rank takes part in the agreement step (:mod:`hvd_sparse.core.comm`)
-(one allgather of a 7-word vector, Horovod name ``hvd_sparse.agree``, phase ``nonfinite``; P = 1: none): a
-non-finite flag, a local-problem flag, the step counter and a fingerprint of the unit, its preset and arguments
-and the layout (:meth:`Engine.declare`). A difference raises
-:class:`~hvd_sparse.core.errors.RankDisagreementError` on every rank, naming what differs and the ranks.
+The opening (:mod:`hvd_sparse.core.comm`, docs/algorithms.md#the-wire): a step's first collective is one allgather,
+Horovod name ``hvd_sparse.agree`` (P = 1: none), of a 9-word header -- a non-finite flag, the selection's count
+and the sparsifier's note, a local-problem flag, the step counter and a fingerprint of the unit, its preset and
+arguments and the layout (:meth:`Engine.declare`) -- followed by the reducer's first message when it ``opens`` the
+step (TopkA's pairs, ExDyna's indices, Ok-Topk's proposals or histogram), else alone before the reducer's first
+collective. Every rank reads the headers once; a difference raises
+:class:`~hvd_sparse.core.errors.RankDisagreementError` on every rank, naming what differs and the ranks. A
+sparsifier that communicates in its selection (``communicates``) has the step open before it.
 
 Layout changes (:meth:`Engine.declare` with other entries: a parameter group added, a parameter frozen or
 unfrozen): the engine starts afresh -- thresholds, partitions and the step counter as at step 0 of a run, on
@@ -46,24 +50,26 @@ every rank alike,
   every rank, so a loss scaler that inspects it backs off on every rank and the adapters skip the optimizer update;
 * ``"raise"``: :class:`NonFiniteGradientError` names the ranks and the step, on every rank.
 
-The agreement's 28 bytes are reported as ``control_bytes`` and not added to the algorithm's volume.
+The header's 36 bytes are reported as ``control_bytes`` and not added to the algorithm's volume.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import warnings
 
 import numpy as np
 
-from .comm import (AGREE_GATHER, AGREE_PHASE, AGREE_WORDS, agreed, agreement_vector, describe, explain,
-                   fingerprint)
+from .comm import (AGREE_GATHER, AGREE_PHASE, AGREE_WORDS, COUNT, NOTE, Agreement, SkipStep, describe, explain,
+                   fingerprint, finite)
 from .context import Plan, Prefiltered, StepContext, StepStats
-from .errors import NonFiniteGradientError, RankDisagreementError, disagreement_message
+from .errors import NonFiniteGradientError
 from .state import ErrorFeedback
 from .reducers.base import SparseSum
 from .reducers.dense import Dense
+from .sparsifiers.base import fit_selection
 from .xp import backend_of
 
 
@@ -109,6 +115,21 @@ def _first_change(old, new):
             f"{len(old)} then")
 
 
+
+def _host_values(state):
+    """A deep copy of ``state`` with every array (a statistic a step left on its device: a threshold, a count)
+    turned into a Python number or list: checkpoints hold no device tensor."""
+    if isinstance(state, dict):
+        return {key: _host_values(v) for key, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_host_values(v) for v in state)
+    if state is None or isinstance(state, (bool, int, float, str)):
+        return state
+    if isinstance(state, np.generic):
+        return state.item()
+    a = backend_of(state).to_numpy(state)
+    return a.item() if a.ndim == 0 else a.tolist()
+
 class Engine:
     """State and step of one sparsification unit on one rank.
 
@@ -133,7 +154,12 @@ class Engine:
         self.notes = ()         # declared (key, value) pairs the ranks must also agree on
         self.entries = None     # declared layout: ((name, shape, dtype), ...) in exchange order, or None
         self.refused = None     # why the last declare(fixed=True) was refused, reported by the next step
-        self._agree = (None, None, None)     # (key, description, fingerprint) of the last agreement
+        self._agreement = Agreement()
+        self._options = ()      # the step's options the ranks agree on (op, scaling, non-finite policy, notes)
+        self._nonfinite = False  # the step's non-finite flag (a host bool, or a device value)
+        self._opened = False     # whether the step's opening happened
+        self._selection = (0, 0)  # the step's selection: its count and note (ints, or device values)
+        self._mine = None        # the same, as host ints (from the opening's header)
 
     def declare(self, entries, notes=(), fixed=False):
         """Declare what the next steps exchange: ``entries``, a tuple of ``(name, shape, dtype)`` in the order of
@@ -178,10 +204,10 @@ class Engine:
 
         1. check -- what this step is (:meth:`_plan`: its pieces, its mode and reducer, a local problem);
         2. accumulate -- ``acc = residual + grad`` (:meth:`_accumulate`);
-        3. agree -- the agreement (:meth:`_agreement`), or the skip of a non-finite step (:meth:`_skip`);
-        4. reduce -- selection and the reducer's exchange (:meth:`_reduce`);
-        5. commit -- residual, controllers and counters (:meth:`_commit`);
-        6. emit -- the result, scaled, in the gradient's dtype (:meth:`_emit`).
+        3. reduce -- selection, the opening (:meth:`_open`: the agreement, or the skip of a non-finite step,
+           :meth:`_skip`) and the reducer's exchange (:meth:`_reduce`);
+        4. commit -- residual, controllers and counters (:meth:`_commit`);
+        5. emit -- the result, scaled, in the gradient's dtype (:meth:`_emit`).
 
         Args:
             grad: a 1-D numpy array / torch tensor / TF tensor, or a list of 1-D ones: the pieces of the flat
@@ -195,26 +221,28 @@ class Engine:
             rank (all NaN when a non-finite gradient on any rank skipped the step: see the module docstring).
         """
         plan = self._plan(grad, out)
-        agree_args = (average, prescale, postscale, nonfinite)
+        self._options = (("average", bool(average)), ("prescale", float(prescale)),
+                         ("postscale", float(postscale)), ("nonfinite", nonfinite)) + self.notes
         if plan.local_error is not None:     # reported on every rank: nothing is read, nothing sent
-            self._agreement(plan, True, plan.local_error, *agree_args)
+            self._open(plan, False, local_error=plan.local_error)
         if plan.n == 0:                      # an empty gradient: agreed on, nothing to select or send
-            self._agreement(plan, True, None, *agree_args)
+            self._open(plan, False)
             self.steps += 1
             self.last = StepStats(n=0, k=0, selected=0, density=0.0, info={}, skipped=False, nonfinite_ranks=[],
-                                  control_bytes=self.comm.meter.totals()["sent_bytes"], sent_bytes=0, recv_bytes=0,
-                                  sent_words=0, recv_words=0, collectives=0)
+                                  **self._traffic())
             return self._emit(plan.xp, plan.xp.zeros(0, plan.xp.float32, like=plan.pieces[0]), 1.0, plan.pieces, out)
         acc, finite, plan = self._accumulate(plan)
-        bad = self._agreement(plan, plan.xp.all_finite(acc) if finite is None else finite, None, *agree_args)
-        control = self.comm.meter.totals()["sent_bytes"]
-        self.comm.meter.reset()
-        if bad:
-            return self._skip(plan, acc, bad, nonfinite, control, out)
-        u, included, info, selected = self._reduce(plan, acc)
+        # the non-finite flag: a host bool, or on a device a device value that the opening's header carries unread
+        self._nonfinite = (not finite) if finite is not None else plan.xp.nonfinite(acc)
+        saved = dict(self.sparsifier_state), dict(self.reducer_state)
+        try:
+            u, included, info, selected = self._reduce(plan, acc)
+        except SkipStep as skip:              # a NaN or Inf on some rank, known to every rank alike
+            self.sparsifier_state, self.reducer_state = saved
+            return self._skip(plan, acc, skip.bad, nonfinite, out)
         self._commit(plan, acc, included, info)
         self.last = StepStats(n=plan.n, k=plan.k, selected=selected, density=selected / plan.n, info=info,
-                              skipped=False, nonfinite_ranks=[], control_bytes=control, **self.comm.meter.totals())
+                              skipped=False, nonfinite_ranks=[], **self._traffic())
         scale = float(prescale) * float(postscale) / (self.comm.size if average else 1)
         return self._emit(plan.xp, u, scale, plan.pieces, out, plan.zeroed)
 
@@ -222,6 +250,7 @@ class Engine:
         """Stage 1, check: the step's :class:`~hvd_sparse.core.context.Plan` -- its pieces, the reducer (the
         preset's, or the dense one of a warm-up step), the context of the sparsifier and reducer, and a local problem
         to report on every rank (a gradient of another size than declared). At P = 1 a local problem raises at once."""
+        self._opened, self._selection, self._mine = False, (0, 0), None
         pieces = list(grad) if isinstance(grad, (list, tuple)) else [grad]
         if not pieces:
             raise ValueError(f"hvd_sparse unit '{self.name}': no gradient pieces")
@@ -288,8 +317,8 @@ class Engine:
         pieces = plan.pieces
         return xp.astype(pieces[0] if len(pieces) == 1 else xp.concat(pieces), xp.float32), None, plan
 
-    def _skip(self, plan, acc, bad, nonfinite, control, out):
-        """Stage 3, a non-finite gradient on the ranks ``bad``: raise, or skip the step on every rank alike (no
+    def _skip(self, plan, acc, bad, nonfinite, out):
+        """The opening found a non-finite gradient on the ranks ``bad``: raise, or skip the step on every rank alike (no
         state changes; the result is all NaN)."""
         where = f"rank{'s' if len(bad) > 1 else ''} {', '.join(map(str, bad))}"
         if nonfinite == "raise":
@@ -298,66 +327,103 @@ class Engine:
                 f"{self.steps}; raised on every rank (nonfinite='raise'). Pass nonfinite='skip' to skip such "
                 "steps, or lower the learning rate / use a loss scaler")
         self.skipped_steps += 1
+        self.memory.padded = None
         warnings.warn(f"hvd_sparse unit '{self.name}': non-finite gradient on {where} at step {self.steps}: "
                       "this step is skipped on every rank (nonfinite='skip'); sparse state is unchanged",
                       RuntimeWarning, stacklevel=4)
         self.last = StepStats(n=plan.n, k=0, selected=0, density=0.0, info={}, skipped=True,
-                              nonfinite_ranks=bad, control_bytes=control, **self.comm.meter.totals())
+                              nonfinite_ranks=bad, **self._traffic())
         return self._emit(plan.xp, plan.xp.full(plan.n, float("nan"), plan.xp.float32, like=acc), 1.0, plan.pieces,
                           out)
 
     def _reduce(self, plan, acc):
-        """Stage 4: ``(u, included, info, selected)`` -- the sparsifier's selection (unless the reducer chooses
-        its own entries, as SparDL), then the reducer's exchange; a dense step reduces everything."""
-        xp, reducer = plan.xp, plan.reducer
+        """Stage 3: ``(u, included, info, selected)`` -- the sparsifier's selection (unless the reducer chooses
+        its own entries, as SparDL), then the reducer's exchange; a dense step reduces everything. The agreement
+        opens the step: in the reducer's first collective when it carries it (``Reducer.opens``: the selection
+        stays in its fixed size, padded), else alone before anything else is sent (the selection then trimmed to
+        its real entries). The selection's count and note (``fit_selection``) ride in the opening's header and come
+        back to the host with it (``self._mine``)."""
+        xp, reducer, n = plan.xp, plan.reducer, plan.n
+        ctx = dataclasses.replace(plan.ctx, open=functools.partial(self._open, plan, self._nonfinite),
+                                  padded=self.memory.padded)
         if not reducer.sparse:
-            u, included, info = reducer.reduce(xp, acc, None, plan.n, self.comm, self.reducer_state, plan.ctx)
-            return u, included, dict(info, warmup=True) if plan.warm else info, plan.n
-        idx, selected = None, plan.k
+            self._open(plan, self._nonfinite)
+            u, included, info = reducer.reduce(xp, acc, None, n, self.comm, self.reducer_state, ctx)
+            return u, included, dict(info, warmup=True) if plan.warm else info, n
+        sparsifier = self.compression.sparsifier
+        if not reducer.opens or sparsifier.communicates(self.sparsifier_state, ctx):
+            self._open(plan, self._nonfinite)
+        idx = None
         if reducer.uses_selection:
-            idx = self.compression.sparsifier.select(xp, acc, plan.k, self.sparsifier_state, plan.ctx)
-            selected = xp.numel(idx)
-        u, included, info = reducer.reduce(xp, acc, idx, plan.k, self.comm, self.reducer_state, plan.ctx)
-        return u, included, info, selected
+            idx = sparsifier.select(xp, acc, plan.k, self.sparsifier_state, ctx)
+            idx, count, note = fit_selection(xp, idx, n, sparsifier.capacity(plan.k, n, self.comm.size), acc)
+            if not reducer.opens:
+                count = int(xp.item(count))
+                idx = idx[:count]                       # the real entries (ascending, the padding after them)
+            self._selection = (count, note)
+            ctx = dataclasses.replace(ctx, selected=count)
+        u, included, info = reducer.reduce(xp, acc, idx, plan.k, self.comm, self.reducer_state, ctx)
+        if not reducer.uses_selection:
+            return u, included, info, plan.k
+        if self._mine is None:                          # not from the opening's header: read them
+            self._mine = tuple(int(xp.item(v)) for v in self._selection)
+        return u, included, info, self._mine[0]
 
     def _commit(self, plan, acc, included, info):
-        """Stage 5: the residual (``acc`` with the included entries zeroed, or the reducer's own), the sparsifier's
-        controllers, the momentum-correction velocity, the step counter."""
+        """Stage 4: the residual (``acc`` with the included entries zeroed, or the reducer's own), the sparsifier's
+        controllers (with this rank's count and note on the host), the momentum-correction velocity, the step
+        counter."""
         xp = plan.xp
         if plan.reducer.sparse:
             if "residual" in info:
                 self.memory.replace(info.pop("residual"))
             else:
                 self.memory.update(xp, acc, included)
-            self.compression.sparsifier.update(xp, self.sparsifier_state, info, plan.ctx)
+            selected, note = self._mine or (plan.k, 0)
+            ctx = dataclasses.replace(plan.ctx, selected=selected, note=note)
+            self.compression.sparsifier.update(xp, self.sparsifier_state, info, ctx)
         elif plan.warm:
             self.memory.update(xp, acc, included)
         if plan.momentum:
             self.memory.commit_velocity(xp, plan.inputs[0], included)
         self.steps += 1
 
+    def _traffic(self):
+        """The step's traffic from the meter: the algorithm's words, bytes and collectives, and apart the
+        agreement's (``control_bytes``: the header words; ``control_collectives``: an opening that carried nothing
+        else)."""
+        meter = self.comm.meter
+        return dict(meter.totals(exclude=(AGREE_PHASE,)), control_bytes=meter.sent_bytes[AGREE_PHASE],
+                    control_collectives=meter.calls[AGREE_PHASE])
+
     @staticmethod
     def _emit(xp, u, scale, pieces, out, zeroed=False):
         """``u · scale`` (dense, or a :class:`SparseSum`) as the flat result in the gradient's dtype, or written
-        into ``out``. A sparse sum is scaled on its K values only and scattered into zeroed outputs (``zeroed``:
-        they are already)."""
+        into ``out``. A sparse sum is scaled on its K values only; its support may end in padding (index n, value
+        0). Where reading its positions is free (the host) it is scattered into zeroed outputs (``zeroed``: they
+        are already); on a device it goes through one dense buffer (no read of where the pieces start in it)."""
         dtype = xp.dtype_of(pieces[0])
         n = sum(xp.numel(p) for p in pieces)
         if isinstance(u, SparseSum):
             val = xp.mul(u.val, scale) if scale != 1.0 else u.val
-            if out is None:
-                dense = xp.zeros(n, xp.float32, like=val)
-                return xp.astype(xp.put_(dense, u.idx, val) if xp.numel(u.idx) else dense, dtype)
-            bounds = xp.to_numpy(xp.searchsorted(u.idx, xp.asarray(_offsets(xp, out), xp.index_dtype, like=u.idx)))
-            off = 0
-            for j, o in enumerate(out):
-                lo, hi = int(bounds[j]), int(bounds[j + 1])
-                if not zeroed:
-                    xp.fill_(o, 0.0)
-                if hi > lo:
-                    xp.put_(o, u.idx[lo:hi] - off, xp.astype(val[lo:hi], xp.dtype_of(o)))
-                off += xp.numel(o)
-            return out
+            if out is None or xp.on_device(u.idx):
+                dense = xp.zeros(n + 1, xp.float32, like=val)
+                dense = xp.put_(dense, u.idx, val) if xp.numel(u.idx) else dense
+                if out is None:
+                    return xp.astype(dense[:n], dtype)
+                u, scale = dense[:n], 1.0
+            else:
+                bounds = xp.to_numpy(xp.searchsorted(u.idx, xp.asarray(_offsets(xp, out), xp.index_dtype,
+                                                                          like=u.idx)))
+                off = 0
+                for j, o in enumerate(out):
+                    lo, hi = int(bounds[j]), int(bounds[j + 1])
+                    if not zeroed:
+                        xp.fill_(o, 0.0)
+                    if hi > lo:
+                        xp.put_(o, u.idx[lo:hi] - off, xp.astype(val[lo:hi], xp.dtype_of(o)))
+                    off += xp.numel(o)
+                return out
         if out is None:
             return xp.astype(xp.mul(u, scale) if scale != 1.0 else xp.copy(u), dtype)
         off = 0
@@ -367,30 +433,45 @@ class Engine:
             off += m
         return out
 
-    def _agreement(self, plan, finite, local_error, average, prescale, postscale, nonfinite):
-        """The agreement step (:mod:`hvd_sparse.core.comm`): the ranks (sorted) whose gradient holds a NaN or
-        Inf, after proving that every rank exchanges the same thing at the same step; raises
-        :class:`RankDisagreementError` on every rank otherwise (and for a ``local_error`` of any rank)."""
-        xp, pieces, n = plan.xp, plan.pieces, plan.n
-        if self.comm.size == 1:
-            return [] if finite else [self.comm.rank]
-        options = (("average", bool(average)), ("prescale", float(prescale)), ("postscale", float(postscale)),
-                    ("nonfinite", nonfinite)) + self.notes
-        entries = self.entries
-        if entries is None:             # undeclared: one tensor of the gradient's size and dtype
-            entries = ((self.name, (n,), str(xp.dtype_of(pieces[0]))),)
-        key = (entries, options)
-        if self._agree[0] != key:       # only when the layout or the options changed
-            desc = describe(self.unit, self.compression, entries, options)
-            self._agree = (key, desc, fingerprint(desc))
-        _, desc, fp = self._agree
-        mine = agreement_vector(not finite, local_error is not None, self.steps, fp)
-        rows = xp.to_numpy(self.comm.allgather(xp.asarray(mine, xp.int32, like=pieces[0]), AGREE_PHASE))
-        table = rows.reshape(self.comm.size, AGREE_WORDS).tolist()
-        if not agreed(table):
-            per_rank = explain(xp, self.comm, dict(desc, step=self.steps, local_error=local_error), pieces[0])
-            raise RankDisagreementError(disagreement_message(per_rank))
-        return [r for r, row in enumerate(table) if row[0]]
+    def _open(self, plan, nonfinite, payload=None, parts=(), read=0, local_error=None):
+        """The step's opening (:mod:`hvd_sparse.core.comm`): one allgather of this rank's header (with the count
+        and note of its selection, ``self._selection``) and ``payload`` (the reducer's first message, or the list of
+        its pieces, whose ``parts`` are metered apart; None: the header alone), after which every rank knows that
+        all exchange the same thing at the same step -- or all raise :class:`RankDisagreementError` -- and which
+        ranks hold a NaN or Inf (:class:`SkipStep` on every rank). Returns ``(rows, counts, host)``: the P payloads
+        as (P, m) rows (P = 1: this rank's), every rank's count and the first ``read`` words of every payload (host
+        ints, read with the headers). Called again in a step (a sparsifier's collective made the agreement open
+        first), it is a plain allgather of the payload, and the counts are read on their own."""
+        xp, like, P = plan.xp, plan.pieces[0], self.comm.size
+        count, note = self._selection
+        if self._opened or P == 1:
+            if P == 1 and not self._opened and (nonfinite is True or not isinstance(nonfinite, bool)
+                                                and not finite(int(xp.item(nonfinite)))):
+                raise SkipStep([0])
+            self._opened = True
+            if payload is None:
+                return None, None, None
+            if isinstance(payload, list):
+                payload = xp.concat(payload, like=like)
+            if P == 1:
+                rows, counts = xp.reshape(payload, (1, -1)), [int(xp.item(count))]
+            else:
+                counts = self.comm.allgather(xp.reshape(xp.asarray(count, xp.int32, like=like), (1,)), "count")
+                rows = xp.reshape(self.comm.allgather(payload, "open", parts=parts or None), (P, -1))
+                counts = [int(c) for c in xp.to_numpy(counts)]
+            return rows, counts, (xp.to_list(xp.columns(rows, 0, read)) if read else [[]] * P)
+        self._opened = True
+        entries = self.entries or ((self.name, (plan.n,), str(xp.dtype_of(like))),)
+        desc, fp = self._agreement.describe(self.unit, self.compression, entries, self._options)
+        table, rows = self._agreement.open(self.comm, xp, like, desc, fp, self.steps, nonfinite=nonfinite,
+                                           local_error=local_error, payload=payload, count=count, note=note,
+                                           parts=parts, read=read)
+        if payload is not None:
+            self._mine = (table[self.comm.rank][COUNT], table[self.comm.rank][NOTE])
+        bad = [r for r, row in enumerate(table) if not finite(row[0])]
+        if bad:
+            raise SkipStep(bad)
+        return rows, [row[COUNT] for row in table], [row[AGREE_WORDS:] for row in table]
 
     def gather(self, obj, like):
         """Every rank's JSON-able ``obj`` (rank order), exchanged before this unit's next step under the agreement's
@@ -402,13 +483,10 @@ class Engine:
             return [obj]
         xp = backend_of(like)
         # the gather proves the unit and the step; the step's agreement proves the rest (with its precise message)
-        mine = [0, AGREE_GATHER, self.steps & 0x7FFFFFFF, *fingerprint({"unit": self.unit})]
-        rows = xp.to_numpy(self.comm.allgather(xp.asarray(mine, xp.int32, like=like), AGREE_PHASE))
-        if agreed(rows.reshape(self.comm.size, AGREE_WORDS).tolist(), flag=AGREE_GATHER):
-            return explain(xp, self.comm, obj, like)
         desc = describe(self.unit, self.compression, self.entries or (), {"gather": True})
-        per_rank = explain(xp, self.comm, dict(desc, step=self.steps, local_error=None), like)
-        raise RankDisagreementError(disagreement_message(per_rank))
+        self._agreement.open(self.comm, xp, like, desc, fingerprint({"unit": self.unit}), self.steps,
+                             flag=AGREE_GATHER)
+        return explain(xp, self.comm, obj, like)
 
     # -- state -------------------------------------------------------------------------------------
     def residual_norm(self):
@@ -416,8 +494,9 @@ class Engine:
         return 0.0 if xp is None else self.memory.norm(xp)
 
     def state_dict(self):
-        """This rank's state: residual (numpy float32 or None), sparsifier/reducer state, step count (and the
-        velocity, with momentum correction)."""
+        """This rank's state: residual (numpy float32 or None), sparsifier/reducer state (plain Python values: the
+        statistics a step leaves on a device are read here), step count (and the velocity, with momentum
+        correction)."""
         r, v = self.memory.residual, self.memory.velocity
         state = {
             "unit": self.name,
@@ -425,8 +504,8 @@ class Engine:
             "entries": None if self.entries is None else [list(e) for e in self.entries],
             "steps": self.steps,
             "residual": None if r is None else backend_of(r).to_numpy(r).copy(),
-            "sparsifier": copy.deepcopy(self.sparsifier_state),
-            "reducer": copy.deepcopy(self.reducer_state),
+            "sparsifier": _host_values(self.sparsifier_state),
+            "reducer": _host_values(self.reducer_state),
         }
         if v is not None:               # momentum correction's velocity (per rank, like the residual)
             state["velocity"] = backend_of(v).to_numpy(v).copy()

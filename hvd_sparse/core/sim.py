@@ -22,8 +22,8 @@ import threading
 
 import numpy as np
 
-from .comm import (MAX, SUM, VolumeMeter, meter_allgather, meter_allreduce, meter_alltoall,
-                   meter_broadcast)
+from .comm import (MAX, SUM, VolumeMeter, meter_allgather, meter_allreduce, meter_alltoall, meter_broadcast,
+                   meter_parts)
 from .xp import backend_of
 
 
@@ -142,7 +142,7 @@ class SimulatedCommunicator:
         meter_allreduce(self.meter, self.size, xp.numel(x), xp.itemsize(x), phase)
         return out
 
-    def allgather(self, x, phase, calls=1):
+    def allgather(self, x, phase, calls=1, parts=None):
         xp = backend_of(x)
         if xp.freezable:
             # identical on every rank: built once, shared read-only (an in-place write raises)
@@ -153,7 +153,10 @@ class SimulatedCommunicator:
         else:
             xs = self._gather("allgather", phase, x)
             out, sizes = xp.concat(xs, like=x), [xp.numel(y) for y in xs]
-        meter_allgather(self.meter, self.rank, sizes, xp.itemsize(x), phase, calls)
+        if parts is None:
+            meter_allgather(self.meter, self.rank, sizes, xp.itemsize(x), phase, calls)
+        else:
+            meter_parts(self.meter, self.size, parts, xp.itemsize(x))
         return out
 
     def grouped_allgather(self, xs, phases):

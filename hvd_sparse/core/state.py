@@ -67,20 +67,35 @@ from .reducers.base import ALL
 class ErrorFeedback:
     """The residual of one sparsification unit on one rank ("gradient mode": raw gradients, no lr).
 
-    Two float32 buffers of n values, reused across steps on numpy and torch (no allocation, no page faults
-    after the first steps): ``residual`` and a spare that receives ``acc = residual + grad``. The residual is
-    not touched until :meth:`update`, so a step that is abandoned after :meth:`compensate` (a non-finite
-    gradient somewhere) leaves it exactly as it was; :meth:`update` zeroes the included entries of ``acc``
-    and swaps the two buffers. TensorFlow tensors are immutable: there each step makes new ones.
+    Two float32 buffers of n + 1 values, reused across steps on numpy and torch (no allocation, no page faults
+    after the first steps): the residual and a spare that receives ``acc = residual + grad``. The last value of each
+    is a zero at index n, where the padding of a fixed-size selection points (``core/comm.py``): it is read as 0 and
+    written with 0, so a reducer reads and clears padded selections without cutting them first. :attr:`residual`
+    and the ``acc`` that :meth:`compensate` returns are the first n values; :attr:`padded` is the whole spare.
+    The residual is not touched until :meth:`update`, so a step that is abandoned after :meth:`compensate` (a
+    non-finite gradient somewhere) leaves it exactly as it was; :meth:`update` zeroes the included entries of
+    ``acc`` and swaps the two buffers. TensorFlow tensors are immutable: there each step makes new ones.
     """
 
-    __slots__ = ("residual", "velocity", "_spare", "_found")
+    __slots__ = ("residual", "velocity", "padded", "_base", "_spare", "_found", "_views")
 
     def __init__(self):
-        self.residual = None
+        self.residual = None    # the first n values of _base (or an array of n, restored or replaced)
         self.velocity = None    # momentum correction's u (None: off, or before the first step)
+        self.padded = None      # the step's acc with its zero at index n (the spare, while a step runs)
+        self._base = None       # the residual's buffer of n + 1, when it is one of ours
         self._spare = None
         self._found = ()        # entries the last add pass selected, per piece (sizes the next one's output)
+        self._views = {}        # id of a buffer of n + 1 -> (the buffer, its first n values): made once each
+
+    def _first_n(self, buf, n):
+        """``buf[:n]``, the same view every step (a device pays for each view it makes)."""
+        held = self._views.get(id(buf))
+        if held is None or held[0] is not buf:
+            if len(self._views) > 2:
+                self._views.clear()
+            held = self._views[id(buf)] = (buf, buf[:n])
+        return held[1]
 
     def next_velocity(self, xp, pieces, momentum):
         """``[momentum·u + concat(pieces)]`` (float32, a new array), the input of :meth:`compensate` in place of
@@ -92,14 +107,20 @@ class ErrorFeedback:
         return [xp.copy(flat) if u is None else xp.add(xp.mul(u, momentum), flat)]
 
     def commit_velocity(self, xp, velocity, included):
-        """``u = velocity`` with momentum factor masking: ``u[included] = 0``, except when every entry was sent
-        (``included`` is ALL: a dense step)."""
-        self.velocity = velocity if included is ALL else xp.put_(velocity, included, 0.0)
+        """``u = velocity`` with momentum factor masking: ``u[included] = 0`` (``included`` may hold the padding
+        index n), except when every entry was sent (``included`` is ALL: a dense step)."""
+        if included is ALL:
+            self.velocity = velocity
+            return
+        n = xp.numel(velocity)
+        ext = xp.put_(xp.concat([velocity, xp.zeros(1, xp.float32, like=velocity)], like=velocity), included, 0.0)
+        self.velocity = ext[:n]
 
     def compensate(self, xp, pieces, zero_pieces=False, select=None):
         """``acc = residual + concat(pieces)`` (float32; the pieces are 1-D, of any float dtype, read once and
         not modified, unless ``zero_pieces``: then they are zeroed in the same pass -- for a caller whose output
-        goes into them and is sparse). ``acc`` is a buffer of this object: read it, do not keep it past the step.
+        goes into them and is sparse). ``acc`` is a buffer of this object: read it, do not keep it past the step;
+        :attr:`padded` is the same with a zero at index n.
 
         ``select``: None, or ``(threshold, rule, expect)`` (rule one of ``native.RULES``, expect the count the
         caller expects): then the same pass also collects the entries of ``acc`` that the rule selects
@@ -117,12 +138,17 @@ class ErrorFeedback:
         r = self.residual
         if r is not None and type(r) is not type(like):     # restored from a checkpoint (numpy)
             r = self.residual = xp.asarray(np.array(r, copy=True), xp.float32, like=like)
+            self._base = None
         if not xp.mutable:
             flat = xp.astype(pieces[0] if len(pieces) == 1 else xp.concat(pieces), xp.float32)
-            return (xp.copy(flat) if r is None else xp.add(r, flat)), None, None
-        acc = self._spare
-        if acc is None or type(acc) is not type(like) or xp.numel(acc) != n or acc is r:
-            acc = self._spare = xp.stream_buffer(n, like)
+            acc = xp.copy(flat) if r is None else xp.add(r, flat)
+            self.padded = xp.concat([acc, xp.zeros(1, xp.float32, like=like)], like=like)
+            return acc, None, None
+        spare = self._spare
+        if spare is None or type(spare) is not type(like) or xp.numel(spare) != n + 1 or spare is self._base:
+            spare = self._spare = xp.stream_buffer(n + 1, like)
+            xp.fill_(spare[n:], 0.0)
+        acc = self._first_n(spare, n)
         sel = None
         if select is not None:                          # each piece's output room
             th, rule, expect = select
@@ -135,18 +161,28 @@ class ErrorFeedback:
             selected = found[0] if len(found) == 1 else (np.concatenate([i for i, _ in found]),
                                                           np.concatenate([v for _, v in found]))
             self._found = tuple(int(i.size) for i, _ in found)
+        self.padded = spare
         return acc, finite, selected
 
     def update(self, xp, acc, included):
-        """``residual = acc`` with the ``included`` entries zeroed (``acc`` from :meth:`compensate`)."""
+        """``residual = acc`` with the ``included`` entries zeroed (``acc`` from :meth:`compensate`; ``included``
+        may hold the padding index n)."""
+        padded, self.padded = self.padded, None
         if included is ALL:
-            self.residual = None
-        else:
-            self._spare, self.residual = self.residual, xp.put_(acc, included, 0.0)
+            self.residual, self._base = None, None
+            return
+        n = xp.numel(acc)
+        if not xp.mutable:
+            self.residual = xp.put_(padded, included, 0.0)[:n]
+            return
+        base = xp.put_(padded, included, 0.0)
+        self._spare, self._base = self._base, base
+        self.residual = self._first_n(base, n)
 
     def replace(self, residual):
         """Take ``residual`` (a reducer's own, e.g. SparDL's global residual collection) as the residual."""
-        self._spare = None
+        self._spare = self._base = self.padded = None
+        self._views = {}
         self.residual = residual
 
     def norm(self, xp):

@@ -10,8 +10,8 @@ Scenarios (``all`` runs skip, amp, raise and consistency in one job; each rank w
   inputs       the bad-input rows of docs/reliability.md that need real ranks: fp16/bf16 models, an int tensor,
                torch.sparse gradients (Horovod's path and sparse_as_dense), a layer frozen and unfrozen between steps,
                a parameter unused on rank 1 only, a model without trainable parameters, step() without backward()
-  kill <p>     preset <p>; rank 1 SIGKILLs itself in the middle of step 3's exchange (after its first collective),
-               after writing the time to <outdir>/killed.time
+  kill <p>     preset <p>; rank 1 SIGKILLs itself as it enters step 3's exchange (its first collective, which the
+               other ranks then wait in), after writing the time to <outdir>/killed.time
   fail <p>     the same, but rank 1 raises RuntimeError there
 """
 
@@ -203,8 +203,8 @@ def inputs(outdir):
 
 
 class _DieMidStep:
-    """Delegates to the engine's communicator; on rank 1 at step 3 dies at the second collective of the step
-    (the first is the engine's non-finite flag), i.e. inside the reducer's exchange."""
+    """Delegates to the engine's communicator; on rank 1 at step 3 dies as it enters the step's first collective (the
+    opening, which carries TopkA's pairs): the other ranks are then inside the exchange, waiting for it."""
 
     def __init__(self, comm, engine, outdir, how):
         self._comm, self._engine, self._outdir, self._how, self._calls = comm, engine, outdir, how, 0
@@ -215,24 +215,24 @@ class _DieMidStep:
     def _maybe_die(self):
         if self._engine.steps == 3 and self._comm.rank == 1:
             self._calls += 1
-            if self._calls == 2:
+            if self._calls == 1:
                 with open(os.path.join(self._outdir, "killed.time"), "w") as f:
                     f.write(repr(time.time()))
                 if self._how == "kill":
                     os.kill(os.getpid(), signal.SIGKILL)
                 raise RuntimeError("injected failure on rank 1 in the middle of step 3")
 
-    def allreduce(self, *a):
+    def allreduce(self, *a, **kw):
         self._maybe_die()
-        return self._comm.allreduce(*a)
+        return self._comm.allreduce(*a, **kw)
 
-    def allgather(self, *a):
+    def allgather(self, *a, **kw):
         self._maybe_die()
-        return self._comm.allgather(*a)
+        return self._comm.allgather(*a, **kw)
 
-    def grouped_allgather(self, *a):
+    def grouped_allgather(self, *a, **kw):
         self._maybe_die()
-        return self._comm.grouped_allgather(*a)
+        return self._comm.grouped_allgather(*a, **kw)
 
     def alltoall(self, *a):
         self._maybe_die()

@@ -4,7 +4,7 @@ Scenarios:
   tape     every preset through hvd_sparse.tensorflow.DistributedGradientTape, eagerly and inside tf.function
   none     Compression.none: the tape is Horovod's own (same result as horovod.tensorflow's tape)
   op       sparse_allreduce on a 2-D tensor, eager and tf.function (TopkA; Ok-Topk on a load that moves, so
-           that its histogram is refined)
+           that its regions follow it)
 """
 
 import os
@@ -119,8 +119,8 @@ def allreduce_op(compression, name, graph):
 
 
 def moving_load(rank, steps=4, n=66):
-    """Small noise and, on every rank, 12 large entries whose place moves from step to step: the step's load
-    falls where the bins of Ok-Topk's histogram (placed from the last steps' load) are coarse."""
+    """Small noise and, on every rank, 12 large entries whose place moves from step to step: the step's load falls
+    away from where Ok-Topk's regions (placed from the last steps' load) expect it."""
     rng = np.random.default_rng(7 + rank)
     g = (rng.standard_normal((steps, n)) * 0.1).astype(np.float32)
     for t, hot in enumerate([50, 0, 30, 10][:steps]):

@@ -2,7 +2,8 @@
 
     u, included, info = reducer.reduce(xp, acc, idx, k, comm, state, ctx)
 
-* ``acc``: this rank's float32 accumulator (length n); ``idx``: the sparsifier's sorted int64 selection;
+* ``acc``: this rank's float32 accumulator (length n); ``idx``: the sparsifier's sorted int64 selection (for a
+  reducer that ``opens`` the step: in the selection's fixed capacity, padded with the index n);
 * ``u``: float32 length-n *sum* over ranks of the contributions that survive (the engine divides by P),
   bit-identical on every rank (invariant 1) -- or, for reducers whose result is sparse by construction
   (Ok-Topk), a :class:`SparseSum` (its support and values), which spares the engine a dense n-sized buffer:
@@ -43,10 +44,16 @@ INT32_INDEX_LIMIT = 2**31 - 2
 
 
 def wire_index_dtype(xp, n):
-    """int32 on the wire while every index fits, int64 beyond (never float-encoded: docs/algorithms.md#wire-format)."""
+    """int32 on the wire while every index fits, int64 beyond (never float-encoded: docs/algorithms.md#the-wire)."""
     return xp.int32 if n <= INT32_INDEX_LIMIT else xp.index_dtype
 
 
+# -- (index, value) pairs on the wire: an index and the float32 value's bits, in words of one integer dtype ---------
+# Two layouts. Fixed-size messages, whose gathered (P, L) rows split into columns (the opening's payload, Ok-Topk's
+# gather): two blocks, [idx_0 .. idx_{m-1}, bits_0 .. bits_{m-1}] (pair_blocks). Messages concatenated across
+# senders of different sizes (alltoall rows, TopkDSA, gTopk): pairs side by side (pack_pairs, or (m, 2) rows).
+# One collective, one dtype: Horovod fuses only tensors of one dtype, so a grouped allgather of int32 indices and
+# float32 values would run as two transfers.
 def pack_pairs(xp, idx, vals, wire, like):
     """One flat ``wire`` array of 2·m words: index_0, bits(value_0), index_1, bits(value_1), ...
 
@@ -64,6 +71,21 @@ def unpack_pairs(xp, flat):
     idx = xp.astype(flat[0::2], xp.index_dtype)
     bits = xp.copy(xp.astype(flat[1::2], xp.int32))     # own, contiguous buffer before the bit-cast
     return idx, xp.bitcast(bits, xp.float32)
+
+
+def pair_blocks(xp, idx, vals, wire):
+    """``[idx, bits of vals]``: the two pieces of a message of 2·m words of the ``wire`` dtype (int32 while every
+    index fits, :func:`wire_index_dtype`; int64 beyond, the value bits sign-extended)."""
+    bits = xp.bitcast(xp.astype(vals, xp.float32), xp.int32)
+    return [xp.astype(idx, wire), bits if wire == xp.int32 else xp.astype(bits, wire)]
+
+
+def unpack_pair_rows(xp, rows, at=0):
+    """The inverse of :func:`pair_blocks` on the (P, L) rows of a gathered message whose pairs start at word ``at``
+    and fill the rest: ``(idx, vals)``, (P, m) each (indices in the wire dtype, float32 values)."""
+    m = (rows.shape[1] - at) // 2
+    bits = xp.columns(rows, at + m, m)
+    return xp.columns(rows, at, m), xp.bitcast(xp.astype(bits, xp.int32), xp.float32)
 
 
 def allgather_count(xp, m, comm, phase, like):
@@ -110,6 +132,11 @@ class Reducer(Options):
     #: False for reducers that choose their own entries from ``acc`` and use only the budget k (SparDL):
     #: the engine then skips the sparsifier's selection and passes ``idx=None``.
     uses_selection = True
+    #: True for reducers whose first collective is the step's opening (``ctx.open``: the agreement's header rides
+    #: in front of their first message, ``core/comm.py``); they receive the selection in its fixed size, padded
+    #: with index n (values read from ``ctx.padded``). False: the engine opens the step with the header alone, and
+    #: the reducer receives the selection's real entries only.
+    opens = False
 
     def initial_state(self):
         return {}

@@ -1,22 +1,24 @@
 """ExDyna exchange (docs/algorithms.md#exdyna): a global sparse allreduce on the jointly chosen support.
 
 Per step, on every rank r (``acc`` = V_r = residual + gradient, I_r its selection inside its exclusive
-partition, chosen by :class:`hvd_sparse.core.sparsifiers.exdyna.ExDyna`):
+partition, chosen by :class:`hvd_sparse.core.sparsifiers.exdyna.ExDyna` in its capacity c, padded with index n):
 
-    5.7  1. ks   = allgather([k_r])                       # phase "count": P ints, rank order
-         2. S    = allgather(I_r)                         # phase "indices": allgatherv, int32 on the wire
-                                                          #   while n allows; concatenated in rank order
-         3. vals = allreduce_sum(V_r[S])                  # phase "values": EVERY rank's own V at ALL of S
-         4. u = zeros(n); u[S] = vals                     # the sum; the engine divides by P
-    5.8  included = S                                     # every rank zeroes its residual on the whole union
+    5.7  1. S, ks = allgather(I_r)                       # the step's opening (core/comm.py): c int32 indices per
+                                                         #   rank, its count k_r in the header; P·c of them,
+                                                         #   rank order, the padding n included
+         2. vals = allreduce_sum(V_r[S])                 # phase "values": EVERY rank's own V at ALL of S; the
+                                                         #   padding reads the zero at index n
+         3. u = zeros(n); u[S] = vals                    # the sum; the engine divides by P
+    5.8  included = S                                    # every rank zeroes its residual on the whole union
 
-info = {"counts": ks, "K": |S|}. P = 1: no collective (S = I_0). When every rank selected nothing (K = 0,
-known to all ranks from step 1) steps 2-3 are skipped.
+Two collectives per step, each of the same shape every step (Horovod's response cache serves both).
+info = {"counts": ks, "K": sum(ks)}. When every rank selected nothing (K = 0, known to all ranks from step 1)
+step 2 is skipped.
 
-Cost per rank (logical words): counts (P-1) sent; indices k_r(P-1) sent, |S| - k_r received; values
-2|S|(P-1)/P each way (ring allreduce). With a sparsifier whose selections overlap (not ExDyna) S may hold
-duplicates: u is still the exact sum (every copy carries the same all-reduced value), only bandwidth is
-wasted.
+Cost per rank (logical words, the padding included): indices c(P-1) sent and received; values 2Pc(P-1)/P each
+way (ring allreduce). With c = ratio·k/P (``ExDyna.capacity_ratio``) that is 3·ratio·k(P-1)/P. With a sparsifier
+whose selections overlap (not ExDyna) S may hold duplicates: u is still the exact sum (every copy carries the
+same all-reduced value), only bandwidth is wasted.
 """
 
 from __future__ import annotations
@@ -26,32 +28,27 @@ from .base import Reducer, wire_index_dtype
 
 
 class ExDynaReducer(Reducer):
-    """The exchange of ExDyna (Yoon & Oh, CCGrid 2024; docs/algorithms.md#exdyna): allgather the per-rank counts
-    and indices (one grouped allgather), then allreduce (SUM) every rank's accumulated values over the union S;
-    every rank's residual is cleared on all of S. No knobs (indices travel unpadded, via allgatherv).
+    """The exchange of ExDyna (Yoon & Oh, CCGrid 2024; docs/algorithms.md#exdyna): allgather every rank's indices
+    (the step's opening, with its count), then allreduce (SUM) every rank's accumulated values over the union S;
+    every rank's residual is cleared on all of S. No knobs.
     """
 
     name = "exdyna"
+    opens = True
 
     def reduce(self, xp, acc, idx, k, comm, state, ctx):
         n = xp.numel(acc)
-        m = xp.numel(idx)
-        u = xp.zeros(n, xp.float32, like=acc)
-        if comm.size == 1:
-            u = xp.put_(u, idx, xp.take(acc, idx))
-            return u, idx, {"counts": [m], "K": m}
-        # 5.7 steps 1-2: the counts and S = the concatenation of every rank's indices in rank order, in one
-        # negotiated collective (a grouped allgather)
-        wire = wire_index_dtype(xp, n)
-        counts, S = comm.grouped_allgather([xp.asarray([m], xp.index_dtype, like=acc), xp.astype(idx, wire)],
-                                           ["count", "indices"])
-        ks = [int(c) for c in xp.to_numpy(counts)]
+        c = xp.numel(idx)
+        # 5.7 step 1: S = the concatenation of every rank's indices in rank order, and the counts
+        rows, ks, _ = ctx.open(xp.astype(idx, wire_index_dtype(xp, n)), (("indices", c),))
         K = sum(ks)
+        u = xp.zeros(n + 1, xp.float32, like=acc)
         if K == 0:
-            return u, idx, {"counts": ks, "K": 0}
-        S = xp.astype(S, xp.index_dtype)
-        # 5.7 step 3: every rank's own values at the whole union
-        vals = comm.allreduce(xp.take(acc, S), SUM, "values")
-        # 5.7 step 4 / 5.8: u[S] = summed values; the residual is cleared on all of S
-        u = xp.put_(u, S, vals)
-        return u, S, {"counts": ks, "K": K}
+            return u[:n], idx, {"counts": ks, "K": 0}
+        S = rows                                                      # (P, c): rank order, the padding n
+        # 5.7 step 2: every rank's own values at the whole union (the padding: 0)
+        vals = xp.take(ctx.padded, S)
+        if comm.size > 1:
+            vals = comm.allreduce(vals, SUM, "values")
+        # 5.7 step 3 / 5.8: u[S] = summed values; the residual is cleared on all of S
+        return xp.put_(u, S, vals)[:n], S, {"counts": ks, "K": K}

@@ -1,66 +1,44 @@
-"""Ok-Topk: the O(k) sparse allreduce (docs/algorithms.md#oktopk; Li & Hoefler, PPoPP'22, Algorithm 1).
+"""Ok-Topk: the O(k) sparse allreduce (docs/algorithms.md#oktopk; Li & Hoefler, PPoPP'22, Algorithm 1), on three
+fixed-shape collectives per step (docs/algorithms.md#the-wire).
 
-    reduce(a, S):                                   # engine: a = eps + g; S = ThresholdReuse.select(a)
+    reduce(a, S):                                   # engine: a = eps + g; S = ThresholdReuse.select(a), padded
       _start             reev = (t % tau_p == 0)    # t = 0 is always a re-eval AND repartition step
-      regions.plan       if t % tau == 0: off = repartition(a, L)    # one allreduce ("periodic"; "result", "load",
-                                                    # "measured": t = 0 only, then off = next_off below)
-                         ("measured", t > 0: H = allreduce(histogram of S, 2P bins; heavy bins finer);
-                          off = even split of H)
-      _split_and_reduce  rho = region r of the sum of the selections          # alltoall
-      if reev:
-        _reevaluate      C = allgather((x+off[r], rho[x]) for rho[x] != 0)    # identical on all ranks
-                         Gam = kth_abs(C.val, min(k, |C|));  G = deterministic top-min(k,|C|) of C
-      else:
-        _reuse           control.threshold: Gam (Ladder: the smallest Gam*f^j whose global count <= k, one
-                                            allreduce of 9 counts; Band: the stored Gam)
-                         control.keep: mine = ((x+off[r], rho[x]) for |rho[x]| >= Gam)   # or > per select_rule
-                               (Ladder, fill: K < k -> owner r adds its largest
-                                floor((k-K)·b_r/B) pairs between Gam/f and Gam)  # b_r its, B all owners' there
-                         G = _balance_and_allgatherv(mine)                      # sorted by global index
-                         Gam = control.next_threshold   # Band: band_adjust(Gam, |G|, k, lo, hi, /relax, *tighten)
-      _finish            I = S ∩ G;  eps = a;  eps[I] = 0   # Alg.2 line 6 (the engine zeroes I)
-                         regions.follow: next_off = even split of the load  # "load": the pairs region r received,
-                                           # one more word in the count collective; "result": P quantiles of G
-                         t += 1;  return SparseSum(G.idx, G.val), I   # the SUM (the engine divides by P)
+      1 opening          every rank's proposals (P-1 words: S's even split) and, for "measured" regions below
+                         F·P entries, its histogram of S (2P words) ride in the step's opening
+                         (core/comm.py: one allgather, the agreement's header in front)
+        regions.plan     off = mean of the proposals (repartition steps) | even split of the summed histogram
+                         ("measured") | the last step's (they follow it: regions.follow)
+      2 _split           rho = region r of the sum of the selections: one alltoall of S's pairs (a message of the
+                         selection's capacity every step; the unused slots go to this rank itself), the sources
+                         added in rank order on the received support (xp.merge_add_padded)
+      3 _gather          every owner sends its pairs at the ladder's lowest rung, or its c largest (c =
+                         gather_capacity·k/P, the same every step), with its counts at Γ·f^j (the ladder; the band:
+                         Γ) and its load (regions that follow it) in the message's header: one allgather
+        _select          reev: G = exact top-k of the gathered pairs, Γ = its K-th magnitude
+                         else: control.threshold: Γ (Ladder: the smallest Γ·f^j whose summed count <= k;
+                               Band: the stored Γ); G = the gathered pairs at it (fill: top-k above the rung
+                               below); Γ moves for the next step (Band: band_adjust(Γ, K, k, lo, hi, ...))
+      _finish            I = S ∩ G;  eps = a;  eps[I] = 0            # Alg.2 line 6 (the engine zeroes I)
+                         regions.follow: next_off                   # "load": the owners' loads; "result": G
+                         t += 1;  return SparseSum(G.idx, G.val), I # the SUM (the engine divides by P)
 
-    repartition(a, L):
-      idx = sorted global indexes of S;  m = len(idx);  c = m // P
-      prop[j] = idx[j*c] (j = 1..P-1) if c >= 1 else floor(j*n/P)
-      B = allreduce(prop as int64, op=Sum) // P;  return off = [0, B_1, ..., B_{P-1}, n]
+Collectives (phase names; none at all when P = 1), each of one shape on every step of a run:
+    agree (opening)  allgather: header + proposals (+ histogram)        every step
+    split            alltoall (global index, value) pairs               every step
+    gather           allgather: 1-10 header words + c (index, value)    every step
 
-    _balance_and_allgatherv(mine):
-      c = allgather([len(mine)])
-      if policy == always or (policy == auto and max(c) > 4 * sum(c) / P):
-          T = sum(c); b_q = T//P + (1 if q < T % P else 0); O_r = sum(c[:r]); Bo_q = sum(b[:q])
-          splits[q] = | [O_r, O_r+c_r) ∩ [Bo_q, Bo_q+b_q) |;  mine = alltoall(mine, splits)
-      return allgather(mine)
+Departures from the paper, for fixed shapes (docs/algorithms.md#oktopk):
+  * the owners' candidates travel in a gather of a fixed capacity c per owner, its largest pairs by magnitude:
+    no count collective, no balancing alltoall (each owner sends c pairs whatever its count, so nothing is
+    unbalanced); an owner with more than c pairs at the threshold keeps the rest out of G (their senders keep them
+    in their residuals, I = S ∩ G). Volume: 2|S|(P-1)/P + 2c(P-1) data words, <= 6k(P-1)/P while |S| <= k and
+    c <= 2k/P; gather_capacity is 1.5 (measured: the owners' share of G, docs/algorithms.md#the-wire);
+  * the re-evaluation takes the exact top-k of the gathered candidates (the owners' top-c), the reuse step
+    decides its rung from the counts in the gather's header: the same two collectives on every step;
+  * the "measured" regions count the step's load in the opening (no refinement of heavy bins).
 
-Collectives (phase names, each a distinct, stable collective; none at all when P = 1):
-    boundaries     allreduce int64 (P-1)               repartition steps
-    histogram      allreduce int64 (2P)                boundaries="measured", other steps, k < F·P
-    refine         allreduce int64 (< 5P)              after the histogram, when a bin holds > a share
-    split          alltoall  (rel. index, value) pairs every step (sources reduced in rank order)
-    reeval_count   allgather 1 int64 (+1: the load)    re-eval steps
-    reeval_gather  allgather (global index, value)     re-eval steps (skipped when every U_r = 0)
-    ladder         allreduce int64 9 (+P: the loads)   global_control="ladder", other steps, k < F·P
-    count          allgather 1 int64 (+1: the load)    other steps (ladder, k < F·P: only to balance, not
-                                                       when balance="never" or K = 0; ladder, k >= F·P:
-                                                       9 int64, the owner's ladder counts, +1: the load)
-    balance        alltoall  (global index, value)     other steps, when the balance policy triggers
-    gather         allgather (global index, value)     other steps (skipped when K = 0, known to all)
-
-F = ``few_collectives_from``: at k/P >= F entries per region a step makes no histogram and no ladder
-allreduce (the boundaries follow the last steps' load, as with "load").
-
-Wire format: one (index, value) pair = two words of one array, the index followed by the
-float32 value bit-cast to int32 (int64 words, value bits sign-extended in the low half, only when an index
-does not fit int32). Indexes are never float-encoded. The split phase sends region-relative indexes
-(int32 while every region has < 2^31 entries), the gathers global ones (int32 while n < 2^31).
-
-Decisions (docs/algorithms.md#oktopk): the global re-evaluation takes the exact top-min(k, |C|) of the gathered
-candidates in the same step (ref; ties by ascending global index); the residual rule is the exact
-intersection S ∩ G; K = 0 is legal (Γ is then invalid and the next step re-evaluates);
-P = 1 runs the same algorithm without any collective (G ⊆ S, out = a on G).
+Wire format: an (index, value) pair is an index and the float32 value's bits, int32 words (int64 only when an index
+does not fit int32; never float-encoded).
 """
 
 from __future__ import annotations
@@ -68,49 +46,31 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..comm import SUM
-from ..selection import global_topk
+import numpy as np
+
+from ..sparsifiers.base import CLIMB
 from ..sparsifiers.threshold_reuse import band_adjust
 from ..validate import SELECT_RULE_FIX, SELECT_RULES, check_real, choice, flag, integer, options, real
-from .base import (Reducer, SparseSum, allgather_count, allgather_counts, pack_pairs, sum_sparse_in_rank_order,
-                   unpack_pairs, wire_index_dtype)
+from ..xp.generic import rule_mask
+from .base import Reducer, SparseSum, pair_blocks, unpack_pair_rows, wire_index_dtype
 from .regions import Regions, region_split
 
-BALANCE_POLICIES = ("auto", "always", "never")
 BOUNDARY_POLICIES = ("periodic", "result", "load", "measured")
-FEW_COLLECTIVES_FROM = 1024         # k/P from which a step makes the fewest collectives (the default)
-
-
-# -- helpers --------------------------------------------------------------------------------------------------
-def balance_splits(counts, rank):
-    """Send splits of ``rank`` for the balancing alltoall: the interval intersections of
-    its slice [O_r, O_r + c_r) of the global concatenation with the balanced blocks [Bo_q, Bo_q + b_q)."""
-    P = len(counts)
-    T = sum(counts)
-    b = [T // P + (1 if q < T % P else 0) for q in range(P)]
-    lo = sum(counts[:rank])
-    hi = lo + counts[rank]
-    splits, bo = [], 0
-    for q in range(P):
-        splits.append(max(0, min(hi, bo + b[q]) - max(lo, bo)))
-        bo += b[q]
-    return splits
-
-
+FEW_COLLECTIVES_FROM = 1024         # k/P from which "measured" regions follow the load instead of a histogram
+#: "measured" regions count a histogram only from k >= this·P²: the allgathered histogram's 2P(P-1) words a rank
+#: are then at most half the split's 2k(P-1)/P (below, a split balanced by the load of the last steps costs less)
+HISTOGRAM_FROM = 2
 #: exponents j of the Γ ladder Γ·f^j (global_control="ladder")
 LADDER_STEPS = tuple(range(-2, 7))
 
 
 # -- the global control: how Γ follows K between re-evaluations (OkTopk.global_control) --------------------------
-# Each answers OkTopk._reuse's four calls on the step record s: threshold (s.used, this step's Γ), keep (the owner's
-# candidates kept), owner_counts (s.owner_counts, s.T: to balance) and next_threshold (the next reuse step's Γ).
 @dataclasses.dataclass(frozen=True)
 class Band:
-    """``global_control="band"`` (the authors' post-hoc controller): a reuse step keeps the owners' candidates at
-    the stored Γ, every owner's count is gathered (phase ``count``, with its load when the regions follow it), and Γ
-    moves one small step after the step (``band_adjust``): Γ·``tighten`` when K > ``hi``·k, Γ/``relax`` when
-    K < ``lo``·k (``OkTopk``'s ``global_band_lo/hi``, ``global_relax``, ``global_tighten``). It lags behind a
-    growing residual (measured: K = 2-8k on synthetic and digits gradients, docs/benchmarks.md)."""
+    """``global_control="band"`` (the authors' post-hoc controller): a reuse step keeps the owners' pairs at the
+    stored Γ, and Γ moves one small step after the step (``band_adjust``): Γ·``tighten`` when K > ``hi``·k,
+    Γ/``relax`` when K < ``lo``·k (``OkTopk``'s ``global_band_lo/hi``, ``global_relax``, ``global_tighten``). It
+    lags behind a growing residual (measured: K = 2-8k on synthetic and digits gradients, docs/benchmarks.md)."""
 
     lo: float
     hi: float
@@ -118,93 +78,50 @@ class Band:
     tighten: float
     rule: str
 
-    def threshold(self, xp, acc, owned, comm, s):
-        s.used = s.gamma
+    def rungs(self, gamma):
+        """The thresholds an owner counts its pairs at (the message's header has room for the ladder's nine)."""
+        return [gamma]
 
-    def keep(self, xp, owned, c_val, s):
-        return owned.select(s.used, self.rule)[0]
+    def threshold(self, gamma, totals, k):
+        """``(rung, Γ used)`` from every owner's counts summed."""
+        return 0, gamma
 
-    def owner_counts(self, xp, acc, m_idx, comm, s, balance):
-        if s.with_load:
-            s.owner_counts, s.loads = map(list, zip(*allgather_counts(xp, [xp.numel(m_idx), s.load], comm, "count",
-                                                                       acc)))
-        else:
-            s.owner_counts = allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
-        s.T = sum(s.owner_counts)
-
-    def next_threshold(self, s):
-        return band_adjust(s.gamma, s.T, s.k, self.lo, self.hi, self.relax, self.tighten)
+    def next_threshold(self, gamma, used, K, k):
+        return band_adjust(gamma, K, k, self.lo, self.hi, self.relax, self.tighten)
 
 
 @dataclasses.dataclass(frozen=True)
 class Ladder:
-    """``global_control="ladder"``: each owner counts its candidates at the thresholds Γ·f^j, j = -2..6 (f =
-    ``factor``, ``OkTopk.ladder_factor``), one allreduce (phase ``ladder``) sums the 9 counts, and every rank takes
-    the smallest rung whose global count is <= k; Γ keeps it. So K <= k on reuse steps whenever the ladder reaches
-    (the paper's volume bound assumes K <= k), for 2·9 words received where an allgather of the count vectors
-    would cost 9(P-1); the owners' own counts (phase ``count``) travel only when the balance rule needs them.
+    """``global_control="ladder"``: each owner counts its pairs at the thresholds Γ·f^j, j = -2..6 (f =
+    ``factor``, ``OkTopk.ladder_factor``), the counts ride in the gather's header, and every rank takes the
+    smallest rung whose summed count is <= k; Γ keeps it. So K <= k on reuse steps whenever the ladder reaches
+    (the paper's volume bound assumes K <= k).
 
-    ``fill`` (``OkTopk.global_fill``): the owners' sums pile up above the local thresholds, so a rung can hold
-    2-3x the next one's count (K = 0.5-0.9k on MNIST-1D). When the rung holds K < k and the one below > k, owner
-    r also keeps its largest floor((k - K)·b_r / B) of the b_r candidates between them (B: all owners'):
-    k - P < K <= k, no collective more."""
+    ``fill`` (``OkTopk.global_fill``): the owners' sums pile up above the local thresholds, so a rung can hold 2-3x
+    the next one's count (K = 0.5-0.9k on MNIST-1D). When the rung holds K < k and the one below > k, G is the
+    exact top-k of the gathered pairs above the rung below: K = k, no collective more."""
 
     factor: float
     fill: bool
     rule: str
 
-    def threshold(self, xp, acc, owned, comm, s):
-        """The rung: the owners' 9 counts summed by one allreduce (with the senders' splits when the regions follow
-        the load), or gathered with the loads when few; the fill's (lower rung, k - K, B) when it applies."""
-        ladder = [s.gamma * self.factor ** j for j in LADDER_STEPS]
-        if s.few:                                   # the counts (and the loads) of every owner: one allgather
-            mine = owned.counts(ladder, self.rule)
-            s.table = allgather_counts(xp, mine + [s.load] if s.with_load else mine, comm, "count", acc)
-            s.loads = [row.pop() for row in s.table] if s.with_load else None
-            totals = [sum(col) for col in zip(*s.table)]
-        elif s.P > 1:                               # their totals (and the senders' splits) by one allreduce
-            mine = owned.count_array(ladder, self.rule)                 # on the device: read only the totals
-            if s.with_load:
-                mine = xp.concat([mine, xp.asarray(s.splits, xp.index_dtype, like=acc)], like=acc)
-            totals = [int(v) for v in xp.to_numpy(comm.allreduce(mine, SUM, "ladder"))]
-            totals, s.loads = totals[:len(ladder)], (totals[len(ladder):] if s.with_load else None)
-        else:
-            totals = owned.counts(ladder, self.rule)
-        s.rung = next((j for j, tot in enumerate(totals) if tot <= s.k), len(ladder) - 1)
-        s.used, s.T = ladder[s.rung], totals[s.rung]
-        if self.fill and s.rung > 0 and s.T < s.k < totals[s.rung - 1]:
-            s.fill = (ladder[s.rung - 1], s.k - s.T, totals[s.rung - 1] - s.T)
+    def rungs(self, gamma):
+        return [gamma * self.factor ** j for j in LADDER_STEPS]
 
-    def keep(self, xp, owned, c_val, s):
-        """The owner's candidates at Γ, and with a fill its q largest under Γ: the h + q largest at the rung below."""
-        keep = owned.select(s.used, self.rule)[0]
-        if s.fill is None:
-            return keep
-        wide = owned.select(s.fill[0], self.rule)[0]
-        h = xp.numel(keep)
-        q = s.quota(xp.numel(wide), h)
-        return keep if q == 0 else xp.take(wide, xp.topk(xp.take(c_val, wide), h + q)[0])
+    def threshold(self, gamma, totals, k):
+        rungs = self.rungs(gamma)
+        j = next((j for j, tot in enumerate(totals) if tot <= k), len(rungs) - 1)
+        return j, rungs[j]
 
-    def owner_counts(self, xp, acc, m_idx, comm, s, balance):
-        if s.table is not None:                     # from the gathered ladder counts
-            s.owner_counts = [row[s.rung] + s.quota(row[s.rung - 1], row[s.rung]) for row in s.table]
-            s.T = sum(s.owner_counts)
-        elif balance == "never":
-            s.owner_counts = None
-        else:
-            s.owner_counts = [0] * s.P if s.T == 0 and s.fill is None else \
-                allgather_count(xp, xp.numel(m_idx), comm, "count", acc)
-            s.T = sum(s.owner_counts)
-
-    def next_threshold(self, s):
-        return s.used
+    def next_threshold(self, gamma, used, K, k):
+        return used
 
 
 @dataclasses.dataclass
 class _OkStep:
     """What one step of :meth:`OkTopk.reduce` knows, filled in phase by phase: P, this rank, n, k; the step counter
-    and Γ it starts with; whether it re-evaluates, repartitions, makes few collectives; the regions (and the
-    measured histogram); the split's load and splits; the owners' counts (and loads); G; the Γ used and next."""
+    and Γ it starts with; whether it re-evaluates, repartitions, counts a histogram; the regions (and the
+    histogram); the split's load; the owners' counts and loads; G; the Γ used and next."""
 
     P: int
     r: int
@@ -214,29 +131,21 @@ class _OkStep:
     t: int
     gamma: float
     reev: bool = False
+    own: int = 0
     few: bool = False
     repart: bool = False
     edges: object = None
     hist: object = None
-    with_load: bool = False
-    load: int = None
-    splits: list = None
+    load: int = 0
     loads: list = None
     owner_counts: list = None
-    table: list = None
-    rung: int = None
-    T: int = None
     g_idx: object = None
     g_val: object = None
+    K: int = 0
     used: float = None
     gamma_next: float = None
-    balanced: bool = False
     capped: bool = False
-    fill: tuple = None
-
-    def quota(self, below, at):
-        """An owner's share of ``global_fill``: floor((k - K)·b_r / B), b_r = ``below - at`` (0 without a fill)."""
-        return 0 if self.fill is None else self.fill[1] * (below - at) // self.fill[2]
+    filled: bool = False
 
 
 @options
@@ -249,51 +158,48 @@ class OkTopk(Reducer):
         threshold_period (int): τ', re-evaluate the global threshold Γ exactly every τ' sparse steps
             (t % τ' == 0, t = this reducer's own step counter from 0). Default 32.
         repartition_period (int): τ, recompute the region boundaries every τ steps (``periodic``). Default 64.
+        gather_capacity (float or None): c, the pairs each owner sends in the gather, in units of k/P (at most k):
+            an owner with more pairs at the threshold keeps its c largest in G. None: more than an owner ever holds
+            (nothing is cut; for studies, at many times the words). Default 1.5 (measured: docs/algorithms.md).
         boundaries (str): how the regions follow the selection: ``"periodic"`` (default, paper), ``"result"``,
             ``"load"`` or ``"measured"`` (the ``Compression.oktopk`` preset); each rule is described in
-            :class:`~hvd_sparse.core.reducers.regions.Regions`, the policy object built from these four options.
+            :class:`~hvd_sparse.core.reducers.regions.Regions`, the policy object built from these options.
         load_smoothing (float): β of ``load`` (and of ``measured``'s bins): the boundaries split β·(average so far)
             + (1-β)·(this step's) of the measured load CDFs evenly. 0: the last step only. Default 0.5.
         boundary_tolerance (float): the recompute trigger of ``result`` and ``load``; 1.0 recomputes on
             every step. Default 1.0.
-        balance (str): data balancing before the final allgatherv: ``"auto"`` (default, paper: iff
-            max c_j > balance_factor·Σc/P), ``"always"`` (ref:BERT) or ``"never"`` (ref:LSTM/VGG).
-        balance_factor (float): the ``auto`` trigger factor. Default 4.0.
         global_band_lo, global_band_hi (float): band [lo·k, hi·k] for K on reuse steps. Default 0.75, 1.25.
         global_relax (float): Γ /= global_relax when K < lo·k. Default 1.01 (1.0 disables).
         global_tighten (float): Γ *= global_tighten when K > hi·k. Default 1.008 (1.0 disables).
-        select_rule (str): owners' candidates on reuse steps: ``"ge_nonzero"`` (default, |ρ| >= Γ and
+        select_rule (str): owners' pairs on reuse steps: ``"ge_nonzero"`` (default, |ρ| >= Γ and
             ρ != 0) or ``"gt"`` (ref: |ρ| > Γ). Re-evaluation steps always take the exact top-k.
-        max_select_ratio (float or None): optional hard cap: when K > ratio·k on a reuse step
-            (known from the allgathered counts), keep the exact top-k of the gathered values and
-            re-evaluate Γ from them. Default None (off, as ref).
+        max_select_ratio (float or None): optional hard cap: when K > ratio·k on a reuse step, keep the exact
+            top-k of G and re-evaluate Γ from them. Default None (off, as ref).
         global_control (str): how Γ follows K between re-evaluations: ``"band"`` (default, the authors' code;
             :class:`Band`, with the four ``global_*`` options above) or ``"ladder"`` (the ``Compression.oktopk``
             preset: K <= k on reuse steps; :class:`Ladder`, with the two below).
         ladder_factor (float): f of the ladder. Default 1.1 (Γ moves by up to x1.77 up or /1.21 down a step).
         global_fill (bool): with the ladder, K up to k on reuse steps (:class:`Ladder`). Default False.
-        few_collectives_from (int or None): at k >= this·P (k/P: the same on every rank) no histogram and
-            no ladder allreduce: ``measured`` boundaries follow the smoothed load (the ``load`` rule, a good
-            forecast at many entries per region) and each owner's 9 ladder counts and load ride in the count
-            allgather (10(P-1) words, <= 1% of k(P-1)/P): two collectives' latency less. None: never.
-            Default 1024.
+        few_collectives_from (int or None): at k >= this·P (k/P: the same on every rank) ``measured`` regions
+            count no histogram (2P(P-1) words a step in the opening) and follow the smoothed load instead (the
+            ``load`` rule, a good forecast at many entries per region). None: never. Default 1024. They do the same
+            below k = 2·P² (``HISTOGRAM_FROM``), where the histogram would cost more than half the split.
 
     Per-rank state: ``t`` (sparse steps so far), ``gamma`` (Γ, identical on all ranks), ``offsets``
     (o_0..o_P, Python ints, identical on all ranks), ``size`` (P). Info returned each step: ``K``,
-    ``threshold`` (Γ used this step), ``next_threshold``, ``reeval``, ``repartition``, ``balanced``, ``capped``,
-    ``filled`` (``global_fill`` acted), ``offsets``, ``owner_counts`` (per-owner candidate counts: U_r on re-eval
-    steps, c_r on others), ``t``.
+    ``threshold`` (Γ used this step), ``next_threshold``, ``reeval``, ``repartition``, ``capped``,
+    ``filled`` (``global_fill`` acted), ``offsets``, ``owner_counts`` (per-owner counts at the threshold), ``t``.
     """
 
     name = "oktopk"
     sparse_result = True
+    opens = True
 
     threshold_period: int = integer(32)
     repartition_period: int = integer(64)
-    balance: str = choice("auto", BALANCE_POLICIES, fix="'auto' balances when the largest owner holds > "
-                                                        "balance_factor x the average")
     _: dataclasses.KW_ONLY
-    balance_factor: float = real(4.0, 0.0, low_incl=False, fix="e.g. 4.0 (paper)")
+    gather_capacity: float = real(1.5, 0.0, low_incl=False, allow_none=True,
+                                  fix="e.g. 1.5 (the pairs per owner, in k/P; None: never cut)")
     global_band_lo: float = real(0.75, 0.0, fix="e.g. 0.75")
     global_band_hi: float = real(1.25, 0.0, fix="e.g. 1.25")
     global_relax: float = real(1.01, 1.0, fix="e.g. 1.01 (1.0 disables)")
@@ -327,49 +233,27 @@ class OkTopk(Reducer):
     def initial_state(self):
         return {"t": 0, "gamma": None, "offsets": None, "size": None}
 
-    # -- split and reduce--------------------------------------------------------------------------------------
-    @staticmethod
-    def _split_and_reduce(xp, acc, idx, offsets, comm):
-        """Region r of the sum of the selections: its nonzeros as (global int64 idx, float32 value), the
-        number of pairs the region received (its load, this rank's own included) and this rank's splits
-        (pairs sent to each region: summed over the ranks, they are every region's load)."""
-        r = comm.rank
-        splits, rel = region_split(xp, idx, offsets)
-        wire = wire_index_dtype(xp, max(offsets[j + 1] - offsets[j] for j in range(comm.size)))
-        packed = pack_pairs(xp, rel, xp.take(acc, idx), wire, acc)
-        recv, recv_splits = comm.alltoall(packed, [2 * s for s in splits], "split")
-        rel_r, val_r = unpack_pairs(xp, recv)
-        # 4. reduction: rho^r = the sum of the P sparse pieces, sources added in rank order 0..P-1, on the
-        # support of what arrived (no |R_r|-sized buffer: a region can span most of the model)
-        where, rho = sum_sparse_in_rank_order(xp, rel_r, val_r, [s // 2 for s in recv_splits], acc)
-        nz = xp.nonzero(xp.gt(xp.abs(rho), 0.0))
-        return xp.add(xp.take(where, nz), offsets[r]), xp.take(rho, nz), sum(recv_splits) // 2, splits
+    def owner_capacity(self, k, P):
+        """c: the pairs each owner sends in the gather: at most k (G holds no more after a re-evaluation or on a
+        reuse step of the ladder); ``gather_capacity`` None: 2·P·k, more than an owner ever holds (nothing is cut:
+        for studies, at P times the words)."""
+        return 2 * P * k if self.gather_capacity is None else max(1, min(k, math.ceil(self.gather_capacity * k / P)))
 
     # -- one step ----------------------------------------------------------------------------------------
     def reduce(self, xp, acc, idx, k, comm, state, ctx):
         """One step of Algorithm 1 (the module docstring), a method per phase:
 
-        1. :meth:`_start`             re-evaluation or reuse step, few collectives or not;
-        2. ``regions.plan``           the regions (:class:`~.regions.Regions`): the allreduce repartition, or the
-                                      step's measured load;
-        3. :meth:`_split_and_reduce`  region r of the sum of the selections (P = 1: ``acc`` on S);
-        4. :meth:`_reevaluate`        re-evaluation steps: the exact global top-k of the gathered candidates, or
-           :meth:`_reuse`             the others: the owners' candidates at Γ (``control``: :class:`Ladder` or
-                                      :class:`Band`) and :meth:`_balance_and_allgatherv`;
-        5. :meth:`_finish`            I = S ∩ G, the next boundaries (``regions.follow``) and the state.
+        1. :meth:`_start`   re-evaluation or reuse step, a histogram or not;
+        2. :meth:`_open`    the opening: the regions' proposals (and histogram); ``regions.plan``;
+        3. :meth:`_split`   region r of the sum of the selections (one alltoall);
+        4. :meth:`_gather`  every owner's largest pairs, their ladder counts and load (one allgather);
+        5. :meth:`_select`  G and Γ: the exact top-k (re-evaluation) or the control's threshold (reuse);
+        6. :meth:`_finish`  I = S ∩ G, the next boundaries (``regions.follow``) and the state.
         """
         s = self._start(xp, acc, k, comm, state)
-        self.regions.plan(xp, acc, idx, comm, state, s)
-        if s.P == 1:                                                # rho = a on S (no collective)
-            vals = xp.take(acc, idx)
-            nz = xp.nonzero(xp.gt(xp.abs(vals), 0.0))
-            c_idx, c_val = xp.take(idx, nz), xp.take(vals, nz)
-        else:
-            c_idx, c_val, s.load, s.splits = self._split_and_reduce(xp, acc, idx, s.offsets, comm)
-        if s.reev:
-            self._reevaluate(xp, acc, c_idx, c_val, comm, s)
-        else:
-            self._reuse(xp, acc, c_idx, c_val, comm, s)
+        self._open(xp, idx, state, ctx, s)
+        g_idx, g_val = self._gather(xp, self._split(xp, idx, comm, ctx, s), comm, s)
+        self._select(xp, g_idx, g_val, s)
         return self._finish(xp, idx, state, s)
 
     def _start(self, xp, acc, k, comm, state):
@@ -381,70 +265,126 @@ class OkTopk(Reducer):
             offsets = None
         s = _OkStep(P=P, r=comm.rank, n=n, k=k, offsets=offsets, t=state["t"], gamma=state["gamma"])
         s.reev = s.t % self.threshold_period == 0 or s.gamma is None or not math.isfinite(s.gamma)
-        # many entries per region (k, P: the same on every rank): the step's latency outweighs the words the
-        # histogram and the ladder's allreduce save, and the last steps' load forecasts the next one well
-        s.few = P > 1 and self.few_collectives_from is not None and k >= self.few_collectives_from * P
+        # many entries per region (k, P: the same on every rank): the last steps' load forecasts the next one well;
+        # few entries per rank (k < 2P²): the histogram's 2P(P-1) words would be more than half the split
+        s.few = P > 1 and (self.few_collectives_from is not None and k >= self.few_collectives_from * P
+                           or k < HISTOGRAM_FROM * P * P)
         return s
 
-    def _reevaluate(self, xp, acc, c_idx, c_val, comm, s):
-        """Global re-evaluation: every owner's candidates gathered (identical on every rank), G their exact
-        top-min(k, |C|), Γ its K-th magnitude."""
-        if s.P > 1:
-            if s.with_load:
-                s.owner_counts, s.loads = map(list, zip(*allgather_counts(xp, [xp.numel(c_idx), s.load], comm,
-                                                                           "reeval_count", acc)))
-            else:
-                s.owner_counts = allgather_count(xp, xp.numel(c_idx), comm, "reeval_count", acc)
-            if sum(s.owner_counts):                                 # (skipped when K = 0 everywhere)
-                packed = pack_pairs(xp, c_idx, c_val, wire_index_dtype(xp, s.n), acc)
-                c_idx, c_val = unpack_pairs(xp, comm.allgather(packed, "reeval_gather"))
-        else:
-            s.owner_counts = [xp.numel(c_idx)]
-        s.g_idx, s.g_val, s.gamma = global_topk(xp, c_idx, c_val, s.k)
-        s.used = s.gamma_next = s.gamma
+    def _open(self, xp, idx, state, ctx, s):
+        """The opening (``ctx.open``): this rank's proposals and histogram for the regions (``regions.opening``),
+        read on the host with the agreement's header; ``regions.plan`` places the step's regions from them."""
+        words, parts = self.regions.opening(xp, idx, ctx.selected, state, s)
+        wire = wire_index_dtype(xp, s.n)
+        _, counts, host = ctx.open(xp.astype(words, wire), parts, read=xp.numel(words))
+        s.own = counts[s.r]
+        self.regions.plan(host, state, s)
 
-    def _reuse(self, xp, acc, c_idx, c_val, comm, s):
-        """Threshold reuse: each owner keeps its candidates at the global threshold (``control``: the ladder's rung
-        or the band's Γ), G is their balanced allgatherv, and Γ moves for the next step (the cap, or ``control``)."""
-        owned = xp.scan(c_val)                      # the owner's candidates: counts and selection on |c_val|
-        self.control.threshold(xp, acc, owned, comm, s)
-        keep = self.control.keep(xp, owned, c_val, s)
-        m_idx, m_val = xp.take(c_idx, keep), xp.take(c_val, keep)
+    def _split(self, xp, idx, comm, ctx, s):
+        """Region r of the sum of the selections (:class:`~hvd_sparse.core.xp.fixed.RegionSums`). One alltoall of the
+        selection's whole capacity as (index, value bits) rows: the pairs of region q to rank q, the padding to this
+        rank itself (so the message has the same shape every step, and no padding crosses the wire); the sources
+        added in rank order."""
+        splits = region_split(xp, idx, s.offsets)               # the step's second host read: the send splits
+        cap, own = xp.numel(idx), s.own
+        lo = sum(splits[:s.r + 1])                              # regions 0..r, the padding, regions r+1..P-1
+        order = np.concatenate([np.arange(lo), np.arange(own, cap), np.arange(lo, own)])
+        pairs = xp.take(idx, xp.asarray(order, xp.index_dtype, like=idx))
+        packed = xp.stack(pair_blocks(xp, pairs, xp.take(ctx.padded, pairs), wire_index_dtype(xp, s.n)), axis=1)
+        send = list(splits)
+        send[s.r] += cap - own
+        recv, recv_splits = packed, send
         if s.P > 1:
-            self._balance_and_allgatherv(xp, acc, m_idx, m_val, comm, s)
-        else:
-            s.owner_counts = [xp.numel(m_idx)]
-            s.g_idx, s.g_val = m_idx, m_val
-            s.T = s.owner_counts[0]
-        if self.max_select_ratio is not None and s.T > self.max_select_ratio * s.k:
-            s.g_idx, s.g_val, s.gamma_next = global_topk(xp, s.g_idx, s.g_val, s.k)    # hard cap
-            s.capped = True
-        else:
-            s.gamma_next = self.control.next_threshold(s)
+            recv, recv_splits = comm.alltoall(packed, send, "split")
+        s.load = sum(recv_splits) - (cap - own)
+        pieces = [p for q, m in enumerate(recv_splits)                 # this rank's own run ends in the padding
+                  for p in ([(m, True)] if q != s.r else [(m - (cap - own), True), (cap - own, False)])]
+        r_idx, r_bits = xp.unbind(xp.transpose(recv))
+        r_val = xp.bitcast(xp.astype(r_bits, xp.int32), xp.float32)
+        return xp.region_sums(r_idx, r_val, pieces, s.offsets[s.r], s.offsets[s.r + 1], s.n)
 
-    def _balance_and_allgatherv(self, xp, acc, m_idx, m_val, comm, s):
-        """G: every owner's kept pairs, gathered in global index order; first balanced by an alltoall when the
-        policy says so (the owners' counts: ``control.owner_counts``)."""
-        self.control.owner_counts(xp, acc, m_idx, comm, s, self.balance)
-        if s.T == 0 and (s.fill is None or s.owner_counts is not None):     # K = 0, known to every rank
-            s.g_idx, s.g_val = m_idx, m_val
+    def _gather(self, xp, region, comm, s):
+        """Every owner's pairs (ascending index; padding: n, 0.0) with, in the message's header, its counts at the
+        control's rungs and its load: one allgather. A reuse step's owner sends its pairs at the lowest rung, or at
+        the first rung above where at most c pass (``xp.select_capped``: the largest stay); a re-evaluation's, its
+        c largest. Returns the gathered (indices, values), (P, c), sorted by global index in rank order (the owners
+        hold the regions in order), and sets the owners' counts and loads."""
+        c, values = self.owner_capacity(s.k, s.P), region.values
+        m, R = xp.numel(values), len(self.control.rungs(1.0))
+        wire = wire_index_dtype(xp, s.n)
+        if s.reev:
+            pos = xp.topk_padded(values, c)[0]
+            counts = xp.zeros(R, wire, like=values)
+        else:
+            rungs = self.control.rungs(s.gamma)
+            ths = rungs + [rungs[-1] * f for f in CLIMB[1:]]
+            pos, _, _, counts = xp.select_capped(values, ths, self.select_rule, c, m, counts=R, tally=False)
+        top, vals = region.pairs(xp, pos)
+        head = [xp.astype(counts, wire)]
+        if self.regions.follows_load:                           # the load the regions follow, after the counts
+            head.append(xp.asarray([s.load], wire, like=values))
+        H = R + len(head) - 1
+        msg = xp.concat(head + pair_blocks(xp, top, vals, wire), like=values)
+        if s.P > 1:
+            msg = comm.allgather(msg, "gather", parts=(("gather.head", H), ("gather.indices", c), ("gather.values", c)))
+        msg = xp.reshape(msg, (s.P, -1))
+        table = xp.to_list(xp.columns(msg, 0, H))                # the step's third host read: the owners' counts
+        s.loads = [row[R] for row in table] if H > R else None
+        s.owner_counts = [row[:R] for row in table]
+        return unpack_pair_rows(xp, msg, H)
+
+    def _select(self, xp, g_idx, g_val, s):
+        """G and Γ: the exact top-k of the gathered pairs on re-evaluation steps (Γ its K-th magnitude), else the
+        pairs at the control's threshold, its rung chosen from the summed counts (fill: the exact top-k above the
+        rung below); the hard cap (``max_select_ratio``) takes the exact top-k of G and re-evaluates Γ from it. G
+        keeps the pairs it holds in ascending order, the others replaced by the padding (n, 0.0): compacted on the
+        host, in place on a device (``xp.keep``)."""
+        c = self.owner_capacity(s.k, s.P)
+        if s.reev:
+            s.used = s.gamma_next = self._topk(xp, g_idx, g_val, s)
+            s.owner_counts = None
             return
-        packed = pack_pairs(xp, m_idx, m_val, wire_index_dtype(xp, s.n), acc)
-        s.balanced = self.balance == "always" or (
-            self.balance == "auto" and max(s.owner_counts) * s.P > self.balance_factor * s.T)
-        if s.balanced:
-            packed, _ = comm.alltoall(packed, [2 * c for c in balance_splits(s.owner_counts, s.r)], "balance")
-        s.g_idx, s.g_val = unpack_pairs(xp, comm.allgather(packed, "gather"))
+        totals = [sum(col) for col in zip(*s.owner_counts)]
+        j, s.used = self.control.threshold(s.gamma, totals, s.k)
+        s.owner_counts = [min(row[j], c) for row in s.owner_counts]     # what each owner's c pairs hold of it
+        s.K = sum(s.owner_counts)
+        if isinstance(self.control, Ladder) and self.control.fill and 0 < j and totals[j] < s.k < totals[j - 1]:
+            lower = self.control.rungs(s.gamma)[j - 1]
+            above = xp.masked(g_val, rule_mask(xp, xp.abs(g_val), lower, self.select_rule))
+            self._topk(xp, g_idx, above, s)
+            s.filled = True
+        else:
+            s.g_idx, s.g_val = xp.keep(g_idx, g_val, rule_mask(xp, xp.abs(g_val), s.used, self.select_rule), s.n)
+        if self.max_select_ratio is not None and totals[j] > self.max_select_ratio * s.k:
+            s.gamma_next, s.capped = self._topk(xp, s.g_idx, s.g_val, s), True      # hard cap
+        else:
+            s.gamma_next = self.control.next_threshold(s.gamma, s.used, totals[j], s.k)
+
+    def _topk(self, xp, g_idx, g_val, s):
+        """G = the exact top-k of the (index, value) pairs, in index order (ties by ascending index; K = min(k,
+        nonzeros)); returns its K-th magnitude (read on the host with K; inf when G is empty)."""
+        g_idx, g_val = xp.reshape(g_idx, (xp.numel(g_idx),)), xp.reshape(g_val, (xp.numel(g_val),))
+        pos = xp.topk_padded(g_val, s.k)[0]
+        s.g_idx, s.g_val = self._take(xp, g_idx, g_val, pos, s.n)
+        K, smallest = xp.read(xp.count_below(s.g_idx, s.n), xp.smallest_magnitude(s.g_val))
+        s.K = int(K[0])
+        return float(smallest[0]) if s.K else math.inf
+
+    @staticmethod
+    def _take(xp, g_idx, g_val, pos, n):
+        """The pairs at positions ``pos`` (the padding position, len: index n and 0.0)."""
+        ext_i = xp.concat([xp.astype(g_idx, xp.index_dtype), xp.full(1, n, xp.index_dtype, like=g_idx)], like=g_idx)
+        ext_v = xp.concat([g_val, xp.zeros(1, xp.float32, like=g_val)], like=g_val)
+        return xp.take(ext_i, pos), xp.take(ext_v, pos)
 
     def _finish(self, xp, idx, state, s):
-        """The output (the sum is G itself, sorted and unique: the engine scatters it), the included set
-        I = S ∩ G (exact), the next boundaries and the state."""
+        """The output (the sum is G itself, sorted and unique, then padding: the engine scatters it), the included
+        set I = S ∩ G (exact; the rest of S padded with n), the next boundaries and the state."""
         u = SparseSum(s.g_idx, s.g_val)
-        included = xp.intersect(idx, s.g_idx)       # S ∩ G, ascending
+        included = xp.members(idx, s.g_idx, s.n)
         nxt = self.regions.follow(xp, state, s)
         state.update(t=s.t + 1, gamma=s.gamma_next, offsets=list(s.offsets if nxt is None else nxt), size=s.P)
-        info = {"K": xp.numel(s.g_idx), "threshold": s.used, "next_threshold": s.gamma_next, "reeval": bool(s.reev),
-                "repartition": bool(s.repart), "balanced": s.balanced, "capped": s.capped, "filled": s.fill is not None,
-                "offsets": list(s.offsets), "owner_counts": s.owner_counts, "t": s.t,
-                "rebalanced": nxt is not None or s.hist is not None}
+        info = {"K": s.K, "threshold": s.used, "next_threshold": s.gamma_next, "reeval": bool(s.reev),
+                "repartition": bool(s.repart), "capped": s.capped, "filled": s.filled, "offsets": list(s.offsets),
+                "owner_counts": s.owner_counts, "t": s.t, "rebalanced": nxt is not None or s.hist is not None}
         return u, included, info

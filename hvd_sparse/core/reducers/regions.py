@@ -1,13 +1,14 @@
-"""Ok-Topk's region boundaries from data every rank holds identically (no communication, O(P)).
+"""Ok-Topk's region boundaries from data every rank holds identically (no collective of their own, O(P)).
 
 Ok-Topk's owner r reduces what the ranks selected in its region [o_r, o_{r+1}) of the index space; the
 split phase's volume is balanced only while every region receives about the same number of pairs. The
-paper recomputes the boundaries every τ steps with one allreduce and the selection drifts in between. The
-functions here place the boundaries from what every rank holds identically: after a step, the global result G
-(``result_boundaries``) or the loads the owners report in the step's count collective (``load_boundaries``,
-``smoothed_load_boundaries``: an exponential average of the load CDFs); before the split, the step's own load,
-counted in bins and summed by one allreduce (``measure_load``, ``measured_boundaries``). All are pure functions
-of identical inputs: identical boundaries on every rank. ``repartition`` is the paper's own rule (one allreduce).
+paper recomputes the boundaries every τ steps with one allreduce of the ranks' proposals and the selection drifts
+in between. Here the proposals (``proposals``, ``repartition``) ride in the step's opening, and the functions place
+the boundaries from what every rank holds identically: after a step, the global result G (``result_boundaries``)
+or the loads the owners report in the gather's header (``load_boundaries``, ``smoothed_load_boundaries``: an
+exponential average of the load CDFs); before the split, the step's own load, counted in bins in the opening
+(``histogram``, ``measured_boundaries``). All are pure functions of identical inputs: identical boundaries on
+every rank.
 """
 
 from __future__ import annotations
@@ -16,37 +17,33 @@ import dataclasses
 
 import numpy as np
 
-from ..comm import SUM
 
 
-def repartition(xp, idx, n, comm):
-    """The paper's repartition (one allreduce, phase ``boundaries``): each rank proposes the boundaries that split
-    its sorted selection ``idx`` evenly, and o_j is the mean of the proposals. Returns [0, o_1, ..., o_{P-1}, n]."""
-    P = comm.size
+def proposals(xp, idx, count, n, P):
+    """This rank's proposal for the paper's repartition: the P-1 boundaries that split its selection evenly,
+    ``idx[j·c]`` for c = count // P (``idx``: sorted global indexes, ``count`` real ones, padded), else floor(j·n/P)
+    (the library's fallback for a selection of fewer than P; ref: c = 0 -> idx[0]; m = 0 -> crash). On the device
+    (``count`` a device value): no read. The boundaries are the floor of the proposals' mean (:func:`repartition`)."""
+    fallback = xp.asarray([(j * n) // P for j in range(1, P)], xp.index_dtype, like=idx)
     if P == 1:
-        return [0, n]
-    c = xp.numel(idx) // P
-    if c >= 1:       # this rank's balanced boundaries
-        prop = xp.take(idx, xp.asarray([j * c for j in range(1, P)], xp.index_dtype, like=idx))
-    else:            # library fallback (ref: c = 0 -> idx[0]; m = 0 -> crash)
-        prop = xp.asarray([(j * n) // P for j in range(1, P)], xp.index_dtype, like=idx)
-    total = comm.allreduce(prop, SUM, "boundaries")            # int64: no overflow
-    return [0] + [int(b) // P for b in xp.to_numpy(total)] + [n]
+        return fallback
+    c = count // P
+    mine = xp.take(idx, xp.mul(xp.arange(P - 1, xp.index_dtype, like=idx) + 1, c))
+    return xp.choose(c >= 1, mine, fallback)
+
+
+def repartition(rows, n):
+    """The paper's repartition from every rank's :func:`proposals` (rows of P-1 ints, gathered):
+    [0, o_1, ..., o_{P-1}, n] with o_j the floor of their mean (int64 arithmetic on the host: no overflow)."""
+    P = len(rows)
+    return [0] + [sum(int(row[j]) for row in rows) // P for j in range(P - 1)] + [n]
 
 
 def region_split(xp, idx, offsets):
-    """Split the sorted global indexes ``idx`` by regions ``offsets`` (o_0..o_P, non-decreasing).
-
-    Returns ``(splits, rel)``: ``splits[j] = |idx ∩ [o_j, o_{j+1})|`` (Python ints) and the region-relative
-    indexes ``rel = idx - o_{region(idx)}`` (int64), in the order of ``idx`` (= grouped by region)."""
-    P = len(offsets) - 1
-    bounds = xp.asarray(offsets, xp.index_dtype, like=idx)
-    pos = [int(p) for p in xp.to_numpy(xp.searchsorted(idx, bounds))]
-    splits = [pos[j + 1] - pos[j] for j in range(P)]
-    if xp.numel(idx) == 0:
-        return splits, idx
-    region = xp.searchsorted(bounds[1:P], idx, right=True)     # j with o_j <= x < o_{j+1}
-    return splits, idx - xp.take(bounds, region)
+    """``splits[j] = |idx ∩ [o_j, o_{j+1})|`` (Python ints, read on the host) of the sorted global indexes ``idx``
+    (padded with n: the padding lies past o_P = n) for the regions ``offsets`` (o_0..o_P, non-decreasing)."""
+    pos = [int(p) for p in xp.to_numpy(xp.searchsorted(idx, xp.asarray(offsets, xp.index_dtype, like=idx)))]
+    return [pos[j + 1] - pos[j] for j in range(len(offsets) - 1)]
 
 
 def _non_decreasing(out, n):
@@ -56,22 +53,16 @@ def _non_decreasing(out, n):
     return out
 
 
-def _positions(xp, g_idx, offsets):
-    """Where each boundary of ``offsets`` falls in the sorted global result ``g_idx`` (Python ints)."""
-    return [int(p) for p in xp.to_numpy(xp.searchsorted(g_idx, xp.asarray(offsets, xp.index_dtype, like=g_idx)))]
-
-
-def result_boundaries(xp, g_idx, P, n):
-    """Region boundaries o_0..o_P that split the sorted global result ``g_idx`` into P equal parts:
-    ``o_j = g_idx[floor(j·m/P)]`` (m = |G|), or None when m < P (too few points to place P-1 boundaries).
+def result_boundaries(g, P, n):
+    """Region boundaries o_0..o_P that split the sorted global result ``g`` (numpy) into P equal parts:
+    ``o_j = g[floor(j·m/P)]`` (m = |G|), or None when m < P (too few points to place P-1 boundaries).
 
     Every rank holds the same G after a step, so these boundaries cost no communication and are identical on
-    all ranks. O(P): P-1 reads of G."""
-    m = xp.numel(g_idx)
+    all ranks. O(P)."""
+    m = len(g)
     if P == 1 or m < P:
         return None
-    pos = xp.asarray([(j * m) // P for j in range(1, P)], xp.index_dtype, like=g_idx)
-    return [0] + [int(b) for b in xp.to_numpy(xp.take(g_idx, pos))] + [n]
+    return [0] + [int(g[(j * m) // P]) for j in range(1, P)] + [n]
 
 
 def load_boundaries(offsets, loads, g_pos=None, g_at=None):
@@ -202,60 +193,19 @@ def histogram_edges(forecast, P, n):
     return _non_decreasing([0] + [int(round(x)) for x in forecast[2:2 * M:2]] + [n], n)
 
 
-def measure_load(xp, idx, forecast, n, comm, like):
-    """This step's load before the split, the one collective of ``measured`` boundaries: every rank counts
-    its selection (sorted global indexes ``idx``) in the bins of ``histogram_edges`` and an allreduce
-    (phase ``histogram``, ``BINS_PER_REGION``·P int64) sums the counts. Returns (edges, summed counts)."""
-    edges = histogram_edges(forecast, comm.size, n)
-    pos = xp.searchsorted(idx, xp.asarray(edges, xp.index_dtype, like=idx))     # on the device: no read
-    mine = xp.astype(pos[1:] - pos[:-1], xp.index_dtype)
-    return edges, [int(h) for h in xp.to_numpy(comm.allreduce(mine, SUM, "histogram"))]
+def histogram(xp, idx, edges):
+    """This rank's load in the bins of ``edges`` (:func:`histogram_edges`): how many of its selected indexes
+    (sorted, padded with n) fall in each bin, on the device (no read). Summed over the ranks (they ride in the step's
+    opening), it is the step's load before the split."""
+    pos = xp.searchsorted(idx, xp.asarray(edges, xp.index_dtype, like=idx))
+    return xp.astype(pos[1:] - pos[:-1], xp.index_dtype)
 
 
-#: ``refine_load`` counts again the bins that hold more than 1/REFINE_ABOVE of a region's share of the load, in
-#: sub-bins of about 1/REFINE_SUB of a share (a boundary inside a bin misplaces at most that bin's load)
-REFINE_ABOVE, REFINE_SUB = 1, 4
-
-
-def refine_load(xp, idx, edges, hist, comm, like):
-    """Where the step's histogram is too coarse, count again. A bin that holds more than a region's share of the
-    load (W/P, W: the total) says the forecast that placed the bins was wrong, as on the step after a
-    repartition, and a boundary inside it can misplace up to that bin's load h. Each such bin is cut into
-    ceil(4·P·h/W) equal sub-bins of about a quarter share, and one more allreduce (phase ``refine``, one int64
-    per sub-bin: fewer than 4P + P of them, since fewer than P bins can each hold more than W/P) sums the ranks'
-    counts of their selection (sorted global indexes ``idx``) in them. No bin that heavy: no collective (decided
-    on the summed histogram, the same on every rank). Returns the refined (edges, counts), the other bins as they
-    were."""
-    P, W = comm.size, sum(hist)
-    cuts = {}
-    for b, h in enumerate(hist):
-        lo, hi = edges[b], edges[b + 1]
-        if h * P * REFINE_ABOVE > W and hi - lo > 1:
-            s = min(hi - lo, -(-REFINE_SUB * P * h // W))
-            cuts[b] = [lo + (j * (hi - lo)) // s for j in range(s + 1)]
-    if not cuts:
-        return edges, hist
-    pos, mine, at = _positions(xp, idx, [e for c in cuts.values() for e in c]), [], 0
-    for c in cuts.values():
-        mine += np.diff(pos[at:at + len(c)]).tolist()
-        at += len(c)
-    sums = iter(int(v) for v in xp.to_numpy(comm.allreduce(xp.asarray(mine, xp.index_dtype, like=like), SUM,
-                                                            "refine")))
-    out_e, out_h = [], []
-    for b, h in enumerate(hist):
-        c = cuts.get(b, edges[b:b + 2])
-        out_e += c[:-1]
-        out_h += [next(sums) for _ in c[1:]] if b in cuts else [h]
-    return out_e + [edges[-1]], out_h
-
-
-def measured_boundaries(edges, hist, forecast, n, P=None):
+def measured_boundaries(edges, hist, forecast, n, P):
     """Region boundaries that split this step's measured load evenly: bin b = [edges[b], edges[b+1]) holds
-    ``hist[b]`` selected entries summed over the ranks (allreduced before the split, so exact at the edges);
-    inside a bin the load is taken as spread like the forecast, whose middle point halves it. ``P``: the number of
-    regions (by default the bins' count / ``BINS_PER_REGION``; ``refine_load``'s bins are more). Float64
+    ``hist[b]`` selected entries summed over the ranks (gathered before the split, so exact at the edges);
+    inside a bin the load is taken as spread like the forecast, whose middle point halves it. Float64
     elementwise work on identical inputs: identical on every rank, O(P). None when nothing was selected."""
-    P = P or (len(edges) - 1) // BINS_PER_REGION
     if P == 1 or sum(hist) == 0:
         return None
     shape = np.asarray(edges if forecast is None else np.rint(np.asarray(forecast, np.float64)), np.int64)
@@ -263,32 +213,29 @@ def measured_boundaries(edges, hist, forecast, n, P=None):
     return _non_decreasing([0] + [int(round(x)) for x in _inverse(xs, Fs, np.arange(1, P) / P)] + [n], n)
 
 
-def next_boundaries(policy, xp, g_idx, offsets, loads, n, state, tolerance, beta, measured=None):
+def next_boundaries(policy, g, offsets, loads, n, state, tolerance, beta, measured=None):
     """The boundaries of Ok-Topk's next step under ``policy``, or None to keep ``offsets``: from this step's
-    result G (``result``) or from the split loads every owner reported (``load``, and ``measured`` on steps
-    without a histogram); only when the step's imbalance exceeded ``tolerance``. ``measured`` (the step's
-    histogram: edges, counts) only updates the forecast (``state["cdf"]``, average β = ``beta``) that bins
-    the next histogram. Identical inputs on every rank: identical boundaries. O(P log k)."""
+    result G (``g``: its sorted indexes, numpy; ``result``) or from the split loads every owner reported (``load``,
+    and ``measured`` on steps without a histogram); only when the step's imbalance exceeded ``tolerance``.
+    ``measured`` (the step's histogram: edges, counts) only updates the forecast (``state["cdf"]``, average β =
+    ``beta``) that bins the next histogram. Identical inputs on every rank: identical boundaries. O(P log k)."""
     P = len(offsets) - 1
     if measured is not None:
-        state["cdf"] = smoothed_load_boundaries(measured[0], measured[1], xp.to_numpy(g_idx), state.get("cdf"),
-                                                beta, 2 * BINS_PER_REGION * P)[1]
+        state["cdf"] = smoothed_load_boundaries(measured[0], measured[1], g, state.get("cdf"), beta,
+                                                2 * BINS_PER_REGION * P)[1]
         return None
+    pos = np.searchsorted(g, offsets).tolist()
     if policy in ("load", "measured"):
         if loads is None or max(loads) * P <= tolerance * sum(loads):
             return None
         if beta:                                                    # O(P) numpy work, the average in state
-            out, state["cdf"] = smoothed_load_boundaries(offsets, loads, xp.to_numpy(g_idx), state.get("cdf"),
-                                                         beta, 2 * BINS_PER_REGION * P)
+            out, state["cdf"] = smoothed_load_boundaries(offsets, loads, g, state.get("cdf"), beta,
+                                                         2 * BINS_PER_REGION * P)
             return out
-        return load_boundaries(offsets, loads, _positions(xp, g_idx, offsets), lambda pos: [int(v) for v in xp.to_numpy(
-            xp.take(g_idx, xp.asarray(pos, xp.index_dtype, like=g_idx)))])
-    m = xp.numel(g_idx)
-    if m:
-        pos = _positions(xp, g_idx, offsets)
-        if max(pos[j + 1] - pos[j] for j in range(P)) * P <= tolerance * m:
-            return None
-    return result_boundaries(xp, g_idx, P, n)
+        return load_boundaries(offsets, loads, pos, lambda at: [int(g[i]) for i in at])
+    if len(g) and max(pos[j + 1] - pos[j] for j in range(P)) * P <= tolerance * len(g):
+        return None
+    return result_boundaries(g, P, n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,48 +244,67 @@ class Regions:
     ``boundaries``, ``period`` its ``repartition_period``, ``tolerance`` its ``boundary_tolerance``, ``smoothing``
     its ``load_smoothing``. The rules:
 
-    * ``"periodic"`` (the paper): the allreduce repartition every ``period`` steps only; the selection drifts in
-      between (a region received 2.3x its share at P = 256 within 40 steps).
-    * ``"result"``: the P quantiles of the step's global result G (no communication; G is more concentrated than
-      the selections, so the split stays uneven).
-    * ``"load"``: the pairs each region received ride in the step's count collective (+1 word per owner in the
-      allgather, +P per rank in the ladder's allreduce) and the next boundaries split this load evenly.
-    * ``"measured"`` (the ``Compression.oktopk`` preset): before the split, one allreduce (phase ``histogram``, 2P
-      int64) sums the ranks' counts in 2 bins per region and the step's boundaries split this, its own load, evenly
-      (a forecast is poor at ~10 entries per region: a step clears the entries that carried the last one's load).
+    * ``"periodic"`` (the paper): the repartition (the mean of the ranks' proposals) every ``period`` steps only;
+      the selection drifts in between (a region received 2.3x its share at P = 256 within 40 steps).
+    * ``"result"``: the P quantiles of the step's global result G (G is more concentrated than the selections,
+      so the split stays uneven).
+    * ``"load"``: the pairs each region received (in the gather's header) and the next boundaries split this load
+      evenly.
+    * ``"measured"`` (the ``Compression.oktopk`` preset): before the split, the ranks' counts in 2 bins per region
+      ride in the opening (phase ``histogram``, 2P words) and the step's boundaries split their sum, its own load,
+      evenly (a forecast is poor at ~10 entries per region: a step clears the entries that carried the last one's
+      load). At many entries per region (``few_collectives_from``) it follows the load instead.
 
     ``result`` and ``load`` recompute when the last step's imbalance exceeds ``tolerance``; ``load`` and
     ``measured``'s bins follow an exponential average of the load CDFs (``smoothing`` = β,
     :func:`smoothed_load_boundaries`: the hot entries a step clears move the load elsewhere, and the last step alone
-    forecasts the next poorly). With all three the allreduce repartition runs only on the first step (and after a
-    change of P or n).
+    forecasts the next poorly). With all three the repartition runs only on the first step (and after a change of
+    P or n).
 
-    Two calls per step, on a step record ``s`` (P, n, t, the few-collectives flag; the regions and what follows
-    them are written into it): :meth:`plan` before the split, :meth:`follow` once the result G is known."""
+    Three calls per step, on a step record ``s`` (P, n, t, the few-collectives flag; the regions and what follows
+    them are written into it): :meth:`opening` for the opening's words, :meth:`plan` before the split,
+    :meth:`follow` once the result G is known (G read on the host)."""
 
     rule: str
     period: int
     tolerance: float
     smoothing: float
 
-    def plan(self, xp, acc, idx, comm, state, s):
-        """The regions of this step (``s.offsets``): the paper's repartition (one allreduce) every ``period`` steps
-        (``periodic``) or, for the others, to start; with ``measured``, the step's own load counted before the split
-        (histogram, and the refine of its heavy bins) and split evenly. ``s.with_load``: whether the owners' split
-        loads ride in the step's count collective (``load``, and ``measured`` without a histogram)."""
+    @property
+    def follows_load(self):
+        """Whether the owners report the pairs their region received (the gather's header): ``load``, and
+        ``measured`` on steps without a histogram."""
+        return self.rule in ("load", "measured")
+
+    def opening(self, xp, idx, count, state, s):
+        """``(words, parts)``: what this rank's regions put in the step's opening, and their meter phases. With
+        ``measured`` regions that count a histogram (``s.few`` false), its :func:`histogram` in the bins of the
+        forecast (2P words, every step: the opening keeps one shape); else on repartition steps its
+        :func:`proposals` (P-1 words: the opening changes shape on those steps only), nothing on the others."""
         s.repart = s.offsets is None or (self.rule == "periodic" and s.t % self.period == 0)
-        if s.repart:
-            s.offsets = repartition(xp, idx, s.n, comm)
-        elif self.rule == "measured" and not s.few and s.P > 1:
-            s.edges, s.hist = refine_load(xp, idx, *measure_load(xp, idx, state.get("cdf"), s.n, comm, acc), comm,
-                                          acc)
-            s.offsets = measured_boundaries(s.edges, s.hist, state.get("cdf"), s.n, s.P) or s.offsets
-        s.with_load = s.P > 1 and s.hist is None and self.rule in ("load", "measured")
+        if self.rule == "measured" and not s.few and s.P > 1:
+            s.edges = histogram_edges(state.get("cdf"), s.P, s.n)
+            return histogram(xp, idx, s.edges), [("histogram", len(s.edges) - 1)]
+        if s.repart and s.P > 1:
+            return proposals(xp, idx, count, s.n, s.P), [("boundaries", s.P - 1)]
+        return xp.zeros(0, xp.index_dtype, like=idx), []
+
+    def plan(self, rows, state, s):
+        """The regions of this step (``s.offsets``) from every rank's opening words (``rows``: host lists): the even
+        split of the summed histogram (``measured``; on its first step in even bins), else on repartition steps the
+        mean of the proposals (``periodic`` every ``period`` steps; ``result`` and ``load`` to start)."""
+        if s.edges is not None:
+            s.hist = [sum(col) for col in zip(*rows)]
+            s.offsets = measured_boundaries(s.edges, s.hist, state.get("cdf"), s.n, s.P) or s.offsets or \
+                [(j * s.n) // s.P for j in range(s.P)] + [s.n]
+        elif s.repart:
+            s.offsets = repartition(rows, s.n) if s.P > 1 else [0, s.n]
 
     def follow(self, xp, state, s):
-        """The next step's boundaries from this step's (:func:`next_boundaries`), or None to keep ``s.offsets``
-        (``periodic``, P = 1, or an imbalance within ``tolerance``)."""
+        """The next step's boundaries from this step's (:func:`next_boundaries`, G read on the host), or None to keep
+        ``s.offsets`` (``periodic``, P = 1, or an imbalance within ``tolerance``)."""
         if self.rule == "periodic" or s.P == 1:
             return None
-        return next_boundaries(self.rule, xp, s.g_idx, s.offsets, s.loads, s.n, state, self.tolerance,
+        g = xp.to_numpy(s.g_idx)
+        return next_boundaries(self.rule, g[g < s.n], s.offsets, s.loads, s.n, state, self.tolerance,
                                self.smoothing, s.hist and (s.edges, s.hist))

@@ -1,5 +1,5 @@
 """DCT-DP (docs/algorithms.md#dct): per-tensor hard threshold, refreshed by a top-K once every ``lifespan`` steps.
-Exchanged by :class:`hvd_sparse.core.reducers.topka.TopkA` with counts (an allgatherv).
+Exchanged by :class:`hvd_sparse.core.reducers.topka.TopkA` (one allgather of 2k pairs, padded).
 
 Rank p, step t (``ctx.step``), tensor l of ``ctx.layout`` (numels n_l, offsets = prefix sums):
 
@@ -10,12 +10,14 @@ Rank p, step t (``ctx.step``), tensor l of ``ctx.layout`` (numels n_l, offsets =
         tau_l = K-th largest value of a
         if sync_threshold: tau_l = allreduce(tau_l, SUM)/P   # all tensors in one call, phase "dct_tau"
     M    = (|Gt| >= tau_l)                  # zero_tau_guard and tau_l == 0: M = (|Gt| > 0)
-    send (nonzero(M) + offset_l, Gt[M])     # TopkA: allgather counts, indices, values; rank-order sum
+    while |M| > 2k: tau *= 1.03             # every tensor's alike (ours: the capacity, docs/algorithms.md#the-wire)
+    send (nonzero(M) + offset_l, Gt[M])     # TopkA: one allgather of 2k pairs, padded; rank-order sum
     E_l  = where(M, 0, Gt)                  # the engine's error feedback (residual[included] = 0)
 
 Between recomputes tau_l is stale (nnz drifts); NaN never passes the mask (it stays in E), ±Inf passes.
 Optional drain (the paper's Remark 2), "flush" only: with ``ef_drain_period = T_d`` a Bernoulli(1/T_d) draw keyed by
-(drain_seed, t) -- identical on every rank -- selects every entry this step (Ghat = Gt, E = 0). Mode "discard"
+(drain_seed, t) -- identical on every rank -- selects every entry this step, of which the capacity sends the 2k
+largest (a full flush, Ghat = Gt and E = 0, would need a dense exchange: another shape on the wire). Mode "discard"
 (drop E without sending) needs the residual to be cleared by the engine and is not available through the
 sparsifier interface.
 """
@@ -29,7 +31,7 @@ import numpy as np
 
 from ..comm import SUM
 from ..validate import choice, flag, integer, options
-from .base import Sparsifier
+from .base import CLIMB, Sparsifier
 
 K_ROUNDINGS = ("ceil", "paper")
 DRAIN_MODES = ("flush",)
@@ -67,19 +69,22 @@ class DCT(Sparsifier):
         density (float): rho in (0, 1]; K = clamp(ceil(rho·n_l), 1, n_l) per tensor. Required.
         lifespan (int): L, steps between threshold recomputes (t % L == 0); default 1000.
         k_rounding (str): "ceil" (default) or "paper" (K = n_l - floor(n_l·(1-rho)) + 1, clamped).
-        zero_tau_guard (bool): when tau_l == 0 select |Gt| > 0 instead of >= 0; default True.
+        zero_tau_guard (bool): when tau_l == 0 select |Gt| > 0 instead of >= 0; always on (False is refused: no
+            sparsifier may send a zero entry).
         sync_threshold (bool): average tau over ranks on recompute steps (one allreduce of the per-tensor
             thresholds, phase ``dct_tau``); default False (each rank keeps its own tau, as in the paper).
         ef_drain_period (int or None): T_d of the stochastic drain; default None (off).
         ef_drain_mode (str): "flush" (default; the only mode available, see the module docstring).
         drain_seed (int): seed of the rank-identical drain draws; default 0.
 
-    State (per rank): ``tau`` (list, one per tensor), ``layout``, and statistics ``nnz`` (list),
-    ``recomputed``, ``drained``, ``density_actual``.
+    State (per rank): ``tau`` (list, one per tensor), ``layout``, and statistics ``nnz`` (list, per tensor: on a
+    device a device array), ``recomputed``, ``drained``, ``selected`` (the selection's size).
     """
 
     name = "dct"
     exact_k = False
+    #: the selection's capacity in units of k (measured: docs/algorithms.md#the-wire)
+    capacity_ratio = 2.0
 
     lifespan: int = integer(1000)
     _: dataclasses.KW_ONLY
@@ -91,6 +96,11 @@ class DCT(Sparsifier):
                                                           "is not available through the sparsifier interface")
     drain_seed: int = integer(0, minimum=0)
 
+    def check_together(self, api):
+        if not self.zero_tau_guard:
+            raise ValueError(f"{api}: zero_tau_guard=False would select the zero entries of a tensor whose threshold "
+                             "is 0, and no sparsifier may send a zero (it is always on); leave zero_tau_guard=True")
+
     def _drain_now(self, t):
         """The drain: Bernoulli(1/T_d) keyed by (drain_seed, t): the same draw on every rank, no communication."""
         if self.ef_drain_period is None:
@@ -99,51 +109,51 @@ class DCT(Sparsifier):
             return True
         return bool(np.random.default_rng([self.drain_seed, int(t)]).random() < 1.0 / self.ef_drain_period)
 
+    def _recomputes(self, state, ctx, layout):
+        return ctx.step % self.lifespan == 0 or state.get("layout") != layout or "tau" not in state
+
+    def communicates(self, state, ctx):
+        """A recompute step with ``sync_threshold`` averages the thresholds by an allreduce."""
+        return self.sync_threshold and ctx.size > 1 and self._recomputes(state, ctx, list(ctx.layout))
+
+    def _thresholds(self, xp, mag, layout, offsets, ctx):
+        """The per-tensor thresholds of a recompute step: the K-th largest |Gt| of each tensor (host floats: read
+        once per ``lifespan`` steps), averaged over the ranks with ``sync_threshold``."""
+        taus = []
+        for l, nl in enumerate(layout):
+            if nl == 0:
+                taus.append(0.0)
+                continue
+            a = mag[offsets[l]:offsets[l + 1]]
+            if not xp.all_finite(a):
+                a = xp.nan_to_zero(a)
+            taus.append(float(xp.kth_largest(a, dct_k(nl, self.density, self.k_rounding))))
+        if self.sync_threshold and ctx.size > 1 and taus:
+            s = xp.to_numpy(ctx.comm.allreduce(xp.asarray(taus, xp.float32, like=mag), SUM, "dct_tau"))
+            taus = [float(v) / ctx.size for v in s]
+        return taus
+
     def select(self, xp, acc, k, state, ctx):
+        """M = |Gt| >= tau of each entry's tensor, as the score |Gt| / tau >= 1 (tau = 0: |Gt| > 0), so that one
+        capped selection serves every tensor: past the capacity, every tensor's threshold climbs alike (``CLIMB``)."""
         n = xp.numel(acc)
         layout = [int(x) for x in (ctx.layout if ctx.layout is not None else (n,))]
         if sum(layout) != n:
             raise ValueError(f"hvd_sparse.DCT: the layout {layout} does not add up to the buffer size n={n}")
         t = ctx.step
-        recompute = t % self.lifespan == 0 or state.get("layout") != layout or "tau" not in state
+        recompute = self._recomputes(state, ctx, layout)
         mag = xp.abs(acc)
         offsets = [0]
         for nl in layout:
             offsets.append(offsets[-1] + nl)
         if recompute:                                          # threshold life-span expired
-            taus = []
-            for l, nl in enumerate(layout):
-                if nl == 0:
-                    taus.append(0.0)
-                    continue
-                a = mag[offsets[l]:offsets[l + 1]]
-                if not xp.all_finite(a):
-                    a = xp.nan_to_zero(a)
-                taus.append(float(xp.kth_largest(a, dct_k(nl, self.density, self.k_rounding))))
-            if self.sync_threshold and ctx.size > 1 and taus:
-                s = xp.to_numpy(ctx.comm.allreduce(xp.asarray(taus, xp.float32, like=acc), SUM, "dct_tau"))
-                taus = [float(v) / ctx.size for v in s]
-            state["tau"] = taus
+            state["tau"] = self._thresholds(xp, mag, layout, offsets, ctx)
             state["layout"] = layout
-        taus = state["tau"]
         if self._drain_now(t):                                 # drain "flush": M = all-true
-            state.update(nnz=list(layout), recomputed=recompute, drained=True, density_actual=1.0 if n else 0.0)
+            state.update(nnz=list(layout), recomputed=recompute, drained=True, selected=n)
             return xp.arange(n, xp.index_dtype, like=acc)
-        parts, nnz = [], []
-        for l, nl in enumerate(layout):
-            if nl == 0:
-                nnz.append(0)
-                continue
-            a = mag[offsets[l]:offsets[l + 1]]
-            tau = taus[l]
-            mask = xp.gt(a, 0.0) if (tau == 0.0 and self.zero_tau_guard) else xp.ge(a, tau)
-            sel = xp.nonzero(mask)
-            c = xp.numel(sel)
-            nnz.append(c)
-            if c:
-                parts.append(xp.add(sel, offsets[l]) if offsets[l] else sel)
-        state.update(nnz=nnz, recomputed=recompute, drained=False,
-                     density_actual=sum(nnz) / n if n else 0.0)
-        if not parts:
-            return xp.zeros(0, xp.index_dtype, like=acc)
-        return parts[0] if len(parts) == 1 else xp.concat(parts, like=acc)
+        score = xp.div(mag, xp.repeat(xp.asarray(state["tau"], xp.float32, like=acc), layout, n))
+        idx, count, _ = xp.select_capped(score, xp.ladder(1.0, CLIMB, acc), "ge", self.capacity(k, n), n)
+        bounds = xp.searchsorted(idx, xp.asarray(offsets, xp.index_dtype, like=acc))
+        state.update(nnz=xp.segment_counts(bounds), recomputed=recompute, drained=False, selected=count)
+        return idx, count

@@ -47,7 +47,7 @@ import warnings
 
 from ..comm import MAX, SUM
 from ..validate import check_real, choice, flag, integer, options, real
-from .base import Sparsifier
+from .base import CLIMB, Sparsifier
 
 _API = "hvd_sparse.ExDyna"
 THRESHOLD_RULES = ("reference", "symmetric", "proportional")
@@ -194,6 +194,8 @@ class ExDyna(Sparsifier):
 
     name = "exdyna"
     exact_k = False
+    #: the selection's capacity in units of k/P (measured: docs/algorithms.md#the-wire)
+    capacity_ratio = 2.0
     #: the ranks' selections are disjoint shares of one global selection of about k entries
     partitioned = True
 
@@ -255,6 +257,15 @@ class ExDyna(Sparsifier):
         state["tau"] = max(tau0, self.tau_min)
 
     # -- 5.5 / 5.6 selection ---------------------------------------------------------------------------------
+    def capacity(self, k, n, size=1):
+        """The selection's size in a message: floor(``capacity_ratio``·k/P) (each rank selects in its own share)."""
+        return max(1, min(n, int(self.capacity_ratio * k / size)))
+
+    def communicates(self, state, ctx):
+        """The first step with ``init_threshold="topk_once"`` averages tau0 over the ranks (one allreduce)."""
+        return (self.init_threshold == "topk_once" and ctx.size > 1
+                and (state.get("n") is None or len(state.get("blk_part", ())) != ctx.size))
+
     def select(self, xp, acc, k, state, ctx):
         n = xp.numel(acc)
         if state.get("n") != n or len(state.get("blk_part", ())) != ctx.size:
@@ -268,17 +279,17 @@ class ExDyna(Sparsifier):
         if en <= st:                                                  # empty partition (n < P), no fallback
             state["k_r"] = 0
             return xp.zeros(0, xp.index_dtype, like=acc)
-        part = xp.scan(acc[st:en])                                    # 5.6 ascending, |V| >= tau, + st
-        idx = part.select(state["tau"], "ge", base=st, expect=k // P)[0]
-        if xp.numel(idx) == 0:                                        # 5.6 fallback (rotating dummy)
-            state["fallback"] = True
-            if self.freeze_tau_on_empty:
-                state["zero_partition"] = part.count(0.0, "gt") == 0
-            idx = xp.asarray([st + t % (en - st)], xp.index_dtype, like=acc)
+        # 5.6 ascending, |V| >= tau, + st; in the capacity (past it tau climbs: the largest stay)
+        idx, count, _ = xp.select_capped(acc[st:en], xp.ladder(state["tau"], CLIMB, acc), "ge",
+                                         self.capacity(k, n, P), n, base=st)
+        idx, empty = xp.first_unless(idx, n, st + t % (en - st))     # 5.6 fallback (rotating dummy) when empty
+        if self.freeze_tau_on_empty:
+            state["zero_partition"] = bool(xp.item(empty)) and xp.scan(acc[st:en]).count(0.0, "gt") == 0
         else:
             state["zero_partition"] = False
-        state["k_r"] = xp.numel(idx)
-        return idx
+        state["fallback"] = empty
+        state["k_r"] = xp.at_least_one(count)
+        return idx, state["k_r"]
 
     # -- 5.3 / 5.4 / 5.9 controllers --------------------------------------------------------------------------
     def update(self, xp, state, info, ctx):
@@ -288,7 +299,8 @@ class ExDyna(Sparsifier):
             if P == 1:
                 ks = [state["k_r"]]
             else:
-                ks = xp.to_numpy(ctx.comm.allgather(xp.asarray([state["k_r"]], xp.index_dtype), "exdyna_counts"))
+                ks = xp.to_numpy(ctx.comm.allgather(xp.asarray([int(xp.item(state["k_r"]))], xp.index_dtype),
+                                                    "exdyna_counts"))
         ks = [int(c) for c in ks]
         K = sum(ks)
         # 5.3 topology adjustment for step t+1: rank i served partition (t + i) mod P at step t

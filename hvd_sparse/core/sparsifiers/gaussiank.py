@@ -9,12 +9,14 @@ Per step, on every rank (``acc`` = a = residual + gradient, k = max(1, floor(d·
          bert:           if cnt < k34: repeat <= 20 times while cnt < floor(5k/6): th /= 1.012
          vgg:            if cnt < k34: repeat <= 20 times while cnt < k34: th /= 1.02
                          elif cnt > floor(5k/4): repeat <= 20 times while cnt > floor(5k/4): th *= 1.02
-    4. S = {|a| > th}                                   # residual: eps = a; eps[S] = 0 (engine, I = S)
-    5. exchange: the ``topka`` reducer (counts allgather, then allgatherv of indices and values,
-       sum in rank order) -- that pairing is the paper's Gaussiank baseline (Table 1: 2k(P-1) words).
+    4. capacity: while more than 2k pass, th *= 1.03 (up to 60 times, not to an empty selection)
+    5. S = {|a| > th}                                   # residual: eps = a; eps[S] = 0 (engine, I = S)
+    6. exchange: the ``topka`` reducer (one allgather of 2k pairs, padded; sum in rank order) -- that
+       pairing is the paper's Gaussiank baseline (Table 1: 2k(P-1) words).
 
 Not exact-k: |S| can be larger or smaller than k (the paper's Fig. 6: the Gaussian fit under-estimates
-k late in training; the loop only guarantees |S| >= floor(3k/4) unless it ran out of iterations).
+k late in training; the loop only guarantees |S| >= floor(3k/4) unless it ran out of iterations). Step 4 is
+ours: the selection travels in a message of a fixed size, 2k (docs/algorithms.md#the-wire); the largest stay.
 
 Numerics. mu and sigma are computed in float64 (deterministic for a given backend; numpy and torch may
 differ in the last float64 bit, which changes the selection only if a float32 value lies exactly on the
@@ -24,10 +26,10 @@ Zeros are never selected (S = {|a| > max(th, 0)}): with th < 0 (a strongly negat
 rule would select zero entries, which a sparsifier must not do; for th <= 0 the loop stops early because
 no further scaling can change the count.
 
-Cost. Every count of step 3 and the selection of step 4 is a scan of the accumulator (``xp.scan``): on a CPU
-float32 buffer (numpy, contiguous CPU torch) one read pass of the fused kernel each, no |a| copy, no mask;
-elsewhere |a| once, then a compare per count; the same results either way. The float64 mean/std of steps 1-2
-are one backend call (``xp.mean_std``).
+Cost. The counts at every threshold steps 3 and 4 may try (the loop's factors and the capacity's ladder) are one
+counting pass over the accumulator (``xp.ladder_counts``), read on the host with the float64 mean and std in one
+transfer; the loop then runs on those counts, and step 5 is one compare and a compaction (on a device, padded to
+the capacity without a read).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import functools
 import numpy as np
 
 from ..validate import choice, options
-from .base import Sparsifier
+from .base import CLIMB, Sparsifier
 
 #: Adjustment loops of step 3 (ref:LSTM, ref:BERT, ref:VGG).
 ADJUST_VARIANTS = ("lstm", "bert", "vgg")
@@ -86,50 +88,80 @@ class GaussianK(Sparsifier):
     _: dataclasses.KW_ONLY
     adjust: str = choice("lstm", ADJUST_VARIANTS, fix="use 'lstm' (the default) for the paper's loop")
 
+    #: the selection's capacity in units of k (measured: docs/algorithms.md#the-wire)
+    capacity_ratio = 2.0
+
     def initial_state(self):
         return {"threshold": 0.0, "threshold_initial": 0.0, "iterations": 0}
 
-    def select(self, xp, acc, k, state, ctx):
-        scan = xp.scan(acc)                 # a CPU buffer: each count is one read pass of the fused kernel
+    def _loop(self):
+        """The adjustment loop of ``adjust`` as data: its factors going down (each the last / f), up (each the
+        last · f; vgg only) and its most iterations."""
+        f, iters = (1.02, 20) if self.adjust == "vgg" else (1.012, 50 if self.adjust == "lstm" else 20)
+        down, up = [1.0], [1.0]
+        for _ in range(iters):
+            down.append(down[-1] / f)
+            up.append(up[-1] * f)
+        return down, (up if self.adjust == "vgg" else [1.0]), iters
 
-        def count(th):
-            return scan.count(_f32_floor(max(th, 0.0)), "gt")
-
-        # 1-2. Gaussian prediction of the k-th largest |a|
-        mu, sd = (0.0, 0.0) if xp.numel(acc) == 0 else xp.mean_std(acc)
-        th = mu + gaussian_z(self.density) * sd
-        th0 = th
-        # 3. adjustment loop (a threshold <= 0 already selects every nonzero: nothing left to change)
+    def _adjust(self, th0, counted, k):
+        """Step 3 on the counts of every threshold the loop may try (``counted[factor]``: the count at th0·factor):
+        ``(factor, iterations)``, th = th0·factor. A threshold <= 0 already selects every nonzero: nothing left to
+        change."""
+        down, up, iters = self._loop()
         k34 = max(1, (3 * k) // 4)          # at least one entry: k = 1 would otherwise never adjust
-        it = 0
+        it, c0 = 0, counted[1.0]
         if self.adjust == "lstm":
-            while it < 50 and th > 0.0 and count(th) < k34:
-                th /= 1.012
+            while it < iters and th0 * down[it] > 0.0 and counted[down[it]] < k34:
                 it += 1
-        elif self.adjust == "bert":
-            if th > 0.0 and count(th) < k34:
+            return down[it], it
+        if self.adjust == "bert":
+            if th0 > 0.0 and c0 < k34:
                 k56 = max(1, (5 * k) // 6)
-                while it < 20 and th > 0.0 and count(th) < k56:
-                    th /= 1.012
+                while it < iters and th0 * down[it] > 0.0 and counted[down[it]] < k56:
                     it += 1
-        else:  # vgg
-            k54 = (5 * k) // 4
-            c = count(th) if th > 0.0 else None
-            if c is not None and c < k34:
-                while it < 20 and c < k34:
-                    th /= 1.02
-                    it += 1
-                    c = count(th)
-            elif c is not None and c > k54:
-                while it < 20 and c > k54:
-                    th *= 1.02
-                    it += 1
-                    c = count(th)
-        # 4. S = {|a| > th}, zeros excluded
-        idx = scan.select(_f32_floor(max(th, 0.0)), "gt", expect=k)[0]
-        state["mean"] = mu
-        state["std"] = sd
-        state["threshold_initial"] = th0
-        state["threshold"] = th
-        state["iterations"] = it
-        return idx
+            return down[it], it
+        k54 = (5 * k) // 4                  # vgg
+        if th0 > 0.0 and c0 < k34:
+            while it < iters and counted[down[it]] < k34:
+                it += 1
+            return down[it], it
+        if th0 > 0.0 and c0 > k54:
+            while it < iters and counted[up[it]] > k54:
+                it += 1
+            return up[it], it
+        return 1.0, 0
+
+    def select(self, xp, acc, k, state, ctx):
+        """Steps 1-4. Every threshold the loop may try, and the ladder above it that the selection climbs past its
+        capacity (``CLIMB``), are counted in one pass and read with the mean and the std in one transfer (on a GPU,
+        the step's one wait before its opening); the loop and the climb then run on the host, and the selection at
+        the threshold they chose is one compare and a compaction on the device."""
+        n = xp.numel(acc)
+        if n == 0:
+            state.update(mean=0.0, std=0.0, threshold_initial=0.0, threshold=0.0, iterations=0)
+            return xp.zeros(0, xp.index_dtype, like=acc)
+        # 1-2. Gaussian prediction of the k-th largest |a|, and the count at every rung, on the device
+        mu, sd = xp.mean_std_values(acc)
+        down, up, _ = self._loop()
+        factors = sorted(set(down) | set(up) | set(CLIMB))
+        th0 = mu + gaussian_z(self.density) * sd
+        counts = xp.ladder_counts(acc, xp.clamp_min(xp.ladder(th0, factors, acc), 0.0), "above")
+        mu, sd, counts = xp.read(mu, sd, counts)
+        mu, sd = float(mu[0]), float(sd[0])
+        th0 = mu + gaussian_z(self.density) * sd
+        counted = dict(zip(factors, (int(c) for c in counts)))
+        # 3. the adjustment loop, on the counts; then up the ladder while more than the capacity pass (but not to
+        # an empty selection: k = 1 has a capacity of 2, and a rung can take 3 to 0)
+        fac, it = self._adjust(th0, counted, k)
+        cap = self.capacity(k, n)
+        above = [f for f in factors if f >= fac]
+        fit = next((i for i, f in enumerate(above) if counted[f] <= cap), len(above) - 1)
+        if fit and counted[above[fit]] == 0:        # a rung that empties the selection: the one below, cut
+            fit -= 1
+        fac = above[fit]
+        th = th0 * fac
+        # 4. S = {|a| > th}, zeros excluded, at most the capacity
+        idx = xp.select_at(acc, xp.floor32([th])[0], "gt", cap, n)
+        state.update(mean=mu, std=sd, threshold_initial=th0, threshold=th, iterations=it)
+        return idx, min(counted[fac], cap)

@@ -4,14 +4,13 @@
       reev  = (t % tau_p == 0)                      # t = 0 is always a re-evaluation step
       if reev:   L = kth_abs(a, k)                  # exact k-th largest |a| (per rank)
                  S = exact top-k of |a|             # ge_nonzero: topk_indices (ties -> lower index)
-      else:
-        if guard:                                   # ref:LSTM/VGG only
-          repeat guard_iters(5): if count(a, L) > guard_ratio*k: L *= guard_factor(1.03) else break
+      else:                                         # one counting pass over the rungs L·f^j (f = guard_factor)
+        if guard and count(a, L) > guard_ratio*k:   # ref:LSTM/VGG's pre-selection guard
+          L = first rung j <= guard_iters with count(a, L·f^j) <= guard_target*k
+        L = first rung at or above it with count(a, L) <= cap          # cap = capacity_ratio·k (1.25k)
         S = select(a, L)                            # ge_nonzero: |a| >= L and a != 0;  gt: |a| > L
-        if max_select_ratio and |S| > max_select_ratio*k:      # optional hard cap
-          L = kth_abs(a, k); S = exact top-k        # local, no consensus needed
-      L_nxt = band_adjust(L, |S|, k, lo_L, hi_L, /s_L, *s_L)    # takes effect next step
-      L = L_nxt
+      update (after the step, on the host):         # |S| and the rungs climbed ride in the opening's header
+        L_nxt = band_adjust(L, |S|, k, lo_L, hi_L, /s_L, *s_L)     # takes effect next step
     band_adjust(th, cnt, k, lo, hi, relax, tighten): cnt < lo*k -> th/relax ; cnt > hi*k -> th*tighten ; else th
 
 Thresholds are kept as Python floats (fp64, as in ref) and compared in fp32 (the rounded value is used for
@@ -22,12 +21,12 @@ Edge cases: a stored L <= 0 (the accumulator had fewer than k nonzeros at the la
 density 1) would select every nonzero on reuse steps and no controller could ever raise it, so such a step
 re-evaluates L exactly instead (local decision, no collective); zeros are never selected.
 
-Cost of a reuse step. One scan of ``a`` (``xp.scan``) yields the candidates C = S(L) with their values (or the
-engine hands them over: it collected them while it added the gradient into ``a``); the guard then counts and
-raises L on C only (raising L only shrinks the selection, so S(L·f) is the part of C the rule keeps) -- no extra
-pass over ``a`` per raise. On a CPU float32 buffer the scan is the fused select-and-compact kernel (one read pass,
-no |a| copy, no n-sized mask); elsewhere (CUDA, TensorFlow, ``HVD_SPARSE_NATIVE=0``) |a| once, a compare and a
-nonzero; the same indices and thresholds either way. Re-evaluation steps take the exact top-k.
+Cost of a reuse step. On the host, one scan of ``a`` (``xp.scan``) yields the candidates C = S(L) with their values
+(or the engine hands them over: it collected them while it added the gradient into ``a``); the rungs are counted on
+C only (raising L only shrinks the selection, so S(L·f^j) is the part of C the rule keeps). On a CPU float32 buffer
+the scan is the fused select-and-compact kernel (one read pass, no |a| copy, no n-sized mask). On a device the rungs
+are counted over ``a`` in one pass and the selection written padded to its capacity (``xp.select_capped``): no read
+before the opening. The same indices and thresholds either way. Re-evaluation steps take the exact top-k.
 
 This sparsifier is Ok-Topk's (pair it with :class:`hvd_sparse.core.reducers.oktopk.OkTopk`), but it is a
 standalone sparsifier too: with the TopkA reducer it gives "TopkA with a reused threshold".
@@ -37,20 +36,16 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..selection import topk_indices
 from ..validate import SELECT_RULE_FIX, SELECT_RULES, check_real, choice, integer, options, real
-from ..xp.generic import f32
-from .base import Sparsifier
+from .base import CLIMB, Sparsifier, ladder_factors
 
 
-def band_adjust(th, cnt, k, lo, hi, relax, tighten):
+def band_adjust(th, cnt, k, lo, hi, relax, tighten, xp=None):
     """The post-hoc band controller of the authors' code: ``th/relax`` below ``lo·k``, ``th·tighten`` above
-    ``hi·k``, else ``th``. Pure Python floats (fp64, as ref)."""
-    if cnt < lo * k:
-        return th / relax
-    if cnt > hi * k:
-        return th * tighten
-    return th
+    ``hi·k``, else ``th``. Python floats (fp64, as ref), or with ``xp`` values that may live on a device."""
+    if xp is None:
+        return th / relax if cnt < lo * k else th * tighten if cnt > hi * k else th
+    return xp.choose(cnt < lo * k, th / relax, xp.choose(cnt > hi * k, th * tighten, th))
 
 
 @options
@@ -77,11 +72,11 @@ class ThresholdReuse(Sparsifier):
         band_lo, band_hi (float): local band [lo·k, hi·k] of the post-hoc controller. Default 0.75, 1.25.
         band_relax (float): L /= band_relax when |S| < lo·k. Default 1.012 (1.0 disables).
         band_tighten (float): L *= band_tighten when |S| > hi·k. Default 1.012 (1.0 disables).
-        max_select_ratio (float or None): optional hard cap: if |S| > ratio·k on a reuse step,
-            recompute L exactly and select the exact top-k for this step. Default None (off, as ref).
+        max_select_ratio (float or None): optional hard cap: the selection's capacity is at most ratio·k (L climbs
+            until at most that many pass; the largest stay). Default None (off, as ref; the capacity is 1.25k).
 
     Per-rank state (``state``): ``threshold`` (L for the next step), ``threshold_used`` (L of this step),
-    ``selected`` (|S|), ``reeval`` (bool), ``guard_raises`` (int), ``capped`` (bool), ``size`` (P).
+    ``selected`` (|S|), ``reeval`` (bool), ``guard_raises`` (the rungs L climbed this step), ``size`` (P).
     The guard and band are heuristics of the authors' code, not part of the paper.
     """
 
@@ -106,58 +101,67 @@ class ThresholdReuse(Sparsifier):
     def check_together(self, api):
         check_real(self.band_hi, "band_hi", api, self.band_lo, fix="band_hi must be >= band_lo")
 
+    @property
+    def _climb(self):
+        """The factors of the reuse step's ladder: the guard's (f^j, j <= guard_iters), then on to the capacity's
+        (``CLIMB``'s reach, in the guard's factor)."""
+        return ladder_factors(self.guard_factor, max(self.guard_iters, len(CLIMB) - 1))
+
     def initial_state(self):
         return {"threshold": None}
 
-    def _exact(self, xp, acc, k):
-        """Exact re-evaluation: (S, L). ge_nonzero: exactly the deterministic top-k; gt: |a| > k-th |a|."""
+    #: the selection's capacity in units of k (measured: docs/algorithms.md#the-wire)
+    capacity_ratio = 1.25
+
+    def capacity(self, k, n, size=1):
+        """The selection's size in a message: ``capacity_ratio``·k, at most ``max_select_ratio``·k."""
+        cap = super().capacity(k, n, size)
+        return cap if self.max_select_ratio is None else max(1, min(cap, int(self.max_select_ratio * k)))
+
+    def _exact(self, xp, acc, k, cap):
+        """Exact re-evaluation: (S, |S|, L), L read on the host (once per τ' steps). ge_nonzero: exactly the
+        deterministic top-k; gt: |a| > k-th |a|."""
         if self.select_rule == "ge_nonzero":
-            return topk_indices(xp, acc, k)
-        n = xp.numel(acc)
-        mag = xp.abs(acc)
-        th = float(xp.kth_largest(mag, min(k, n)))
-        return xp.nonzero(xp.gt(mag, f32(th))), th
+            idx, th, count = xp.topk_padded(acc, k)
+            return idx, count, float(xp.item(th))
+        th = float(xp.kth_largest(xp.abs(acc), min(k, xp.numel(acc))))
+        return (*xp.select_capped(acc, [th], "gt", cap, xp.numel(acc))[:2], th)
 
-    def _reuse(self, xp, acc, k, L, ctx):
-        """The reuse step: (S, L, guard raises, capped).
+    def _reuse(self, xp, acc, k, L, cap, ctx):
+        """The reuse step: ``(S, |S|, raises)``.
 
-        1. C, v = the indices and values ``rule`` selects at L       (one scan of acc; or none:
-           ``ctx.prefiltered``, collected by the engine while it added the gradient into acc)
-        2. guard: count and raise L on (C, v) only -- raising L only shrinks the selection, so the set
-           at a raised L is the subset of C that the rule keeps; C is in ascending order, so is S
-        3. hard cap (optional): exact top-k, which reads acc again
+        1. the candidates: on the host, C and their values v, the indices and values ``rule`` selects at L (one
+           scan of acc, or none: ``ctx.prefiltered``, collected by the engine while it added the gradient into
+           acc); on a device, acc itself (nothing is compacted before the selection)
+        2. the counts at L·f^j (f = guard_factor) in one pass (``xp.select_capped``): guard -- when the count at L
+           exceeds guard_ratio·k, L rises to the first rung (at most guard_iters) with at most guard_target·k --
+           and capacity -- past it, L climbs on until the selection fits (the largest magnitudes stay). Raising L
+           only shrinks the selection, so the set at a raised L is the part of C the rule keeps; C is in ascending
+           order, so is S. ``raises``: the rungs L climbed
         """
-        rule = self.select_rule
-        raises, capped = 0, False
-        guard = self.guard_ratio is not None and self.guard_iters > 0
-        pre = ctx.prefiltered
-        if pre is not None and pre.threshold == L and pre.rule == rule:     # collected by the add pass
-            cand, vals = pre.indices, pre.values
-        else:
-            cand, vals = xp.scan(acc).select(L, rule, values=guard, expect=k)
-        if guard and xp.numel(cand) > self.guard_ratio * k:        # pre-selection guard (ref:LSTM/VGG)
-            cand, L, raises = self._guard(xp, cand, vals, L, k)
-        if self.max_select_ratio is not None and xp.numel(cand) > self.max_select_ratio * k:
-            cand, L = self._exact(xp, acc, k)               # hard cap: exact for this step
-            capped = True
-        return cand, L, raises, capped
-
-    def _guard(self, xp, cand, vals, L, k):
-        """``(S, L, raises)`` after the guard, which triggered (|C| > guard_ratio·k): L is raised by guard_factor
-        until at most guard_target·k (guard_ratio·k without a target) candidates pass, at most guard_iters times.
-        The raised thresholds L·f, L·f², ... are counted on the candidates' values in one read (one wait on a GPU)."""
-        ths, th = [], L
-        for _ in range(self.guard_iters):
-            th *= self.guard_factor
-            ths.append(th)
-        limit = (self.guard_target if self.guard_target is not None else self.guard_ratio) * k
-        candidates = xp.scan(vals)
-        counts = candidates.counts(ths, self.select_rule, until=lambda c: c <= limit)
-        raises = next((j + 1 for j, c in enumerate(counts) if c <= limit), len(ths))
-        L = ths[raises - 1]
-        return xp.take(cand, candidates.select(L, self.select_rule)[0]), L, raises
+        rule, n = self.select_rule, xp.numel(acc)
+        cand, x = None, acc
+        if not xp.on_device(acc):
+            pre = ctx.prefiltered
+            if pre is not None and pre.threshold == L and pre.rule == rule:     # collected by the add pass
+                cand, x = pre.indices, pre.values
+            else:
+                cand, x = xp.scan(acc).select(L, rule, values=True, expect=k)
+        guard = None
+        if self.guard_ratio is not None and self.guard_iters > 0:          # pre-selection guard (ref:LSTM/VGG)
+            limit = (self.guard_target if self.guard_target is not None else self.guard_ratio) * k
+            guard = (self.guard_ratio * k, limit, self.guard_iters)
+        ths = [L * f for f in self._climb]                  # L is a host float: the bounds go up in one copy
+        # with L > 0, ge_nonzero is ge (one compare less on a device)
+        pos, count, raises = xp.select_capped(x, ths, "ge" if rule == "ge_nonzero" else rule, cap, xp.numel(x),
+                                              guard=guard)
+        if cand is None:
+            return pos, count, raises
+        return xp.take(xp.concat([cand, xp.full(1, n, xp.index_dtype, like=cand)], like=cand), pos), count, raises
 
     def _reevaluates(self, state, ctx):
+        """A re-evaluation step: every τ' steps, and when the stored L is not positive (an exact evaluation found
+        fewer than k nonzeros: L <= 0 would select every nonzero on reuse steps and no controller could raise it)."""
         L = state.get("threshold")
         return (ctx.step % self.threshold_period == 0 or L is None or not L > 0.0
                 or state.get("size", ctx.size) != ctx.size)
@@ -168,23 +172,30 @@ class ThresholdReuse(Sparsifier):
         return None if self._reevaluates(state, ctx) else (state["threshold"], self.select_rule)
 
     def select(self, xp, acc, k, state, ctx):
+        """``(S, |S|, raises)``: the exact top-k on re-evaluation steps (L read on the host), else the reuse step at
+        the stored L (:meth:`_reuse`). Its controllers run in :meth:`update`, with ``|S|`` and ``raises`` back on the
+        host in the opening's header (``ctx.selected``, ``ctx.note``)."""
         n = xp.numel(acc)
-        L = state.get("threshold")
+        cap = self.capacity(k, n)
         reev = self._reevaluates(state, ctx)
-        raises, capped = 0, False
-        if n == 0:
-            idx, L = xp.zeros(0, xp.index_dtype, like=acc), 0.0
-        elif reev:                                          # exact k-th |a| (re-evaluation step)
-            idx, L = self._exact(xp, acc, k)
-        else:
-            idx, L, raises, capped = self._reuse(xp, acc, k, L, ctx)
-        m = xp.numel(idx)
-        state["threshold_used"] = L
-        state["threshold"] = band_adjust(L, m, k, self.band_lo, self.band_hi, self.band_relax,
-                                         self.band_tighten)
-        state["selected"] = m
         state["reeval"] = bool(reev)
+        if n == 0:
+            state["threshold_used"] = 0.0
+            return xp.zeros(0, xp.index_dtype, like=acc), 0, 0
+        if reev:                                            # exact k-th |a| (re-evaluation step)
+            idx, m, state["threshold_used"] = self._exact(xp, acc, k, cap)
+            return idx, m, 0
+        state["threshold_used"] = state["threshold"]
+        return self._reuse(xp, acc, k, state["threshold"], cap, ctx)
+
+    def update(self, xp, state, info, ctx):
+        """The controllers, on the host: L used = the stored L times the guard factor ``raises`` times (the rungs
+        the reuse step climbed), and the band controller for the next step from |S|."""
+        k = self.k_for(ctx.layout and sum(ctx.layout) or 0)
+        raises, m = ctx.note, ctx.selected
+        L = state["threshold_used"] if state.get("reeval") else state["threshold_used"] * self._climb[raises]
+        state["threshold_used"] = L
+        state["threshold"] = band_adjust(L, m, k, self.band_lo, self.band_hi, self.band_relax, self.band_tighten)
+        state["selected"] = m
         state["guard_raises"] = raises
-        state["capped"] = capped
         state["size"] = ctx.size
-        return idx

@@ -9,7 +9,6 @@ the sparse reducers equal the dense allreduce.
 
 from __future__ import annotations
 
-from ..selection import topk_indices
 from .base import Sparsifier
 
 
@@ -20,6 +19,6 @@ class TopK(Sparsifier):
     exact_k = True
 
     def select(self, xp, acc, k, state, ctx):
-        idx, th = topk_indices(xp, acc, k)
+        idx, th, count = xp.topk_padded(acc, k)        # exactly k slots, the index n after fewer nonzeros
         state["threshold"] = th
-        return idx
+        return idx, count

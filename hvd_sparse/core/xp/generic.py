@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .fixed import FixedOps
+
 
 def f32(x):
     """``x`` rounded to float32, as a Python float: what thresholds are compared with."""
@@ -79,8 +81,9 @@ class Scan:
         return idx, vals
 
 
-class GenericOps:
-    """The generic path of the operations the C kernels speed up (mixed into every backend)."""
+class GenericOps(FixedOps):
+    """The generic path of the operations the C kernels speed up, and the fixed-size selections
+    (:mod:`~hvd_sparse.core.xp.fixed`); mixed into every backend."""
 
     #: the simulator may share one read-only result between its ranks (:meth:`freeze` makes it read-only)
     freezable = False

@@ -100,6 +100,32 @@ class KernelOps(GenericOps):
             keep[np.flatnonzero(mag == th)[:need]] = True       # ties: the lower indexes
         return self.from_numpy(cand[keep]), float(th)
 
+    def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True):
+        """:meth:`FixedOps.select_capped` by the fused kernel for a float32 CPU buffer: rungs counted in one read pass
+        each until one fits, then one selecting pass (else the host implementation)."""
+        view = native.f32_view(self, x)
+        if view is None or counts:
+            return super().select_capped(x, ths, rule, cap, fill, base=base, guard=guard, counts=counts, tally=tally)
+        ths = [float(t) for t in self._np(ths)]
+        j, count = 0, native.count(view, ths[0], rule)
+        last = 0                                            # the last rung that passes any (ties: not to none)
+
+        def climb(j):
+            count = native.count(view, ths[j + 1], rule)
+            return j + 1, count, (j + 1 if count else last)
+
+        if guard is not None and count > guard[0]:          # the guard's climb: at least one rung, to its limit
+            j, count, last = climb(j)
+            while j < guard[2] and count > guard[1]:
+                j, count, last = climb(j)
+        while j < len(ths) - 1 and count > cap:             # then the capacity's
+            j, count, last = climb(j)
+        j = min(j, last)
+        idx = native.select(view, ths[j], rule, base=base, expect=cap)[0][:cap]
+        out = np.full(cap, fill, np.int64)
+        out[:idx.size] = idx
+        return self.from_numpy(out), int(idx.size), j
+
     def accumulate_(self, r, pieces, out, *, zero_g=False, select=None):
         """``out[:] = r + concat(pieces)`` (``r`` None: ``out[:] = concat(pieces)``), cast to float32 (``out``), in
         one pass per piece; with ``zero_g`` the pieces are zeroed in the same pass (``out`` is none of them).
@@ -130,7 +156,9 @@ class KernelOps(GenericOps):
             elif pv is not None:                        # one pass: the sum and its non-finite count
                 bad += native.add(rp, pv, ov[off:off + m], zero_g=zero_g)
             else:                                       # the generic path
-                self.add_into(None if r is None else r[off:off + m], p, out[off:off + m])
+                whole = len(pieces) == 1                # (no views of one piece: a device pays for each)
+                self.add_into(None if r is None else r if whole else r[off:off + m], p,
+                              out if whole else out[off:off + m])
                 if zero_g:
                     self.fill_(p, 0.0)
                 known, found = False, None

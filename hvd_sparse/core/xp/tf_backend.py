@@ -86,8 +86,9 @@ class TFBackend(GenericOps):
 
     def put_(self, dst, idx, value):
         tf = self.tf
+        idx = tf.reshape(idx, [-1])                  # indexes of any shape, as numpy and torch take them
         if tf.is_tensor(value):
-            value = self.astype(value, dst.dtype)
+            value = tf.reshape(self.astype(value, dst.dtype), [-1])
         else:
             value = tf.fill([self.numel(idx)], self._scalar(value, dst.dtype))
         return tf.tensor_scatter_nd_update(dst, tf.expand_dims(idx, 1), value)

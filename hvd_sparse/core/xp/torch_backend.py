@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .common import _Indexing
+from .fixed import TINY, RegionSums, lower_bounds
 from .kernels import KernelOps
 from .numpy_backend import NumpyBackend
 
@@ -34,7 +35,13 @@ class TorchBackend(KernelOps, _Indexing):
         return self.torch.full((n,), value, dtype=dtype, device=None if like is None else like.device)
 
     def asarray(self, values, dtype, like=None):
-        return self.torch.as_tensor(values, dtype=dtype, device=None if like is None else like.device)
+        """A tensor of ``values`` on ``like``'s device. Host values go to a GPU by a non-blocking copy from pinned
+        memory: a plain copy would make the host wait for all the work queued on the device."""
+        torch = self.torch
+        if like is None or like.device.type == "cpu" or (isinstance(values, torch.Tensor) and values.is_cuda):
+            return torch.as_tensor(values, dtype=dtype, device=None if like is None else like.device)
+        host = torch.as_tensor(values, dtype=dtype)
+        return host.pin_memory().to(like.device, non_blocking=True) if like.is_cuda else host.to(like.device)
 
     @staticmethod
     def astype(x, dtype):
@@ -47,6 +54,10 @@ class TorchBackend(KernelOps, _Indexing):
     @staticmethod
     def to_numpy(x):
         return x.detach().cpu().numpy()
+
+    @staticmethod
+    def to_list(x):
+        return x.tolist()
 
     def from_numpy(self, a):
         return self.torch.from_numpy(a)
@@ -174,7 +185,8 @@ class TorchBackend(KernelOps, _Indexing):
 
     @staticmethod
     def bitcast(x, dtype):
-        return x.contiguous().view(dtype)
+        """``x``'s bits as ``dtype`` (a view: of the same item size, any strides do)."""
+        return x.view(dtype) if x.element_size() == dtype.itemsize else x.contiguous().view(dtype)
 
 
     def nan_to_zero(self, x):
@@ -212,3 +224,246 @@ class TorchBackend(KernelOps, _Indexing):
             tied = tied & (tied.cumsum(dim=1) <= (k - above[bad])[:, None])
             cols[bad] = ((sub > tb) | tied).nonzero()[:, 1].reshape(bad.numel(), k)
         return cols.sort(dim=1).values
+
+    # --- fixed-size selections on a device (core/xp/fixed.py): no output size depends on the data, so the host
+    # never waits for the device; CPU tensors take the host implementations (the C kernels), with the same bits
+    def on_device(self, x):
+        return self.host(x) is None
+
+    def item(self, x):
+        return x.item() if isinstance(x, self.torch.Tensor) else super().item(x)
+
+    def nonfinite(self, x):
+        """On a device: the bits of ``sum(x·0)`` as an int32 word: ±0 when every entry is finite (no overflow can
+        make it otherwise), a NaN's when not (:func:`hvd_sparse.core.comm.finite`)."""
+        if self.host(x) is not None:
+            return super().nonfinite(x)
+        return (x * 0).sum().view(self.torch.int32)
+
+    def stack(self, xs, axis=0):
+        return self.torch.stack(list(xs), dim=axis)
+
+    @staticmethod
+    def transpose(x):
+        return x.t()
+
+    def count_below(self, x, bound):
+        if self.host(x) is not None:
+            return super().count_below(x, bound)
+        return (x < bound).sum(dtype=self.torch.int32)
+
+    def choose(self, cond, a, b):
+        torch = self.torch
+        if not isinstance(cond, torch.Tensor) or self.host(cond) is not None:
+            return super().choose(bool(cond), a, b)
+
+        def scalar(v):          # a Python number as a 0-d tensor of its kind (float64, int64), by a fill
+            if isinstance(v, torch.Tensor):
+                return v
+            return torch.full((), v, dtype=torch.float64 if isinstance(v, float) else torch.int64, device=cond.device)
+
+        return torch.where(cond, scalar(a), scalar(b))
+
+    def first_fit(self, counts, cap, start=0):
+        if self.host(counts) is not None:
+            return super().first_fit(counts, cap, start)
+        fit = counts[start:] <= cap
+        return start + self.torch.where(fit.any(), fit.int().argmax(), self.numel(fit) - 1)
+
+    def pick(self, values, j):
+        if not isinstance(j, self.torch.Tensor) or self.host(j) is not None:
+            return super().pick(values, j)
+        if not isinstance(values, self.torch.Tensor):
+            values = self.asarray(list(values), self.torch.float64, like=j)
+        return values.index_select(0, j.reshape(1).to(values.device))[0]
+
+    def first_unless(self, idx, fill, value):
+        if self.host(idx) is not None:
+            return super().first_unless(idx, fill, value)
+        first = idx[:1]
+        empty = first == fill
+        first.masked_fill_(empty, value)
+        return idx, empty
+
+    def at_least_one(self, count):
+        return count.clamp(min=1) if isinstance(count, self.torch.Tensor) else super().at_least_one(count)
+
+    @staticmethod
+    def unbind(rows):
+        return rows.unbind(0)
+
+    @staticmethod
+    def columns(rows, start, length):
+        return rows.narrow(1, start, length)
+
+    def masked(self, x, mask):
+        return self.torch.where(mask, x, 0)
+
+    def smallest_magnitude(self, x):
+        if self.host(x) is not None:
+            return super().smallest_magnitude(x)
+        mag = x.abs()
+        return self.torch.where(mag > 0, mag, float("inf")).min() if x.numel() else float("inf")
+
+    def div(self, x, y):
+        return x / y
+
+    def repeat(self, values, counts, total):
+        return self.torch.repeat_interleave(values, self.asarray(list(counts), self.torch.int64, like=values),
+                                            output_size=total)
+
+    def segment_counts(self, bounds):
+        if self.host(bounds) is not None:
+            return super().segment_counts(bounds)
+        return bounds[1:] - bounds[:-1]
+
+    def compact(self, mask, size, fill):
+        if self.host(mask) is not None:
+            return super().compact(mask, size, fill)
+        return self.torch.nonzero_static(mask, size=size, fill_value=fill).reshape(-1)
+
+    def topk_padded(self, x, k):
+        """The device's exact top-k: the k-th magnitude by ``torch.topk``, then every entry above it and the tied
+        ones of the lowest indexes up to k, by masks and a running count (the host's rule, without a sort)."""
+        n = self.numel(x)
+        if self.host(x) is not None or n == 0:
+            return super().topk_padded(x, k)
+        torch = self.torch
+        mag = x.abs()
+        if k >= n:
+            keep = mag > 0
+            return self.compact(keep, k, n), mag.new_zeros(()), keep.sum(dtype=torch.int32)
+        th = torch.topk(mag, k, sorted=False).values.min()        # 0 when fewer than k are nonzero
+        above = mag > th
+        tied = (mag == th) & (th > 0)
+        keep = above | (tied & (tied.cumsum(0) <= k - above.sum()))
+        return self.compact(keep, k, n), th, keep.sum(dtype=torch.int32)
+
+    def clamp_min(self, x, low):
+        if not isinstance(x, self.torch.Tensor):
+            return super().clamp_min(x, low)
+        return x.clamp(min=low)
+
+    def read(self, *values):
+        torch = self.torch
+        dev = [v for v in values if isinstance(v, torch.Tensor) and self.host(v) is None]
+        if not dev:
+            return super().read(*values)
+        flat = [v.reshape(-1).to(torch.float64) if isinstance(v, torch.Tensor) else
+                torch.full((1,), float(v), dtype=torch.float64, device=dev[0].device) for v in values]
+        host = torch.cat([f.to(dev[0].device) for f in flat]).cpu().numpy()
+        out, off = [], 0
+        for f in flat:
+            out.append(host[off:off + f.numel()])
+            off += f.numel()
+        return out
+
+    def mean_std_values(self, x):
+        if self.host(x) is not None:
+            return super().mean_std_values(x)
+        if x.numel() < 2:
+            return x.double().mean(), x.new_zeros((), dtype=self.torch.float64)
+        sd, mu = self.torch.std_mean(x.double(), correction=1)
+        return mu, sd
+
+    def ladder(self, th, factors, like):
+        if not isinstance(th, self.torch.Tensor):
+            return super().ladder(th, factors, like)
+        return th.to(self.torch.float64) * self.asarray(list(factors), self.torch.float64, like=like)
+
+    def _bounds(self, ths, rule, like):
+        """The float32 bounds (:func:`~hvd_sparse.core.xp.fixed.lower_bounds`) of the thresholds ``ths``: a host
+        list (bounds made on the host, one upload) or a float64 tensor (made on the device)."""
+        torch = self.torch
+        if not isinstance(ths, torch.Tensor):
+            return self.asarray(lower_bounds(ths, rule), torch.float32, like=like)
+        t = ths.to(torch.float32)
+        if rule in ("gt", "above"):
+            up = torch.nextafter(t, torch.full_like(t, float("inf")))
+            return up if rule == "gt" else torch.where(t.double() > ths, t, up)
+        if rule == "ge_nonzero":
+            return torch.where(t > 0, t, TINY)
+        if rule != "ge":
+            raise ValueError(f"hvd_sparse: rule must be one of ('ge_nonzero', 'gt', 'ge'), got {rule!r}")
+        return t
+
+    def _below(self, mag, bounds):
+        """``below[j]``: how many of ``mag`` lie under bound j (non-decreasing bounds), in one sorted search."""
+        rungs = self.torch.searchsorted(bounds, mag, right=True)
+        return self.torch.bincount(rungs, minlength=self.numel(bounds) + 1).cumsum(0, dtype=self.torch.int32)
+
+    def ladder_counts(self, x, ths, rule):
+        if self.host(x) is not None:
+            return super().ladder_counts(x, ths, rule)
+        return self.numel(x) - self._below(x.abs(), self._bounds(ths, rule, x))[:-1]
+
+    def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True):
+        """The host's rule on the device: the counts under every rung in one sorted search; the rungs that still
+        pass more than a limit are a prefix (the counts fall as the threshold rises), so their number is the first
+        rung within it; one compare and a padded compaction."""
+        if self.host(x) is not None:
+            return super().select_capped(x, ths, rule, cap, fill, base=base, guard=guard, counts=counts, tally=tally)
+        mag = x.abs()
+        bounds = self._bounds(ths, rule, x)
+        n, J = self.numel(x), self.numel(bounds)
+        if J == 1:
+            mask = mag >= bounds[0]
+            j, count = 0, mask.sum()
+        else:
+            below = self._below(mag, bounds)[:-1]
+            j = (below < n - cap).sum()
+            if guard is not None:                   # the guard's rung, when the first passes more than its trigger
+                trigger, limit, most = guard
+                climb = ((below[1:most + 1] < n - limit).sum() + 1).clamp_(max=most)
+                j = self.torch.maximum(j, climb * (below[0] < n - trigger))
+            j = self.torch.minimum(j, ((below < n).sum() - 1).clamp_(min=0))       # not past the last nonempty
+            mask = mag >= self.torch.take(bounds, j)
+            count = (n - self.torch.take(below, j)) if tally else None
+        idx = self.compact(mask, cap, fill - base)
+        found = (idx + base if base else idx), (count.clamp(max=cap) if tally else None), j
+        if counts:
+            found += ((n - below[:counts]) if J > 1 else count.view(1),)
+        return found
+
+    def select_at(self, x, th, rule, cap, fill):
+        if self.host(x) is not None:
+            return super().select_at(x, th, rule, cap, fill)
+        return self.compact(x.abs() >= self._bounds([th], rule, x), cap, fill)
+
+    def keep(self, idx, vals, mask, fill):
+        if self.host(idx) is not None:
+            return super().keep(idx, vals, mask, fill)
+        drop = ~mask
+        return idx.masked_fill(drop, fill), vals.masked_fill(drop, 0.0)
+
+    def members(self, a, b, fill):
+        """On a device: ``torch.isin`` (``b`` in any order and shape; sizes fixed, so no wait)."""
+        if self.host(a) is not None:
+            return super().members(a, b, fill)
+        return a.masked_fill(self.torch.isin(a, b, invert=True), fill)
+
+    def intersect_padded(self, a, b, fill):
+        if self.host(a) is not None:
+            return super().intersect_padded(a, b, fill)
+        if self.numel(b) == 0:
+            return self.torch.full_like(a, fill)
+        b = b.to(a.dtype)
+        hit = b.index_select(0, self.torch.searchsorted(b, a).clamp_(max=self.numel(b) - 1)) == a
+        return self.torch.where(hit & (a != fill), a, fill)
+
+    def region_sums(self, idx, vals, pieces, lo, hi, fill):
+        """On a device, a dense buffer of the region: the sources added into it in rank order (one ``index_add_``
+        each: unique indexes, so the order is fixed)."""
+        if self.host(idx) is not None:
+            return super().region_sums(idx, vals, pieces, lo, hi, fill)
+        dense = vals.new_zeros(hi - lo + 1)                 # + a zero where the padding's positions point
+        rel = idx - lo
+        for (m, real), i, v in zip(pieces, rel.split([m for m, _ in pieces]), vals.split([m for m, _ in pieces])):
+            if real and m:
+                dense.index_add_(0, i, v)
+        return RegionSums(dense[:hi - lo], None, lo, fill, dense)
+
+    def choose_each(self, cond, a, b):
+        if isinstance(a, (int, float)):
+            return b.masked_fill(cond, a)
+        return self.torch.where(cond, a, b)

@@ -1,0 +1,130 @@
+"""The fixed-size selections (hvd_sparse/core/xp/fixed.py): every backend and path gives the same bits -- numpy (the
+host implementation), numpy with the C kernels, torch on the CPU, torch on the device path (the operations a GPU
+runs, forced here on CPU tensors) -- on data with ties, zeros and more candidates than fit."""
+
+import numpy as np
+import pytest
+import torch
+
+from hvd_sparse.bench.syncs import HostReads, as_if_on_a_device
+from hvd_sparse.core.xp import NumpyBackend, TorchBackend
+from hvd_sparse.core.xp.fixed import lower_bounds
+from hvd_sparse.core.xp.generic import rule_mask
+
+NP, TORCH = NumpyBackend(), TorchBackend()
+
+
+def data(seed, n=5000):
+    """Gradient-like values with exact ties (rounded), zeros and both signs."""
+    rng = np.random.default_rng(seed)
+    x = np.round(rng.standard_normal(n) * 8).astype(np.float32) / 8
+    x[rng.random(n) < 0.2] = 0.0
+    return x
+
+
+def on_every_path(fn, x):
+    """``fn(xp, array)`` as numpy arrays, on numpy, torch CPU and the torch device path."""
+    outs = [fn(NP, x.copy()), fn(TORCH, torch.from_numpy(x.copy()))]
+    with as_if_on_a_device():
+        outs.append(fn(TORCH, torch.from_numpy(x.copy())))
+    return [tuple(np.asarray(o.numpy() if isinstance(o, torch.Tensor) else o) for o in out) for out in outs]
+
+
+def same(outs):
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            np.testing.assert_array_equal(a, b)
+    return outs[0]
+
+
+@pytest.mark.parametrize("rule", ["ge", "gt", "ge_nonzero"])
+def test_the_bounds_select_what_the_rule_selects(rule):
+    mag = np.abs(data(1))
+    for th in (0.0, 0.125, 0.3, 1.0, 100.0):
+        u = lower_bounds([th], rule)[0]
+        np.testing.assert_array_equal(mag >= u, rule_mask(NP, mag, th, rule))
+
+
+@pytest.mark.parametrize("k", [1, 7, 300, 3999, 4000, 6000])
+def test_topk_padded_is_the_exact_topk_padded_with_n(k):
+    x = data(2)
+    idx, th, count = same(on_every_path(lambda xp, a: xp.topk_padded(a, k), x))
+    want, want_th = NP.topk(x, min(k, x.size))
+    assert idx.size == k and (idx[want.size:] == x.size).all()
+    np.testing.assert_array_equal(idx[:want.size], want)
+    assert float(th) == want_th and int(count) == want.size
+
+
+@pytest.mark.parametrize("rule", ["ge", "gt", "ge_nonzero"])
+@pytest.mark.parametrize("cap", [10, 400, 4000])
+def test_select_capped_climbs_the_ladder_until_the_selection_fits(rule, cap):
+    x = data(3)
+    factors = (1.0, 1.5, 2.25, 3.375)
+    idx, count, rung = same(on_every_path(
+        lambda xp, a: xp.select_capped(a, xp.ladder(0.25, factors, a), rule, cap, 10**6, base=7), x))
+    mag = np.abs(x)
+    counts = [int(rule_mask(NP, mag, 0.25 * f, rule).sum()) for f in factors]
+    j = next((i for i, c in enumerate(counts) if c <= cap), len(factors) - 1)
+    want = np.flatnonzero(rule_mask(NP, mag, 0.25 * factors[j], rule))[:cap] + 7
+    assert int(count) == want.size and int(rung) == j
+    np.testing.assert_array_equal(idx, np.concatenate([want, np.full(cap - want.size, 10**6)]))
+    counted = same(on_every_path(lambda xp, a: (xp.ladder_counts(a, xp.ladder(0.25, factors, a), rule),), x))[0]
+    assert counted.tolist() == counts
+
+
+def test_intersect_padded_keeps_the_common_entries_in_place():
+    a = np.array([1, 4, 5, 9, 20, 20], np.int64)
+    b = np.array([0, 4, 9, 11, 20], np.int64)
+    for xp, conv in ((NP, np.asarray), (TORCH, torch.from_numpy)):
+        got = xp.intersect_padded(conv(a), conv(b), 20)
+        assert np.asarray(got).tolist() == [20, 4, 20, 9, 20, 20]
+    with as_if_on_a_device():
+        got = TORCH.intersect_padded(torch.from_numpy(a), torch.from_numpy(b), 20)
+    assert got.tolist() == [20, 4, 20, 9, 20, 20]
+
+
+@pytest.mark.parametrize("P", [1, 2, 5])
+def test_region_sums_add_the_sources_in_rank_order(P):
+    """The host keeps the sums on their support, a device a dense region: the same (index, value) pairs, as a
+    selection of the largest sums (``RegionSums.pairs``) shows."""
+    rng = np.random.default_rng(P)
+    lo, hi, n, runs, vals, pieces = 10, 60, 80, [], [], []
+    for s in range(P):
+        m = int(rng.integers(0, 20))
+        idx = np.sort(rng.choice(np.arange(lo, hi), m, replace=False))
+        pad = int(rng.integers(0, 4))
+        runs.append(np.concatenate([idx, np.full(pad, n)]))
+        vals.append(np.concatenate([rng.standard_normal(m).astype(np.float32), np.zeros(pad, np.float32)]))
+        pieces += [(m, True), (pad, False)]
+    idx, val = np.concatenate(runs).astype(np.int64), np.concatenate(vals)
+    want = np.zeros(n + 1, np.float32)
+    for r, v in zip(runs, vals):
+        want[r] += v
+    support = np.flatnonzero(want[:n])
+
+    def largest(xp, i, v):
+        region = xp.region_sums(i, v, pieces, lo, hi, n)
+        pos = xp.topk_padded(region.values, 30)[0]
+        return region.pairs(xp, pos)
+
+    outs = [largest(NP, idx, val), largest(TORCH, torch.from_numpy(idx), torch.from_numpy(val))]
+    with as_if_on_a_device():
+        outs.append(largest(TORCH, torch.from_numpy(idx), torch.from_numpy(val)))
+    got_i, got_v = same([tuple(np.asarray(o) for o in out) for out in outs])
+    top = np.sort(support[np.argsort(-np.abs(want[support]), kind="stable")[:30]])
+    np.testing.assert_array_equal(got_i[:top.size], top)
+    np.testing.assert_array_equal(got_v[:top.size], want[top])
+    assert (got_i[top.size:] == n).all() and (got_v[top.size:] == 0).all()
+
+
+def test_the_device_paths_make_no_host_read():
+    x = torch.from_numpy(data(4))
+    reads = HostReads()
+    with as_if_on_a_device(), reads:
+        TORCH.topk_padded(x, 100)
+        th = torch.tensor(0.25, dtype=torch.float64)
+        TORCH.select_capped(x, TORCH.ladder(th, (1.0, 2.0), x), "ge_nonzero", 100, x.numel())
+        TORCH.ladder_counts(x, TORCH.ladder(th, (1.0, 2.0), x), "gt")
+        TORCH.intersect_padded(torch.arange(5), torch.arange(3), 5)
+        TORCH.region_sums(torch.arange(6), torch.ones(6), [(3, True), (3, True)], 0, 6, 6)
+    assert reads.reads == 0, reads.where
