@@ -7,7 +7,9 @@ For each configuration in turn, on the same model and data: a fresh MLP (``--lay
     hvd.allreduce(one value)              # barrier: the ranks start the step together (not timed)
     t0; zero_grad; forward; backward; optimizer.step(); synchronize the device; seconds = now - t0
 
-Configurations: ``compute`` (the torch optimizer alone: the floor), ``dense`` (Horovod's own optimizer,
+Configurations: ``compute`` (the torch optimizer alone: the floor), ``wire`` (the wire floor: compute plus one
+``hvd.allgather`` per step of what TopkA sends, k indices and the bits of k gradient values in one int32 tensor of
+the same shape every step, no selection, no other collective, no host read), ``dense`` (Horovod's own optimizer,
 ``Compression.none``) and the presets of :mod:`hvd_sparse.bench.presets` through ``hvd_sparse.torch``. Rank 0
 gathers every rank's step times (and, for presets, bytes received per step) and writes ``--out`` (JSON).
 """
@@ -43,6 +45,31 @@ def mlp(widths, seed, device):
     return torch.nn.Sequential(*layers).to(device)
 
 
+class WireFloor:
+    """The ``wire`` configuration: before the torch optimizer's step, one allgather of TopkA's payload (k indices, then
+    the bits of the first k gradient values, int32), its shape the same every step."""
+
+    def __init__(self, opt, model, density):
+        import torch
+
+        self.opt, self.params = opt, list(model.parameters())
+        n = sum(p.numel() for p in self.params)
+        self.k = max(1, int(density * n))
+        self.index = torch.arange(self.k, dtype=torch.int32, device=self.params[0].device)
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+    def step(self):
+        import horovod.torch as hvd
+        import torch
+
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        payload = torch.cat([self.index, flat[:self.k].view(torch.int32)])
+        hvd.allgather(payload, name="hvd_sparse.bench.wire")
+        self.opt.step()
+
+
 def measure(name, args, widths, device):
     """Step seconds (list) and mean bytes received per step of configuration ``name`` on this rank."""
     import horovod.torch as hvd
@@ -52,7 +79,9 @@ def measure(name, args, widths, device):
 
     model = mlp(widths, args.seed, device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    if name != "compute":
+    if name == "wire":
+        opt = WireFloor(opt, model, args.density)
+    elif name != "compute":
         opt = hvds.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                         compression=torch_compression(name, args.density))
     g = torch.Generator().manual_seed(args.seed + 1 + hvd.rank())

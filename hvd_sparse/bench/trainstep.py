@@ -7,8 +7,10 @@ One ``horovodrun -np P --gloo`` job (:mod:`hvd_sparse.bench._trainstep_worker`) 
 on the same model (default widths 2048-4096-4096-10: 25.2M float32 parameters), batch and seed. On one GPU all
 ranks share it (CUDA tensors travel through the host with Horovod's Gloo build, as with any build on a machine
 with fewer GPUs than ranks). Reported per configuration (each step's time is the max over ranks, then the median
-over steps): ``step_ms``, ``over_compute_ms`` (beyond the ``compute`` floor: the torch optimizer alone) and
-``recv_bytes`` per rank and step (presets: the communicator's meter; dense: the ring's 2n(P-1)/P float32 words).
+over steps): ``step_ms``, ``over_compute_ms`` (beyond the ``compute`` floor: the torch optimizer alone),
+``over_wire`` (that, over the ``wire`` floor's: compute plus one fixed-shape allgather of TopkA's payload) and
+``recv_bytes`` per rank and step (presets: the communicator's meter; dense: the ring's 2n(P-1)/P float32 words;
+wire: 2k(P-1) int32 words).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 #: the configurations besides the presets
-BASELINES = ("compute", "dense")
+BASELINES = ("compute", "wire", "dense")
 
 
 def run(workers, algorithms, device="cuda", layers=(2048, 4096, 4096, 10), batch_size=256, steps=20, warmup=5,
@@ -42,6 +44,8 @@ def run(workers, algorithms, device="cuda", layers=(2048, 4096, 4096, 10), batch
         recv = statistics.fmean(rank["recv_bytes"] for rank in r["ranks"])
         if r["algorithm"] == "dense":
             recv = ring_allreduce_bytes(raw["numel"], workers)
+        elif r["algorithm"] == "wire":
+            recv = 8 * max(1, int(density * raw["numel"])) * (workers - 1)
         rows.append({"algorithm": r["algorithm"], "step_ms": statistics.median(step) * 1e3,
                      "step_ms_all": [s * 1e3 for s in step], "recv_bytes": recv})
     floor = next((r["step_ms"] for r in rows if r["algorithm"] == "compute"), None)
@@ -49,6 +53,9 @@ def run(workers, algorithms, device="cuda", layers=(2048, 4096, 4096, 10), batch
     for r in rows:
         r["over_compute_ms"] = r["step_ms"] - floor if floor is not None else None
         r["dense_over_step"] = dense / r["step_ms"] if dense else None
+    wire = next((r["over_compute_ms"] for r in rows if r["algorithm"] == "wire"), None)
+    for r in rows:
+        r["over_wire"] = r["over_compute_ms"] / wire if wire and r["over_compute_ms"] is not None else None
     return {"workers": workers, "device": raw["device"], "torch": raw["torch"], "cuda": raw["cuda"],
             "numel": raw["numel"], "layers": list(layers), "batch_size": batch_size, "density": density,
             "steps": steps, "warmup": warmup, "results": rows}
@@ -59,12 +66,14 @@ def markdown(report):
              f"batch {report['batch_size']}), {report['workers']} ranks on {report['device']} (torch "
              f"{report['torch']}, CUDA {report['cuda']}), density {report['density']}, median of {report['steps']} "
              "steps (max over ranks).", "",
-             "| configuration | step ms | beyond compute ms | dense / this | MB received per rank and step |",
-             "|---|---:|---:|---:|---:|"]
+             "| configuration | step ms | beyond compute ms | beyond compute / wire's | dense / this "
+             "| MB received per rank and step |", "|---|---:|---:|---:|---:|---:|"]
     for r in report["results"]:
         over = "" if r["over_compute_ms"] is None else f"{r['over_compute_ms']:.2f}"
+        wire = "" if r.get("over_wire") is None else f"{r['over_wire']:.2f}"
         ratio = "" if r["dense_over_step"] is None else f"{r['dense_over_step']:.1f}"
-        lines.append(f"| {r['algorithm']} | {r['step_ms']:.2f} | {over} | {ratio} | {r['recv_bytes'] / 1e6:.2f} |")
+        lines.append(f"| {r['algorithm']} | {r['step_ms']:.2f} | {over} | {wire} | {ratio} "
+                     f"| {r['recv_bytes'] / 1e6:.2f} |")
     return "\n".join(lines)
 
 
@@ -87,7 +96,8 @@ def add_arguments(p):
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--algorithms", type=lambda t: cli.algorithms(t, BASELINES),
                    default=list(BASELINES) + [n for n in presets.names() if n != "dense"],
-                   help="comma-separated: compute, dense (Horovod's optimizer) and presets (default: all)")
+                   help="comma-separated: compute, wire (one fixed-shape allgather of TopkA's payload), dense "
+                        "(Horovod's optimizer) and presets (default: all)")
     p.add_argument("--layers", type=cli.positive_ints, default=[2048, 4096, 4096, 10],
                    help="MLP widths, input first (default: 2048,4096,4096,10)")
     p.add_argument("--batch-size", type=cli.positive_int, default=256)
