@@ -1,0 +1,65 @@
+"""The selection sizes the capacities of docs/algorithms.md ("The wire") were chosen from: what each threshold
+sparsifier selects when nothing cuts it, on the gradients of a real model as it trains (the digits MLP of
+``hvd_sparse.bench.data.MLPGradients``, 301,066 parameters; density 0.01), on simulated ranks.
+
+    python scripts/capacities.py --workers 4 --steps 300
+
+Per preset, the percentiles over steps 10.. and ranks of |S|/k (ExDyna: each rank's k_r over k/P) with the capacity
+lifted, and for Ok-Topk with an uncut gather (``gather_capacity=None``) each owner's count at the threshold's rung
+over k/P on reuse steps: the capacity of its gather.
+"""
+
+import argparse
+import dataclasses
+import warnings
+
+import numpy as np
+
+import hvd_sparse
+from hvd_sparse.bench.data import MLPGradients
+from hvd_sparse.compression import SparseCompression
+from hvd_sparse.testing import simulate
+
+DENSITY, SKIP = 0.01, 10
+
+
+def uncapped(comp):
+    """The preset with its sparsifier's capacity lifted (and Ok-Topk's gather uncut)."""
+    sparsifier = comp.sparsifier
+    wide = type(type(sparsifier).__name__, (type(sparsifier),), {"capacity_ratio": 1e9})
+    sparsifier = wide(**{f.name: getattr(sparsifier, f.name) for f in dataclasses.fields(sparsifier)})
+    reducer = comp.reducer
+    if reducer.name == "oktopk":
+        reducer = dataclasses.replace(reducer, gather_capacity=None)
+    return SparseCompression(sparsifier, reducer, repr(comp))
+
+
+def percentiles(ratios):
+    a = np.asarray(ratios, float)
+    return " ".join(f"p{q} {np.percentile(a, q):.2f}" for q in (50, 90, 99, 100)) + f", mean {a.mean():.2f}"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=300)
+    args = p.parse_args()
+    warnings.simplefilter("ignore")
+    P, steps = args.workers, args.steps
+    src = MLPGradients(P, seed=0)
+    k = int(DENSITY * src.n)
+    print(f"n = {src.n}, k = {k}, P = {P}, steps {SKIP}..{steps - 1}")
+    for name in ("gaussiank", "dct", "exdyna", "oktopk"):
+        res = simulate(uncapped(getattr(hvd_sparse.Compression, name)(DENSITY)), src.grad, steps=steps, size=P,
+                       shapes=[(m,) for m in src.layout], record=("selected", "info"))
+        selected = res.selected[SKIP:].ravel()
+        unit, what = (k / P, "k_r/(k/P)") if name == "exdyna" else (k, "|S|/k")
+        print(f"{name} {what}: {percentiles(selected / unit)}")
+        if name == "oktopk":
+            owners = [c for t in range(SKIP, steps) if not res.info[t][0]["reeval"]
+                      for c in res.info[t][0]["owner_counts"]]
+            print(f"oktopk owners at the rung /(k/P): {percentiles(np.array(owners) / (k / P))}")
+
+
+if __name__ == "__main__":
+    main()
