@@ -123,7 +123,7 @@ def topka_reference(g, density, average=False):
 
 def gaussian_select_ref(a, density, adjust="lstm"):
     """Gaussiank's steps 1-4 (hvd_sparse/core/sparsifiers/gaussiank.py) in float64 (comparisons exact): the loop's
-    thresholds th0·f^-j (th0·f^j up), then up the ladder (the loop's and ``CLIMB``) while more than the capacity 2k
+    thresholds th0·f^-j (th0·f^j up: vgg), then up the ladder (the loop's and ``CLIMB``) while more than the capacity 2k
     pass, but not to none; cut to 2k by index past the last rung. Returns (mask, th0, th, iterations)."""
     n = a.size
     k = k_of(density, n)
@@ -158,7 +158,8 @@ def gaussian_select_ref(a, density, adjust="lstm"):
             it += 1
         fac = up[it]
     cap = int(2 * k)
-    above = sorted(x for x in set(down) | set(up) | set(CLIMB) if x >= fac)
+    tried = set(down) | (set(up) if adjust == "vgg" else set())      # only vgg's loop goes up
+    above = sorted(x for x in tried | set(CLIMB) if x >= fac)
     fit = next((i for i, x in enumerate(above) if cnt(x) <= cap), len(above) - 1)
     if fit and cnt(above[fit]) == 0:
         fit -= 1

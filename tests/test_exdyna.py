@@ -17,12 +17,13 @@ from hvd_sparse.compression import SparseCompression
 from hvd_sparse.core.reducers.exdyna import ExDynaReducer
 from hvd_sparse.core.reducers.topka import TopkA
 from hvd_sparse.core.sparsifiers.dct import DCT
+from hvd_sparse.core.sparsifiers.topk import TopK
 from hvd_sparse.core.sparsifiers.exdyna import (ExDyna, adjust_topology, exdyna_geometry, partition_range,
                                                 threshold_factor)
 from hvd_sparse.core.xp import backend_of
 from hvd_sparse.testing import simulate
 
-from oracles import PS, ctx_of, int_grads, mean_density_ratio, real, run_world
+from oracles import PS, ctx_of, distinct_grads, int_grads, mean_density_ratio, real, run_world
 
 
 # the warning "num_blk < 4·P" (ExDyna raises the block count) is expected with the small num_blk used here
@@ -299,6 +300,22 @@ def test_exdyna_single_rank_issues_no_collective_and_keeps_semantics():
         assert st["k_prev"] == len(st["_idx"]) and st["ks_prev"] == [len(st["_idx"])]
     res = simulate(SparseCompression(ExDyna(0.02), ExDynaReducer()), g)
     assert all(v[0]["collectives"] == 0 and v[0]["recv_words"] == 0 for v in res.volume)
+
+
+def test_the_exchange_sums_overlapping_selections_at_their_union():
+    """ExDyna's partitions never overlap, so the host returns the sum on its support in partition order; under a
+    sparsifier whose selections do overlap (an exact top-k on every rank) that order does not ascend, and the sum
+    is still exact at the union, every rank's residual cleared there."""
+    P, n, k = 3, 300, 15
+    g = distinct_grads(1, P, n, seed=5)
+    res = simulate(SparseCompression(TopK(k / n), ExDynaReducer()), g)
+    union = sorted(set().union(*(np.argsort(-np.abs(g[0, r]), kind="stable")[:k] for r in range(P))))
+    want = np.zeros(n, np.float32)
+    want[union] = g[0].sum(axis=0)[union] * np.float32(1 / P)     # the engine scales by 1/P
+    assert len(union) > k                          # the selections differ: some overlap, some do not
+    for r in range(P):
+        np.testing.assert_array_equal(res.updates[0][r], want)
+        assert not res.residuals[0][r][union].any()
 
 
 @pytest.mark.parametrize("P", PS)

@@ -70,17 +70,46 @@ def test_select_capped_climbs_the_ladder_until_the_selection_fits(rule, cap):
     np.testing.assert_array_equal(idx, np.concatenate([want, np.full(cap - want.size, 10**6)]))
     counted = same(on_every_path(lambda xp, a: (xp.ladder_counts(a, xp.ladder(0.25, factors, a), rule),), x))[0]
     assert counted.tolist() == counts
+    first = same(on_every_path(
+        lambda xp, a: xp.select_capped(a, xp.ladder(0.25, factors, a), rule, cap, 10**6, counts=3), x))
+    assert int(first[2]) == j and first[3].tolist() == counts[:3]
 
 
-def test_intersect_padded_keeps_the_common_entries_in_place():
-    a = np.array([1, 4, 5, 9, 20, 20], np.int64)
-    b = np.array([0, 4, 9, 11, 20], np.int64)
-    for xp, conv in ((NP, np.asarray), (TORCH, torch.from_numpy)):
-        got = xp.intersect_padded(conv(a), conv(b), 20)
-        assert np.asarray(got).tolist() == [20, 4, 20, 9, 20, 20]
-    with as_if_on_a_device():
-        got = TORCH.intersect_padded(torch.from_numpy(a), torch.from_numpy(b), 20)
-    assert got.tolist() == [20, 4, 20, 9, 20, 20]
+@pytest.mark.parametrize("guard", [None, (300, 200, 20), (5000, 10, 3)])
+@pytest.mark.parametrize("th", [0.01, 0.5, 2.0])
+def test_the_kernels_climb_the_full_ladder_to_the_hosts_rung_in_few_passes(th, guard):
+    """The C kernels search the monotone rung counts instead of counting every rung: the same rung and selection
+    as the host rule (FixedOps, which counts them all), in a few passes: at most 12 counts per search of 60 rungs
+    (a gallop and a halving), a search for the guard and one for the capacity, and the selecting pass (two when
+    the last rung passes far more than fit: its workspace grows)."""
+    from hvd_sparse.core import native
+    from hvd_sparse.core.sparsifiers.base import CLIMB
+    from hvd_sparse.core.xp.fixed import FixedOps
+    if not native.available():
+        pytest.skip("the C kernels are not built")
+    x = data(4, n=20000)
+    args = (NP.ladder(th, CLIMB, x), "ge", 150, 10**6)
+    before = native.calls()
+    got = NP.select_capped(x, *args, guard=guard)
+    passes = native.calls() - before
+    want = FixedOps.select_capped(NP, x, *args, guard=guard)
+    np.testing.assert_array_equal(NP.to_numpy(got[0]), NP.to_numpy(want[0]))
+    assert got[1:] == want[1:]
+    assert passes <= (2 * 12 if guard else 12) + 2
+
+
+@pytest.mark.parametrize("order", ["ascending", "rows", "shuffled"])
+def test_members_keeps_the_common_entries_in_place(order):
+    """Ok-Topk's included set: the selection (ascending, padded) where the gathered sums hold it. The gathered
+    indexes arrive ascending (the merge kernel's one pass), as rows padded each (a device's), or in any order."""
+    a = np.array([1, 4, 5, 9, 12, 20, 20], np.int64)
+    b = {"ascending": [0, 4, 9, 11, 12, 20, 20], "rows": [[0, 4, 20], [9, 11, 12]],
+         "shuffled": [12, 20, 4, 0, 9, 11]}[order]
+    want = [20, 4, 20, 9, 12, 20, 20]
+    for wide in (True, False):
+        got = same(on_every_path(lambda xp, x: (xp.members(
+            x, xp.asarray(np.array(b), xp.index_dtype if wide else xp.int32, like=x), 20),), a))
+        assert got[0].tolist() == want
 
 
 @pytest.mark.parametrize("P", [1, 2, 5])
@@ -125,6 +154,6 @@ def test_the_device_paths_make_no_host_read():
         th = torch.tensor(0.25, dtype=torch.float64)
         TORCH.select_capped(x, TORCH.ladder(th, (1.0, 2.0), x), "ge_nonzero", 100, x.numel())
         TORCH.ladder_counts(x, TORCH.ladder(th, (1.0, 2.0), x), "gt")
-        TORCH.intersect_padded(torch.arange(5), torch.arange(3), 5)
+        TORCH.members(torch.arange(5), torch.arange(3), 5)
         TORCH.region_sums(torch.arange(6), torch.ones(6), [(3, True), (3, True)], 0, 6, 6)
     assert reads.reads == 0, reads.where

@@ -277,8 +277,8 @@ class Engine:
                           tuple(self.layout) if self.layout is not None else (n,), self.comm,
                           bool(sparsifier is not None and sparsifier.exact_k))
         # A sparse result that goes into the very gradient buffers lets the accumulating pass zero them, too.
-        zeroed = bool(reducer.sparse_result and out is not None and inputs is pieces
-                      and all(o is p for o, p in zip(out, pieces)))
+        sparse = reducer.sparse_result is True or (reducer.sparse_result == "host" and not xp.on_device(pieces[0]))
+        zeroed = bool(sparse and out is not None and inputs is pieces and all(o is p for o, p in zip(out, pieces)))
         return Plan(xp, pieces, n, inputs, reducer, warm, momentum, ctx, zeroed, local_error,
                      sparsifier.k_for(n) if reducer.sparse else n)
 

@@ -3,8 +3,8 @@
 Files: ``kernels.c`` (the kernels), ``build.py`` (compile, cache, load, thread count), ``kernels.py`` (the
 Python wrappers on numpy arrays and the views of numpy and CPU torch buffers), this file (the process's loaded
 kernel). The algorithms do not call this package: the numpy and torch array backends do
-(:mod:`hvd_sparse.core.xp.kernels`), behind the backend methods ``scan``, ``accumulate_``, ``merge_add`` and
-``intersect``, and fall back to their generic path when the kernel is not built; so does the exact top-k of
+(:mod:`hvd_sparse.core.xp.kernels`), behind the backend methods ``scan``, ``accumulate_``, ``merge_add``,
+``intersect`` and ``members``, and fall back to their generic path when the kernel is not built; so does the exact top-k of
 :mod:`hvd_sparse.core.selection` (two passes of ``select``).
 
 What the selection computes: in ONE read pass over a contiguous float32 buffer ``x``, the ascending
@@ -69,6 +69,7 @@ API (``kernels.py``; numpy in, numpy out; :func:`f32_view` / :func:`wrap` conver
     bad, idx, vals = add_select(r, g, out, t, "ge_nonzero", base=0, expect=k)   # ... and select from out
     idx, sums = merge_add(idx64, vals, counts)   # P ascending runs -> distinct indexes, rank-order sums (or None)
     both = intersect(a64, b64)               # sorted intersection of two ascending int64 arrays (or None)
+    kept = members(a64, b64, fill)           # a64 with what b64 lacks replaced by fill, in place (or None)
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ from .build import (ABI, FLAG_SETS, MIN_PER_THREAD, SOURCE, build, cache_dir, co
                     default_threads, enabled, load, threads_for)
 
 __all__ = ["ABI", "FLAG_SETS", "MIN_PER_THREAD", "SOURCE", "RULES", "available", "build", "cache_dir", "calls",
-           "count", "default_threads", "enabled", "f32_view", "i64_view", "info", "intersect", "load", "merge_add",
+           "count", "default_threads", "enabled", "f32_view", "i64_view", "info", "intersect", "load", "members", "merge_add",
            "select", "add", "add_select", "threads_for", "wrap", "bounds"]
 
 _lock = threading.Lock()
@@ -143,5 +144,5 @@ def calls():
 
 
 # the wrappers read ``_library`` and ``_calls`` above
-from .kernels import (RULES, add, add_select, bounds, count, f32_view, i64_view, intersect, merge_add,  # noqa: E402
+from .kernels import (RULES, add, add_select, bounds, count, f32_view, i64_view, intersect, members, merge_add,  # noqa: E402
                       select, wrap)

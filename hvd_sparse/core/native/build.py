@@ -19,7 +19,7 @@ from pathlib import Path
 #: elements per kernel thread at least (smaller chunks do not pay for a thread start)
 MIN_PER_THREAD = 1 << 20
 #: kernel ABI expected from kernels.c
-ABI = 3
+ABI = 4
 #: compiler flag sets tried in order
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))
 COMMON_FLAGS = ("-shared", "-fPIC", "-pthread")
@@ -116,6 +116,9 @@ def load(path):
     f = lib.hvds_intersect_i64
     f.restype = ctypes.c_int64
     f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    f = lib.hvds_members_i64
+    f.restype = ctypes.c_int64
+    f.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
     f = lib.hvds_add_select_f32
     f.restype = ctypes.c_int64
     f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,

@@ -50,7 +50,7 @@ typedef __m128i vec_t;
 #define HVDS_SIMD "scalar"
 #endif
 
-#define HVDS_ABI 3
+#define HVDS_ABI 4
 #define HVDS_MAX_THREADS 256
 
 int hvds_abi_version(void) { return HVDS_ABI; }
@@ -424,6 +424,24 @@ int64_t hvds_intersect_i64(const int64_t *a, int64_t na, const int64_t *b, int64
         if (a[i] < b[j]) i++;
         else if (b[j] < a[i]) j++;
         else { out[m++] = a[i]; i++; j++; }
+    }
+    return m;
+}
+
+/* a[0..na) with every entry that does not occur in b[0..nb) replaced by fill, into out (room for na); a and b
+ * ascending (not strictly: repeats, such as trailing fill padding, are allowed); fill never matches. Returns how
+ * many entries of a were kept, or -1 when an input is not ascending. */
+int64_t hvds_members_i64(const int64_t *a, int64_t na, const int64_t *b, int64_t nb, int64_t fill, int64_t *out)
+{
+    if (na < 0 || nb < 0) return -1;
+    for (int64_t i = 1; i < na; i++) if (a[i] < a[i - 1]) return -1;
+    for (int64_t i = 1; i < nb; i++) if (b[i] < b[i - 1]) return -1;
+    int64_t j = 0, m = 0;
+    for (int64_t i = 0; i < na; i++) {
+        while (j < nb && b[j] < a[i]) j++;
+        int hit = j < nb && b[j] == a[i] && a[i] != fill;
+        out[i] = hit ? a[i] : fill;
+        m += hit;
     }
     return m;
 }

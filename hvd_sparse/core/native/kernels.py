@@ -297,6 +297,19 @@ def intersect(a, b):
     return None if m < 0 else out[:m]
 
 
+def members(a, b, fill):
+    """``a`` with every entry that does not occur in ``b`` replaced by ``fill`` (int64, the length of ``a``), in one
+    merge pass; both ascending (repeats allowed, e.g. trailing ``fill`` padding; ``fill`` never matches); None
+    when an input is not ascending."""
+    _check_i64(a)
+    _check_i64(b)
+    lib = _library()
+    out = np.empty(a.size, np.int64)
+    _calls[0] += 1
+    m = lib.hvds_members_i64(a.ctypes.data, a.size, b.ctypes.data, b.size, int(fill), out.ctypes.data)
+    return None if m < 0 else out
+
+
 def _check_i64(x):
     if not (isinstance(x, np.ndarray) and x.dtype == np.int64 and x.ndim == 1 and x.flags.c_contiguous):
         raise TypeError("hvd_sparse.core.native: expected a 1-D contiguous numpy int64 array (see i64_view), "

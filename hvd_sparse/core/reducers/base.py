@@ -5,9 +5,9 @@
 * ``acc``: this rank's float32 accumulator (length n); ``idx``: the sparsifier's sorted int64 selection (for a
   reducer that ``opens`` the step: in the selection's fixed capacity, padded with the index n);
 * ``u``: float32 length-n *sum* over ranks of the contributions that survive (the engine divides by P),
-  bit-identical on every rank (invariant 1) -- or, for reducers whose result is sparse by construction
-  (Ok-Topk), a :class:`SparseSum` (its support and values), which spares the engine a dense n-sized buffer:
-  the adapters then zero the gradients and scatter the K values into them;
+  bit-identical on every rank (invariant 1) -- or a :class:`SparseSum` (its support and values), which spares
+  the engine a dense n-sized buffer: the adapters then zero the gradients and scatter the K values into them
+  (Ok-Topk always; TopkA and ExDyna on the host, where the support costs no read of a device);
 * ``included``: the indices of ``acc`` that reached ``u`` (error feedback zeroes exactly these,
   docs/algorithms.md#error-feedback), or :data:`ALL` when every entry did (dense);
 * ``info``: a dict of what the step learned (e.g. ``"counts"``: every rank's selection size, ``"K"``:
@@ -118,6 +118,16 @@ def sum_sparse_in_rank_order(xp, idx, vals, counts, like):
     return xp.merge_add(idx, vals, counts, like=like)
 
 
+def real_runs(xp, idx_rows, val_rows, counts, order=None):
+    """The real pairs of padded (P, c) rows (each row's first ``counts[r]``), concatenated in ``order`` (default:
+    rank order): ``(int64 indexes, float32 values)``, on the host (where the counts are)."""
+    order = range(len(counts)) if order is None else order
+    idx = [idx_rows[r, :counts[r]] for r in order]
+    vals = [val_rows[r, :counts[r]] for r in order]
+    return (xp.astype(xp.concat(idx, like=idx_rows), xp.index_dtype) if idx else idx_rows[0, :0],
+            xp.concat(vals, like=val_rows) if vals else val_rows[0, :0])
+
+
 @options
 class Reducer(Options):
     """Base class. Subclasses (decorated with :func:`~hvd_sparse.core.validate.options`, their options as fields,
@@ -126,8 +136,9 @@ class Reducer(Options):
     name = "base"
     #: False for reducers that ignore the selection and keep no residual (dense).
     sparse = True
-    #: True for reducers that always return a :class:`SparseSum` (Ok-Topk): the engine may then zero the
-    #: output buffers while it reads the gradient, and only scatter the result into them.
+    #: True for reducers that always return a :class:`SparseSum` (Ok-Topk), ``"host"`` for those that return one
+    #: where the accumulator is on the host (TopkA, ExDyna): the engine may then zero the output buffers while it
+    #: reads the gradient, and only scatter the result into them.
     sparse_result = False
     #: False for reducers that choose their own entries from ``acc`` and use only the budget k (SparDL):
     #: the engine then skips the sparsifier's selection and passes ``idx=None``.

@@ -11,7 +11,7 @@ device before the message goes out. The operations here all return padded arrays
   thresholds, one read pass;
 * :meth:`FixedOps.select_capped` -- a thresholding rule's selection capped at a capacity: when more entries pass
   than fit, the threshold climbs a ladder until they fit (the largest magnitudes stay);
-* :meth:`FixedOps.intersect_padded` -- the entries of one padded index set that occur in another;
+* :meth:`FixedOps.members` -- the entries of one padded index set that occur in another, in place;
 * :meth:`FixedOps.region_sums` -- the rank-order sums of P sources' (index, value) runs in a region.
 
 The methods of this class are the *host* implementations (numpy arithmetic on the arrays' host copies; the numpy
@@ -258,15 +258,10 @@ class FixedOps:
         return self.asarray(out_i, self.index_dtype, like=idx), self.asarray(out_v, self.float32, like=vals)
 
     def members(self, a, b, fill):
-        """``a`` (ascending indexes padded with ``fill``) with the entries that are not in ``b`` (indexes, in any
-        shape, with ``fill`` for padding: :meth:`keep`'s) replaced by ``fill``."""
-        bn = self._np(b).ravel()
-        return self.intersect_padded(a, self.asarray(np.sort(bn), self.index_dtype, like=a), fill)
-
-    def intersect_padded(self, a, b, fill):
-        """``a`` (ascending indexes, ``fill`` in its unused slots) with every entry that does not occur in ``b``
-        (ascending, ``fill``-padded alike) replaced by ``fill``: the same length as ``a``."""
-        an, bn = self._np(a), self._np(b)
+        """``a`` (ascending indexes, ``fill`` in its unused slots) with the entries that are not in ``b`` (indexes,
+        in any order and shape, with ``fill`` for padding: :meth:`keep`'s) replaced by ``fill``: the same length
+        as ``a``."""
+        an, bn = self._np(a), np.sort(self._np(b).ravel())
         if bn.size == 0:
             hit = np.zeros(an.size, bool)
         else:

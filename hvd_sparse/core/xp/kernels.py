@@ -21,6 +21,21 @@ TOPK_KERNEL_MIN = 1 << 16
 TOPK_SAMPLE = 1 << 18
 
 
+def first_within(count, limit, lo, hi):
+    """The first rung j in [lo, hi] with ``count(j) <= limit``, else hi, for counts that do not rise with j:
+    galloping from lo (lo, lo+1, lo+3, lo+7, ...), then halving the last step; few calls of ``count``."""
+    if count(lo) <= limit or lo >= hi:
+        return lo
+    step, below = 1, lo                                 # count(below) > limit
+    while below + step < hi and count(below + step) > limit:
+        below, step = below + step, step * 2
+    above = min(below + step, hi)                       # count(above) <= limit, or above == hi
+    while above - below > 1:
+        mid = (below + above) // 2
+        below, above = (mid, above) if count(mid) > limit else (below, mid)
+    return above
+
+
 class KernelScan:
     """A :class:`~hvd_sparse.core.xp.generic.Scan` by the fused kernel: one read pass per call over the float32
     buffer, |x| compared on the fly (no copy, no mask)."""
@@ -101,30 +116,33 @@ class KernelOps(GenericOps):
         return self.from_numpy(cand[keep]), float(th)
 
     def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True):
-        """:meth:`FixedOps.select_capped` by the fused kernel for a float32 CPU buffer: rungs counted in one read pass
-        each until one fits, then one selecting pass (else the host implementation)."""
+        """:meth:`FixedOps.select_capped` by the fused kernel for a float32 CPU buffer: a rung's count is one read
+        pass; the climb to the first rung that fits gallops (1, 2, 4, ... rungs, then halves), since the counts fall
+        as the threshold rises; then one selecting pass (else the host implementation). ``counts``: those rungs
+        are counted first, one pass each."""
         view = native.f32_view(self, x)
-        if view is None or counts:
+        if view is None:
             return super().select_capped(x, ths, rule, cap, fill, base=base, guard=guard, counts=counts, tally=tally)
         ths = [float(t) for t in self._np(ths)]
-        j, count = 0, native.count(view, ths[0], rule)
-        last = 0                                            # the last rung that passes any (ties: not to none)
+        seen = {j: native.count(view, ths[j], rule) for j in range(min(counts, len(ths)))}
 
-        def climb(j):
-            count = native.count(view, ths[j + 1], rule)
-            return j + 1, count, (j + 1 if count else last)
+        def count(j):
+            if j not in seen:
+                seen[j] = native.count(view, ths[j], rule)
+            return seen[j]
 
-        if guard is not None and count > guard[0]:          # the guard's climb: at least one rung, to its limit
-            j, count, last = climb(j)
-            while j < guard[2] and count > guard[1]:
-                j, count, last = climb(j)
-        while j < len(ths) - 1 and count > cap:             # then the capacity's
-            j, count, last = climb(j)
-        j = min(j, last)
+        j = 0
+        if guard is not None and count(0) > guard[0]:       # the guard's climb: at least one rung, to its limit
+            j = first_within(count, guard[1], 1, guard[2])
+        j = first_within(count, cap, j, len(ths) - 1)        # then the capacity's
+        if j and count(j) == 0:                             # ties: not to a rung that passes none
+            j -= 1
         idx = native.select(view, ths[j], rule, base=base, expect=cap)[0][:cap]
         out = np.full(cap, fill, np.int64)
         out[:idx.size] = idx
-        return self.from_numpy(out), int(idx.size), j
+        found = self.from_numpy(out), int(idx.size), j
+        return (found + (self.asarray([seen[i] for i in range(min(counts, len(ths)))], self.index_dtype, like=x),)
+                if counts else found)
 
     def accumulate_(self, r, pieces, out, *, zero_g=False, select=None):
         """``out[:] = r + concat(pieces)`` (``r`` None: ``out[:] = concat(pieces)``), cast to float32 (``out``), in
@@ -191,6 +209,18 @@ class KernelOps(GenericOps):
             if merged is not None:
                 return self.from_numpy(merged[0]), self.from_numpy(merged[1])
         return GenericOps.merge_add(self, idx, vals, counts, like)
+
+    def members(self, a, b, fill):
+        """:meth:`FixedOps.members` by the merge kernel when ``a`` and ``b`` are on the host and ``b`` is ascending
+        (Ok-Topk's gathered sums are: owners in rank order, each ascending, the padding last): one pass, no sort;
+        else the host's sort and search."""
+        av = native.i64_view(self, a)
+        bn = self.host(b) if av is not None else None
+        if bn is not None:
+            kept = native.members(av, np.ascontiguousarray(np.ravel(bn), np.int64), fill)
+            if kept is not None:
+                return self.from_numpy(kept)
+        return super().members(a, b, fill)
 
     def _intersect(self, a, b):
         """The merge kernel on int64 buffers; else one stable sort of the two runs on the host (O(|a| + |b|));

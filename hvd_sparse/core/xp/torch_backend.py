@@ -442,15 +442,6 @@ class TorchBackend(KernelOps, _Indexing):
             return super().members(a, b, fill)
         return a.masked_fill(self.torch.isin(a, b, invert=True), fill)
 
-    def intersect_padded(self, a, b, fill):
-        if self.host(a) is not None:
-            return super().intersect_padded(a, b, fill)
-        if self.numel(b) == 0:
-            return self.torch.full_like(a, fill)
-        b = b.to(a.dtype)
-        hit = b.index_select(0, self.torch.searchsorted(b, a).clamp_(max=self.numel(b) - 1)) == a
-        return self.torch.where(hit & (a != fill), a, fill)
-
     def region_sums(self, idx, vals, pieces, lo, hi, fill):
         """On a device, a dense buffer of the region: the sources added into it in rank order (one ``index_add_``
         each: unique indexes, so the order is fixed)."""
