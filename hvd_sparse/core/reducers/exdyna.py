@@ -25,9 +25,9 @@ same all-reduced value), only bandwidth is wasted.
 
 from __future__ import annotations
 
-from ..comm import SUM
 import numpy as np
 
+from ..comm import SUM
 from .base import Reducer, SparseSum, real_runs, wire_index_dtype
 
 
@@ -49,7 +49,9 @@ class ExDynaReducer(Reducer):
         K = sum(ks)
         if K == 0:
             return xp.zeros(n, xp.float32, like=acc), idx, {"counts": ks, "K": 0}
-        S = xp.astype(xp.reshape(rows, (-1,)), xp.index_dtype)        # P·c: rank order, the padding n
+        S = rows                                                      # (P, c): rank order, the padding n
+        if not xp.on_device(acc):                                     # flat int64: the host's quick gathers
+            S = xp.astype(xp.reshape(rows, (-1,)), xp.index_dtype)
         # 5.7 step 2: every rank's own values at the whole union (the padding: 0)
         vals = xp.take(ctx.padded, S)
         if comm.size > 1:

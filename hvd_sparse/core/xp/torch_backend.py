@@ -228,7 +228,9 @@ class TorchBackend(KernelOps, _Indexing):
     # --- fixed-size selections on a device (core/xp/fixed.py): no output size depends on the data, so the host
     # never waits for the device; CPU tensors take the host implementations (the C kernels), with the same bits
     def on_device(self, x):
-        return self.host(x) is None
+        """Whether ``x`` has no host view (asked of an empty float32 tensor where ``x`` lives: numpy has no
+        bfloat16)."""
+        return self.host(x if x.dtype != self.torch.bfloat16 else x.new_empty(0, dtype=self.torch.float32)) is None
 
     def item(self, x):
         return x.item() if isinstance(x, self.torch.Tensor) else super().item(x)
