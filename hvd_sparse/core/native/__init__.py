@@ -4,8 +4,8 @@ Files: ``kernels.c`` (the kernels), ``build.py`` (compile, cache, load, thread c
 Python wrappers on numpy arrays and the views of numpy and CPU torch buffers), this file (the process's loaded
 kernel). The algorithms do not call this package: the numpy and torch array backends do
 (:mod:`hvd_sparse.core.xp.kernels`), behind the backend methods ``scan``, ``accumulate_``, ``merge_add``,
-``intersect`` and ``members``, and fall back to their generic path when the kernel is not built; so does the exact top-k of
-:mod:`hvd_sparse.core.selection` (two passes of ``select``).
+``intersect`` and ``members``, and fall back to their generic path when the kernel is not built; so does the
+exact top-k of :mod:`hvd_sparse.core.selection` (two passes of ``select``).
 
 What the selection computes: in ONE read pass over a contiguous float32 buffer ``x``, the ascending
 int64 indices ``i`` with ``|x[i]| <rule> t`` -- and, on request, the values ``x[i]`` (fused gather) --
@@ -82,8 +82,8 @@ from .build import (ABI, FLAG_SETS, MIN_PER_THREAD, SOURCE, build, cache_dir, co
                     default_threads, enabled, load, threads_for)
 
 __all__ = ["ABI", "FLAG_SETS", "MIN_PER_THREAD", "SOURCE", "RULES", "available", "build", "cache_dir", "calls",
-           "count", "default_threads", "enabled", "f32_view", "i64_view", "info", "intersect", "load", "members", "merge_add",
-           "select", "add", "add_select", "threads_for", "wrap", "bounds"]
+           "count", "default_threads", "enabled", "f32_view", "i64_view", "info", "intersect", "load", "members",
+           "merge_add", "select", "add", "add_select", "threads_for", "wrap", "bounds"]
 
 _lock = threading.Lock()
 #: the process's kernel: loaded once (``tried``), or the reason it is not
@@ -144,5 +144,5 @@ def calls():
 
 
 # the wrappers read ``_library`` and ``_calls`` above
-from .kernels import (RULES, add, add_select, bounds, count, f32_view, i64_view, intersect, members, merge_add,  # noqa: E402
-                      select, wrap)
+from .kernels import (RULES, add, add_select, bounds, count, f32_view, i64_view, intersect,  # noqa: E402
+                      members, merge_add, select, wrap)
