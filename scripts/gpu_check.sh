@@ -11,6 +11,11 @@
 #                               cffi). `--fetch` downloads them for $GPU_PYTHON (default 3.12), manylinux x86-64.
 #   horovod-gloo/*.whl, horovod-nccl/*.whl   optional: the wheels an earlier run left in OUTDIR/wheels; given, they
 #                               are installed instead of building again (the build is most of the time).
+# Optional:
+#   HVD_SPARSE_BASELINE=DIR     a tree of an earlier commit (at least its hvd_sparse/): bench trainstep and bench
+#                               engine then run alternately on it and on this tree, in pairs, so that before and
+#                               after come from one run on one card (reports *_base_N.json beside *_N.json)
+#   HVD_SPARSE_GPU_CHECK_NCCL=0 skip the NCCL build and its steps (the Gloo build then gets every core)
 # python3 must be the GPU machine's Python with torch (CUDA), numpy, scipy, pytest, hypothesis, scikit-learn and
 # matplotlib; nothing is installed into it: Horovod and the wheels go to folders under /tmp, on PYTHONPATH.
 #
@@ -22,8 +27,9 @@
 #                   float32/bf16/fp16/mixed models through horovodrun -np 2 on the one GPU
 #   4. nccl         the NCCL build: horovodrun --check-build, the CUDA smoke job at -np 1 and at -np 2 (with one GPU
 #                   the two ranks share it, which NCCL refuses: recorded, not counted as a failure)
-#   5. benchmarks   bench select --device cuda (25M, 100M), bench engine --device cuda (25M), bench trainstep
-#                   (25M MLP, 2 ranks on the GPU, Gloo build), bench latency (one small collective, 2 and 4 ranks)
+#   5. benchmarks   bench trainstep (25M MLP, 2 ranks on the GPU, Gloo build; twice, then once with
+#                   HOROVOD_CYCLE_TIME=0.1 ms), bench engine --device cuda (25M, twice), bench latency (one small
+#                   collective, 2 and 4 ranks), bench select --device cuda (25M, 100M)
 # OUTDIR then holds summary.txt (one line per step: exit code, seconds), logs/, reports/ (JSON, Markdown, PNG) and
 # wheels/ (the Horovod wheels built, for the next run). After every step, an archive of summary.txt, logs/ and
 # reports/ is written to $HVD_SPARSE_GPU_CHECK_ARCHIVE (default OUTDIR.tar.gz), so a run cut short keeps its logs.
@@ -31,6 +37,8 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OFFLINE=${HVD_SPARSE_OFFLINE:-$ROOT/.offline}
 PY=${PYTHON:-python3}
+BASE=${HVD_SPARSE_BASELINE:-}
+NCCL=${HVD_SPARSE_GPU_CHECK_NCCL:-1}
 
 if [[ "${1:-}" == "--fetch" ]]; then
     dest=${2:-$OFFLINE}
@@ -86,27 +94,45 @@ build() {        # build gloo|nccl: the wheel in OUTDIR/wheels/<kind>, reused fr
     fi
     # -s: no debug information in the libraries (the wheel is then small enough to carry back)
     HVD_SPARSE_FRAMEWORKS=torch HVD_SPARSE_GPU=$([[ $kind == gloo ]] && echo none || echo nccl) \
-        MAKEFLAGS=-j$(( CORES / 2 > 1 ? CORES / 2 : 1 )) LDFLAGS="-s" \
+        MAKEFLAGS=-j$(( NCCL == 0 ? CORES : CORES / 2 > 1 ? CORES / 2 : 1 )) LDFLAGS="-s" \
         bash "$ROOT/scripts/build_horovod.sh" "$OFFLINE/horovod-0.28.1.tar.gz" "$OUT/wheels/$kind" "$PY"
 }
-step build_gloo build gloo & gloo_pid=$!
-step build_nccl build nccl & nccl_pid=$!
-wait $gloo_pid || failed=1
-wait $nccl_pid || failed=1
+if [[ $NCCL == 0 ]]; then
+    step build_gloo build gloo || failed=1
+else
+    step build_gloo build gloo & gloo_pid=$!
+    step build_nccl build nccl & nccl_pid=$!
+    wait $gloo_pid || failed=1
+    wait $nccl_pid || failed=1
+fi
 
 use() {          # use gloo|nccl: that build's Horovod first on PYTHONPATH and PATH
     local dir=/tmp/hvd_sparse_horovod_$1
     if [[ ! -d $dir ]]; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$dir" "$OUT/wheels/$1"/horovod-*.whl || return 1
     fi
-    export PYTHONPATH=$dir:$ROOT:$SITE PATH=$dir/bin:$PATH
+    export PYTHONPATH=$dir:$ROOT:$SITE PATH=$dir/bin:$PATH HVD_DIR=$dir
+}
+
+pairs() {        # pairs SECONDS REPORT BENCH ARGS...: the benchmark on this tree, then on the baseline if given, twice
+    local limit=$1 report=$2 i
+    shift 2
+    for i in 1 2; do
+        timeout "$limit" "$PY" -m hvd_sparse.bench "$@" --json "$OUT/reports/${report}_$i.json" || return
+        [[ -z $BASE ]] && return
+        # from the baseline's folder: `python -m` puts the working directory first on sys.path
+        (cd "$BASE" && PYTHONPATH=$HVD_DIR:$BASE:$SITE timeout "$limit" "$PY" -m hvd_sparse.bench "$@" \
+            --json "$OUT/reports/${report}_base_$i.json") || return
+    done
 }
 
 if use gloo; then
-    step tests timeout 400 "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs "$ROOT/tests/test_cuda.py" \
+    step tests timeout 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs "$ROOT/tests/test_cuda.py" \
         "$ROOT/tests/test_dtypes_horovod.py" "$ROOT/tests/test_bench_steps.py"
-    step bench_trainstep timeout 300 "$PY" -m hvd_sparse.bench trainstep --workers 2 --device cuda \
-        --json "$OUT/reports/trainstep.json" --plot "$OUT/reports/trainstep.png"
+    step bench_trainstep pairs 150 trainstep trainstep --workers 2 --device cuda
+    step bench_trainstep_cycle timeout 150 env HOROVOD_CYCLE_TIME=0.1 "$PY" -m hvd_sparse.bench trainstep \
+        --workers 2 --device cuda --json "$OUT/reports/trainstep_cycle0.1.json"
+    step bench_engine pairs 150 engine engine --device cuda --numel 25000000
     step bench_latency timeout 150 "$PY" -m hvd_sparse.bench latency --workers 2,4 --cycle-times default,0.1 \
         --json "$OUT/reports/latency.json"
 fi
@@ -114,10 +140,8 @@ step bench_select_25M "$PY" -m hvd_sparse.bench select --device cuda --numel 250
     --json "$OUT/reports/select_25M.json" --plot "$OUT/reports/select_25M.png"
 step bench_select_100M "$PY" -m hvd_sparse.bench select --device cuda --numel 100000000 --repeat 10 \
     --json "$OUT/reports/select_100M.json"
-step bench_engine "$PY" -m hvd_sparse.bench engine --device cuda --numel 25000000 \
-    --json "$OUT/reports/engine.json" --plot "$OUT/reports/engine.png"
 
-if use nccl; then
+if [[ $NCCL != 0 ]] && use nccl; then
     step nccl_check_build horovodrun --check-build
     step nccl_np1 timeout 120 horovodrun -np 1 -H localhost:1 --gloo "$PY" "$ROOT/tests/hvd_workers/gpu_smoke_worker.py"
     # two ranks: on two GPUs a check like the others; on one GPU NCCL refuses (recorded, not counted as a failure)

@@ -53,16 +53,18 @@ def test_engine_and_select_cli_on_a_gpu_count_kernels_and_syncs(tmp_path):
 def test_trainstep_and_latency_cli_through_horovodrun(tmp_path):
     out, png = tmp_path / "t.json", tmp_path / "t.png"
     assert main(["trainstep", "--workers", "2", "--device", "cpu", "--layers", "16,32,4", "--batch-size", "8",
-                 "--steps", "3", "--warmup", "1", "--algorithms", "compute,wire,dense,topka,oktopk", "--json", str(out),
-                 "--plot", str(png), "--quiet"]) == 0
+                 "--steps", "3", "--warmup", "1", "--algorithms", "compute,wire,wire_pinned,dense,topka,oktopk",
+                 "--json", str(out), "--plot", str(png), "--quiet"]) == 0
     assert_png(png)
     report = json.loads(out.read_text())
     rows = {r["algorithm"]: r for r in report["results"]}
-    assert list(rows) == ["compute", "wire", "dense", "topka", "oktopk"] and report["numel"] == 16 * 32 + 32 + 32 * 4 + 4
+    assert list(rows) == ["compute", "wire", "wire_pinned", "dense", "topka", "oktopk"]
+    assert report["numel"] == 16 * 32 + 32 + 32 * 4 + 4
     assert rows["compute"]["over_compute_ms"] == 0 and len(rows["topka"]["step_ms_all"]) == 3
     assert rows["dense"]["recv_bytes"] == 2 * report["numel"] // 2 * 4          # the ring's 2n(P-1)/P words
     assert 0 < rows["topka"]["recv_bytes"] < rows["dense"]["recv_bytes"]
-    assert rows["wire"]["recv_bytes"] == rows["topka"]["recv_bytes"] == 8 * max(1, int(0.01 * report["numel"]))
+    assert rows["wire"]["recv_bytes"] == rows["wire_pinned"]["recv_bytes"] == rows["topka"]["recv_bytes"] \
+        == 8 * max(1, int(0.01 * report["numel"]))
     assert rows["wire"]["over_wire"] == 1.0
     lat = tmp_path / "l.json"
     assert main(["latency", "--workers", "2", "--cycle-times", "0.1", "--repeat", "5", "--warmup", "1",

@@ -9,7 +9,8 @@ For each configuration in turn, on the same model and data: a fresh MLP (``--lay
 
 Configurations: ``compute`` (the torch optimizer alone: the floor), ``wire`` (the wire floor: compute plus one
 ``hvd.allgather`` per step of what TopkA sends, k indices and the bits of k gradient values in one int32 tensor of
-the same shape every step, no selection, no other collective, no host read), ``dense`` (Horovod's own optimizer,
+the same shape every step, no selection, no other collective, no host read), ``wire_pinned`` (the same, staged
+through pinned host buffers by the caller: :class:`WireFloor`), ``dense`` (Horovod's own optimizer,
 ``Compression.none``) and the presets of :mod:`hvd_sparse.bench.presets` through ``hvd_sparse.torch``. Rank 0
 gathers every rank's step times (and, for presets, bytes received per step) and writes ``--out`` (JSON).
 """
@@ -47,15 +48,24 @@ def mlp(widths, seed, device):
 
 class WireFloor:
     """The ``wire`` configuration: before the torch optimizer's step, one allgather of TopkA's payload (k indices, then
-    the bits of the first k gradient values, int32), its shape the same every step."""
+    the bits of the first k gradient values, int32), its shape the same every step, its result on the device.
 
-    def __init__(self, opt, model, density):
+    ``pinned``: the ``wire_pinned`` configuration, the same payload staged by the caller through reused pinned host
+    buffers (the allgather then runs on CPU tensors, and the result goes back by an asynchronous copy). Without it,
+    Horovod's build without GPU operations stages a CUDA tensor itself: an asynchronous copy to the host, the
+    collective, then the result copied to the device from pageable memory."""
+
+    def __init__(self, opt, model, density, pinned=False):
         import torch
 
         self.opt, self.params = opt, list(model.parameters())
         n = sum(p.numel() for p in self.params)
         self.k = max(1, int(density * n))
-        self.index = torch.arange(self.k, dtype=torch.int32, device=self.params[0].device)
+        self.device = self.params[0].device
+        self.index = torch.arange(self.k, dtype=torch.int32, device=self.device)
+        self.pinned = pinned and self.device.type == "cuda"
+        self.send = torch.empty(2 * self.k, dtype=torch.int32, pin_memory=True) if self.pinned else None
+        self.recv = None
 
     def zero_grad(self):
         self.opt.zero_grad()
@@ -66,7 +76,15 @@ class WireFloor:
 
         flat = torch.cat([p.grad.reshape(-1) for p in self.params])
         payload = torch.cat([self.index, flat[:self.k].view(torch.int32)])
-        hvd.allgather(payload, name="hvd_sparse.bench.wire")
+        if not self.pinned:
+            hvd.allgather(payload, name="hvd_sparse.bench.wire")
+        else:
+            self.send.copy_(payload)            # one DMA; it waits for the recv copy of the step before too
+            out = hvd.allgather(self.send, name="hvd_sparse.bench.wire_pinned")
+            if self.recv is None:
+                self.recv = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            self.recv.copy_(out)
+            self.recv.to(self.device, non_blocking=True)
         self.opt.step()
 
 
@@ -79,8 +97,8 @@ def measure(name, args, widths, device):
 
     model = mlp(widths, args.seed, device)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    if name == "wire":
-        opt = WireFloor(opt, model, args.density)
+    if name in ("wire", "wire_pinned"):
+        opt = WireFloor(opt, model, args.density, pinned=name == "wire_pinned")
     elif name != "compute":
         opt = hvds.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                         compression=torch_compression(name, args.density))

@@ -10,7 +10,8 @@ with fewer GPUs than ranks). Reported per configuration (each step's time is the
 over steps): ``step_ms``, ``over_compute_ms`` (beyond the ``compute`` floor: the torch optimizer alone),
 ``over_wire`` (that, over the ``wire`` floor's: compute plus one fixed-shape allgather of TopkA's payload) and
 ``recv_bytes`` per rank and step (presets: the communicator's meter; dense: the ring's 2n(P-1)/P float32 words;
-wire: 2k(P-1) int32 words).
+wire and wire_pinned: 2k(P-1) int32 words). ``wire_pinned`` is the wire floor with the payload staged through
+reused pinned host buffers by the caller: whether such staging in a communicator would beat Horovod's own.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 #: the configurations besides the presets
-BASELINES = ("compute", "wire", "dense")
+BASELINES = ("compute", "wire", "wire_pinned", "dense")
 
 
 def run(workers, algorithms, device="cuda", layers=(2048, 4096, 4096, 10), batch_size=256, steps=20, warmup=5,
@@ -44,7 +45,7 @@ def run(workers, algorithms, device="cuda", layers=(2048, 4096, 4096, 10), batch
         recv = statistics.fmean(rank["recv_bytes"] for rank in r["ranks"])
         if r["algorithm"] == "dense":
             recv = ring_allreduce_bytes(raw["numel"], workers)
-        elif r["algorithm"] == "wire":
+        elif r["algorithm"] in ("wire", "wire_pinned"):
             recv = 8 * max(1, int(density * raw["numel"])) * (workers - 1)
         rows.append({"algorithm": r["algorithm"], "step_ms": statistics.median(step) * 1e3,
                      "step_ms_all": [s * 1e3 for s in step], "recv_bytes": recv})
@@ -96,7 +97,8 @@ def add_arguments(p):
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     p.add_argument("--algorithms", type=lambda t: cli.algorithms(t, BASELINES),
                    default=list(BASELINES) + [n for n in presets.names() if n != "dense"],
-                   help="comma-separated: compute, wire (one fixed-shape allgather of TopkA's payload), dense "
+                   help="comma-separated: compute, wire (one fixed-shape allgather of TopkA's payload), "
+                        "wire_pinned (the same through pinned host buffers), dense "
                         "(Horovod's optimizer) and presets (default: all)")
     p.add_argument("--layers", type=cli.positive_ints, default=[2048, 4096, 4096, 10],
                    help="MLP widths, input first (default: 2048,4096,4096,10)")
