@@ -75,6 +75,13 @@ def test_select_capped_climbs_the_ladder_until_the_selection_fits(rule, cap):
     assert int(first[2]) == j and first[3].tolist() == counts[:3]
 
 
+@pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 4], [4, 0, 0], [2, 3, 0, 0, 1], [7]])
+def test_repeat_gives_each_value_its_segment_also_around_empty_ones(counts):
+    vals = np.arange(1, len(counts) + 1, dtype=np.float32)
+    out = same(on_every_path(lambda xp, a: (xp.repeat(a, counts, sum(counts)),), vals))[0]
+    np.testing.assert_array_equal(out, np.repeat(vals, counts))
+
+
 @pytest.mark.parametrize("guard", [None, (300, 200, 20), (5000, 10, 3)])
 @pytest.mark.parametrize("th", [0.01, 0.5, 2.0])
 def test_the_kernels_climb_the_full_ladder_to_the_hosts_rung_in_few_passes(th, guard):

@@ -48,9 +48,13 @@ def test_the_counter_sees_every_kind_of_host_read_and_not_the_device_work():
         assert reads.reads == 0
         float(y), int(x[1]), bool(x[0]), x[2].item(), x.tolist(), x.numpy()
         torch.nonzero(x), x[x > 2], x.unique()
+        i = x.long()                            # on a GPU these read on the host too:
+        torch.bincount(i), torch.isin(i, i), torch.repeat_interleave(x, i)
+        assert reads.reads == 12
+        torch.isin(i, i, assume_unique=True), torch.repeat_interleave(x, i, output_size=15)     # these do not
         with reads.paused():
             float(y)                            # a collective's own copies are not the engine's
-    assert reads.reads == 9
+    assert reads.reads == 12
 
 
 def test_the_guard_the_capacity_and_the_ladder_read_nothing_of_their_own():

@@ -24,8 +24,12 @@ from typing import NamedTuple
 
 #: calls that read a value on the host (``numpy``: a copy to the host; ``.cpu()`` before it is not counted again)
 READS = frozenset({"__float__", "__int__", "__bool__", "__index__", "item", "tolist", "numpy"})
-#: operations whose output size depends on the data (the host must learn it before it allocates the result)
-SIZED = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive"})
+#: operations whose output size depends on the data (the host must learn it before it allocates the result);
+#: ``bincount`` reads its largest and smallest input on the host on a GPU (two reads, counted as one here)
+SIZED = frozenset({"nonzero", "argwhere", "masked_select", "unique", "unique_consecutive", "bincount"})
+#: operations that read on the host unless told what they would learn: ``isin`` sorts the unique values of both
+#: inputs (``unique``) unless ``assume_unique``; ``repeat_interleave`` sums the repeats unless given ``output_size``
+UNLESS = {"isin": "assume_unique", "repeat_interleave": "output_size"}
 
 
 def _bool_index(index):
@@ -62,7 +66,7 @@ class _Pausable:
 
 
 class HostReads(_Pausable, _torch_function_mode()):
-    """Counts the host reads (:data:`READS`, :data:`SIZED`, boolean-mask indexing) while active and not
+    """Counts the host reads (:data:`READS`, :data:`SIZED`, :data:`UNLESS`, boolean-mask indexing) while active and not
     :meth:`paused`; ``where`` counts them by the library line that made them (the caller of the array backend)."""
 
     def __init__(self):
@@ -74,7 +78,8 @@ class HostReads(_Pausable, _torch_function_mode()):
         kwargs = kwargs or {}
         if not self._paused:
             name = getattr(func, "__name__", "")
-            if name in READS or name in SIZED or (name in ("__getitem__", "__setitem__") and _bool_index(args[1])):
+            if (name in READS or name in SIZED or (name in UNLESS and not kwargs.get(UNLESS[name]))
+                    or (name in ("__getitem__", "__setitem__") and _bool_index(args[1]))):
                 self.reads += 1
                 self.where[f"{name} at {_library_line()}"] += 1
         return func(*args, **kwargs)
@@ -166,16 +171,25 @@ def count(compression, size, n, steps, seed=0):
 @contextlib.contextmanager
 def as_if_on_a_device():
     """CPU tensors take the paths of CUDA tensors: no C kernel (``HVD_SPARSE_NATIVE=0``) and no numpy view of a
-    buffer (``TorchBackend.host`` answers None, as for device memory)."""
+    buffer (``TorchBackend.host`` answers None, as for device memory). The float copy of the rungs that the CPU's
+    ``torch.histc`` needs (CUDA's takes them as they are) is made unseen by the counters."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     from ..core.xp.torch_backend import TorchBackend
 
+    def histc_keys(rungs):
+        with _disable_current_modes():
+            return rungs.double()
+
     old_env, old_host = os.environ.get("HVD_SPARSE_NATIVE"), TorchBackend.__dict__["host"]
+    old_keys = TorchBackend.__dict__["_histc_keys"]
     os.environ["HVD_SPARSE_NATIVE"] = "0"
     TorchBackend.host = staticmethod(lambda x: None)
+    TorchBackend._histc_keys = staticmethod(histc_keys)
     try:
         yield
     finally:
-        TorchBackend.host = old_host
+        TorchBackend.host, TorchBackend._histc_keys = old_host, old_keys
         if old_env is None:
             del os.environ["HVD_SPARSE_NATIVE"]
         else:
