@@ -362,7 +362,8 @@ class TorchBackend(KernelOps, _Indexing):
         th = torch.topk(mag, k, sorted=False).values.min()        # 0 when fewer than k are nonzero
         above = mag > th
         tied = (mag == th) & (th > 0)
-        keep = above | (tied & (tied.cumsum(0) <= k - above.sum()))
+        running = tied.cumsum(0, dtype=torch.int32 if n < 2**31 else torch.int64)     # half the bytes of int64
+        keep = above | (tied & (running <= k - above.sum()))
         return self.compact(keep, k, n), th, keep.sum(dtype=torch.int32)
 
     def clamp_min(self, x, low):
