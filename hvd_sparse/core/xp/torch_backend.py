@@ -427,6 +427,8 @@ class TorchBackend(KernelOps, _Indexing):
         counts at or above each rung are then a reversed running sum."""
         torch = self.torch
         J = self.numel(bounds)
+        if J == 0:
+            return torch.zeros(0, dtype=torch.int32, device=mag.device)
         rungs = torch.searchsorted(bounds, mag, right=True, out_int32=True)
         hist = torch.histc(self._histc_keys(rungs), J, 1, J + 1)
         return hist.flip(0).cumsum(0, dtype=torch.int32).flip(0)
