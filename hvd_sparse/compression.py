@@ -141,6 +141,38 @@ class SparseCompression:
         return f"Compression.{self.preset}"
 
 
+def check_compression(compression, api, *, sparse=False):
+    """``compression=`` as an adapter takes it: a sparse preset, or (unless ``sparse``) a compressor of Horovod's
+    protocol (``compress`` and ``decompress``: ``Compression.none``, ``Compression.fp16``, a user's own). Refused
+    with a TypeError naming the argument and the fix: a preset's factory not called (``Compression.topka``, an
+    easy slip beside Horovod's attributes ``Compression.none``: Horovod would train it densely at one rank and fail
+    inside its optimizer at two), and anything else."""
+    if isinstance(compression, SparseCompression):
+        return compression
+    name = getattr(compression, "__name__", None)
+    if callable(compression) and name and getattr(Compression, name, None) is compression:
+        example = {"dense": "", "sparse": "sparsifier, allreduce='topka'"}.get(name, "0.01")
+        raise TypeError(f"{api}: compression=Compression.{name} is the preset's factory, not a preset: call it, "
+                        f"e.g. compression=Compression.{name}({example})")
+    if not sparse and callable(getattr(compression, "compress", None)) \
+            and callable(getattr(compression, "decompress", None)):
+        return compression
+    wanted = "a sparse preset such as Compression.topka(0.01)" + (
+        "" if sparse else ", or a Horovod compressor (Compression.none, Compression.fp16)")
+    raise TypeError(f"{api}: compression must be {wanted}, got {compression!r}")
+
+
+def check_momentum(compression, momentum, api):
+    """DGC's momentum correction (``momentum_correction=m``) takes the place of the optimizer's momentum: with both,
+    the momentum is applied twice. ``momentum``: the optimizer's (0 when it has none)."""
+    m = getattr(compression, "momentum_correction", 0.0)
+    if m and momentum:
+        raise ValueError(f"{api}: the preset's momentum_correction={m:g} replaces the optimizer's momentum "
+                         f"(DGC: the velocity is kept before sparsification), and the optimizer has momentum="
+                         f"{momentum:g}: the momentum would be applied twice. Set momentum=0 in the optimizer, "
+                         "or leave momentum_correction at 0")
+
+
 #: framework -> class adapting a preset to Horovod's compressor protocol, registered by the framework's package
 _HOROVOD_ADAPTERS = {}
 

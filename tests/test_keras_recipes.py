@@ -12,7 +12,8 @@ bit-identical weights, or every rank gets the same clear error, within the job's
 * register_local_var: Horovod's test_gradient_aggregation_with_local_vars (expected values by its formula);
 * LearningRateScheduleCallback with LearningRateWarmupCallback: Horovod's test_train_model_lr_schedule;
 * ranks that disagree on the compression (model.fit: density, preset; the tape, eagerly and in a tf.function:
-  preset, Ok-Topk's periods): the same RankDisagreementError on every rank, naming the argument and the ranks.
+  preset, Ok-Topk's periods): the same RankDisagreementError on every rank, naming the argument and the ranks;
+* a preset's factory not called, and momentum_correction beside the optimizer's momentum: refused at construction.
 """
 
 import re
@@ -25,7 +26,7 @@ from horovod_helpers import requires_horovod, scenario_job, tf_env
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
 P = 2
-SCENARIOS = ("loss_scale", "jit", "subclass", "from_config", "local_vars", "schedule", "disagree")
+SCENARIOS = ("loss_scale", "jit", "subclass", "from_config", "local_vars", "schedule", "disagree", "refused")
 
 
 @pytest.fixture(scope="module", params=["keras3", "tf_keras"])
@@ -147,3 +148,18 @@ def test_ranks_that_disagree_on_the_compression_get_the_same_error(job, case, ex
         lines.append(found[-1])
         assert float(r[f"{case}.seconds"]) < 60
     assert lines == [lines[0]] * P and expected in lines[0]
+
+
+@pytest.mark.parametrize("case, api", [("optimizer.factory", "hvd_sparse.tensorflow.keras.DistributedOptimizer"),
+                                       ("tape.factory", "hvd_sparse.tensorflow.DistributedGradientTape"),
+                                       ("allreduce.factory", "hvd_sparse.tensorflow.sparse_allreduce")])
+def test_a_preset_factory_not_called_is_refused_with_the_call_to_make(job, case, api):
+    for r in ok(job["refused"]):
+        assert str(r[case]).startswith(f"TypeError: {api}: compression=Compression.topka "), str(r[case])
+        assert "Compression.topka(0.01)" in str(r[case])
+
+
+def test_momentum_correction_beside_the_optimizers_momentum_is_refused(job):
+    for r in ok(job["refused"]):
+        assert str(r["momentum_twice"]).startswith("ValueError: hvd_sparse.tensorflow.keras.DistributedOptimizer: ")
+        assert "momentum=0" in str(r["momentum_twice"]) and str(r["momentum_once"]) == ""

@@ -65,6 +65,19 @@ def identical(rs, *keys):
         assert rs[0][key].tobytes() == rs[1][key].tobytes(), f"{key} differs across ranks"
 
 
+# -- refused at construction -------------------------------------------------------------------------------------
+def test_a_preset_factory_not_called_and_momentum_applied_twice_are_refused_on_every_rank(train):
+    rs = ranks(train, "refused")
+    for r in rs:
+        assert str(r["factory"]).startswith("TypeError: hvd_sparse.torch.DistributedOptimizer: compression="), r
+        assert "Compression.topka(" in str(r["factory"])                     # the call to make
+        assert str(r["allreduce_factory"]).startswith("TypeError: hvd_sparse.torch.sparse_allreduce: compression=")
+        assert "Compression.oktopk(" in str(r["allreduce_factory"])
+        assert str(r["momentum_twice"]).startswith("ValueError: hvd_sparse.torch.DistributedOptimizer: "), r
+        assert "momentum=0" in str(r["momentum_twice"])
+    identical(rs, "params")                                                  # the fixed call trains
+
+
 # -- ranks that disagree -----------------------------------------------------------------------------------------
 def test_ranks_that_disagree_on_the_compression_raise_on_every_rank_within_seconds(agree):
     rs = ranks(agree, "compression")

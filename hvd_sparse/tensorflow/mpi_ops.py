@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 
-from ..compression import SparseCompression
+from ..compression import SparseCompression, check_compression
 from ..core.validate import check_sparse_allreduce, scale_factors
 from ._xla import refuse_xla
 from .reduction import engine_step
@@ -34,6 +34,7 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
         tf.Tensor: same shape and dtype as ``tensor``, bit-identical on every rank.
     """
     tensor = tf.convert_to_tensor(tensor)
+    check_compression(compression, _API, sparse=True)
     check_sparse_allreduce(isinstance(compression, SparseCompression), op, nonfinite, tensor.dtype.is_floating,
                            tensor.dtype.name, compression, _API)
     refuse_xla(_API)

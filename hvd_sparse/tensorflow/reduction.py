@@ -17,7 +17,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow import Average
 
-from ..compression import SparseCompression
+from ..compression import SparseCompression, check_compression
 from ..core.comm import in_process_set
 from ..core.validate import check_nonfinite, scale_factors
 from ._xla import refuse_xla
@@ -69,7 +69,7 @@ class Reduction:
     def __init__(self, compression, op, gradient_predivide_factor, sparse_as_dense, process_set, api,
                  nonfinite="skip"):
         self.nonfinite = check_nonfinite(nonfinite, api)
-        self.compression = compression
+        self.compression = check_compression(compression, api)
         self.sparse = isinstance(compression, SparseCompression)
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor

@@ -5,6 +5,7 @@ from __future__ import annotations
 from horovod.torch.mpi_ops import Average, global_process_set
 
 from .comm import HorovodTorchCommunicator
+from ..compression import check_compression
 from .compression import is_sparse
 from ..core.validate import check_sparse_allreduce, scale_factors
 
@@ -34,6 +35,7 @@ def sparse_allreduce(tensor, compression, name=None, op=Average, process_set=glo
     """
     if tensor.is_sparse:
         raise TypeError(f"{_API}: tensor must be dense, got a torch.sparse tensor")
+    check_compression(compression, _API, sparse=True)
     check_sparse_allreduce(is_sparse(compression), op, nonfinite, tensor.is_floating_point(), tensor.dtype,
                            compression, _API)
     unit = name or "sparse_allreduce"

@@ -58,6 +58,7 @@ from ..core.validate import check_elastic_residuals, check_nonfinite, check_op, 
 from . import consistency, recipes
 from .base import SparseOptimizer
 from .comm import HorovodTorchCommunicator
+from ..compression import check_compression, check_momentum
 from .compression import Compression, is_sparse
 
 _API = "hvd_sparse.torch.DistributedOptimizer"
@@ -406,6 +407,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     if callable(getattr(optimizer, "synchronize", None)) and callable(getattr(optimizer, "skip_synchronize", None)):
         raise ValueError(f"{_API}: optimizer is already a distributed optimizer ({type(optimizer).__name__} returned "
                          "by DistributedOptimizer); wrap the original torch optimizer once")
+    check_compression(compression, _API)
     check_nonfinite(nonfinite, _API)
     check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
     check_elastic_residuals(elastic_residuals, _API)
@@ -425,6 +427,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         check_positive_int(groups, "groups", _API, minimum=0)
     if compression.states.in_use():
         raise already_used(compression, api=_API)
+    check_momentum(compression, max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups), _API)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, SparseOptimizer),
                dict(_SparseDistributedOptimizer.__dict__, _hvds_inner=optimizer.__class__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,

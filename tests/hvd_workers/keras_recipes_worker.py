@@ -20,6 +20,8 @@ Scenarios:
   disagree     ranks that disagree on the compression: model.fit with another density or another preset on rank 1,
                and a DistributedGradientTape step (eager and in a tf.function) with another preset or other Ok-Topk
                periods on rank 1: the error each rank got and when
+  refused      a preset's factory not called (the optimizer's, the tape's and sparse_allreduce's compression=), and
+               momentum_correction beside SGD's momentum: the error each rank got at construction
 """
 
 import os
@@ -232,6 +234,26 @@ def scenario_disagree(res):
                 return tape.gradient(loss, m.trainable_variables)
 
             attempt(f"tape.{name}.{mode}", tf.function(step) if mode == "function" else step)
+
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as e:     # noqa: BLE001 - recorded for the test
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def scenario_refused(res):
+    res["optimizer.factory"] = error_of(lambda: hvds.DistributedOptimizer(keras.optimizers.SGD(0.05),
+                                                                          compression=hvds.Compression.topka))
+    res["tape.factory"] = error_of(lambda: hvd_tf.DistributedGradientTape(tf.GradientTape(),
+                                                                          compression=hvd_tf.Compression.topka))
+    res["allreduce.factory"] = error_of(lambda: hvd_tf.sparse_allreduce(tf.ones(8), hvd_tf.Compression.topka))
+    res["momentum_twice"] = error_of(lambda: hvds.DistributedOptimizer(
+        keras.optimizers.SGD(0.05, momentum=0.9), compression=hvds.Compression.topka(0.1, momentum_correction=0.9)))
+    res["momentum_once"] = error_of(lambda: hvds.DistributedOptimizer(
+        keras.optimizers.SGD(0.05), compression=hvds.Compression.topka(0.1, momentum_correction=0.9)))
 
 
 def recorded(scenario, path):

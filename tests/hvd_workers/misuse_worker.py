@@ -14,7 +14,9 @@ train:  add_param_group, unfreeze, embedding (nn.Embedding(sparse=True) without 
         remove_duplicate=False)), state_checks (load_sparse_state_dict of another rank / preset / density),
         broadcast_resume (broadcast_optimizer_state when only rank 0 has optimizer state), broadcast_fresh (the same
         call on a fresh start, DCT and ExDyna: the run equals the run without it), after_an_error (going on after
-        a RankDisagreementError; sparse_allreduce names built at run time), compiled (torch.compile(opt.step))
+        a RankDisagreementError; sparse_allreduce names built at run time), compiled (torch.compile(opt.step)),
+        refused (a preset's factory not called, as DistributedOptimizer's compression= and sparse_allreduce's;
+        momentum_correction beside SGD's momentum: the error each rank got)
 """
 
 import sys
@@ -42,7 +44,7 @@ def caught(fn):
     start = time.time()
     try:
         fn()
-    except (ValueError, RuntimeError, IndexError) as e:
+    except (ValueError, TypeError, RuntimeError, IndexError) as e:
         return f"{type(e).__name__}: {e}", time.time() - start
     return "", time.time() - start
 
@@ -314,9 +316,27 @@ def broadcast_fresh(outdir):
     save(outdir, "broadcast_fresh", **out)
 
 
+def refused(outdir):
+    model = mlp()
+
+    def sgd(momentum):
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+
+    out = {"factory": caught(lambda: hvds.DistributedOptimizer(sgd(0.0), named_parameters=model.named_parameters(),
+                                                               compression=hvds.Compression.topka))[0],
+           "allreduce_factory": caught(lambda: hvds.sparse_allreduce(torch.ones(8), hvds.Compression.oktopk))[0],
+           "momentum_twice": caught(lambda: hvds.DistributedOptimizer(
+               sgd(0.9), named_parameters=model.named_parameters(),
+               compression=hvds.Compression.topka(0.1, momentum_correction=0.9)))[0]}
+    opt = hvds.DistributedOptimizer(sgd(0.0), named_parameters=model.named_parameters(),       # the fixed call
+                                    compression=hvds.Compression.topka(0.1, momentum_correction=0.9))
+    train_step(model, opt, 0)
+    save(outdir, "refused", params=flat(model), **out)
+
+
 JOBS = {"agree": [compression, density, allreduce_shapes, two_optimizers],
         "train": [add_param_group, unfreeze, embedding, grad_scaler, wrap_twice, tied, state_checks,
-                  broadcast_resume, broadcast_fresh, after_an_error, compiled]}
+                  broadcast_resume, broadcast_fresh, after_an_error, compiled, refused]}
 
 if __name__ == "__main__":
     hvd.init()

@@ -32,7 +32,7 @@ from __future__ import annotations
 import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 
-from ...compression import SparseCompression
+from ...compression import SparseCompression, check_compression, check_momentum
 from ...core.state import already_used
 from ...core.validate import check_elastic_residuals, check_op, check_positive_int
 from .. import Compression, SparseState
@@ -366,9 +366,12 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         raise ValueError(f"{_API}: {type(optimizer).__name__} is already a distributed optimizer (wrapped by "
                          "hvd_sparse or Horovod); wrap the plain Keras optimizer once")
     refuse_wrapped(optimizer, _API)
+    check_compression(compression, _API)
     check_op(op, gradient_predivide_factor, _API)
-    if isinstance(compression, SparseCompression) and compression.states.owner() is not None:
-        raise already_used(compression, api=_API)
+    if isinstance(compression, SparseCompression):
+        if compression.states.owner() is not None:
+            raise already_used(compression, api=_API)
+        check_momentum(compression, _momentum(optimizer), _API)
     passes = check_positive_int(backward_passes_per_step, "backward_passes_per_step", _API)
     every = check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
     check_elastic_residuals(elastic_residuals, _API)
@@ -387,6 +390,14 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                dict(methods, __init__=_CommonMethods.__init__, _hvds_inner=optimizer.__class__,
                     _hvds_settings=settings, __module__=optimizer.__class__.__module__))
     return cls.from_config(optimizer.get_config())
+
+
+def _momentum(optimizer):
+    """The Keras optimizer's momentum (SGD's, RMSprop's; 0 when it has none), Keras 3 or tf_keras alike."""
+    try:
+        return float(getattr(optimizer, "momentum", 0.0) or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _setup(opt, settings):
