@@ -162,6 +162,27 @@ def check_compression(compression, api, *, sparse=False):
     raise TypeError(f"{api}: compression must be {wanted}, got {compression!r}")
 
 
+#: options that only a sparse preset honours: their default, and why another value cannot take effect on the dense
+#: path (Horovod's own allreduce); :func:`refuse_unused_options`
+SPARSE_ONLY = {
+    "nonfinite": ("skip", "the dense allreduce passes a NaN or Inf on to every rank; no step is skipped or raised"),
+    "elastic_residuals": ("keep", "the dense path keeps no residual"),
+    "consistency_check_every": (0, "the result is Horovod's own optimizer, which has no such check"),
+}
+
+
+def refuse_unused_options(compression, api, **given):
+    """The one rule for options that cannot take effect: given another value than their default (:data:`SPARSE_ONLY`)
+    with a compression that is not a sparse preset, a ValueError naming the option and why."""
+    if isinstance(compression, SparseCompression):
+        return
+    for name, value in given.items():
+        default, why = SPARSE_ONLY[name]
+        if value != default:
+            raise ValueError(f"{api}: {name}={value!r} works only with a sparse preset: with compression="
+                             f"{compression!r} {why}. Leave it at {default!r}, or choose a sparse preset")
+
+
 def check_momentum(compression, momentum, api):
     """DGC's momentum correction (``momentum_correction=m``) takes the place of the optimizer's momentum: with both,
     the momentum is applied twice. ``momentum``: the optimizer's (0 when it has none)."""

@@ -13,7 +13,8 @@ bit-identical weights, or every rank gets the same clear error, within the job's
 * LearningRateScheduleCallback with LearningRateWarmupCallback: Horovod's test_train_model_lr_schedule;
 * ranks that disagree on the compression (model.fit: density, preset; the tape, eagerly and in a tf.function:
   preset, Ok-Topk's periods): the same RankDisagreementError on every rank, naming the argument and the ranks;
-* a preset's factory not called, and momentum_correction beside the optimizer's momentum: refused at construction.
+* a preset's factory not called, momentum_correction beside the optimizer's momentum, and options of the sparse path
+  with Compression.none or fp16: refused at construction.
 """
 
 import re
@@ -163,3 +164,12 @@ def test_momentum_correction_beside_the_optimizers_momentum_is_refused(job):
     for r in ok(job["refused"]):
         assert str(r["momentum_twice"]).startswith("ValueError: hvd_sparse.tensorflow.keras.DistributedOptimizer: ")
         assert "momentum=0" in str(r["momentum_twice"]) and str(r["momentum_once"]) == ""
+
+
+@pytest.mark.parametrize("case, says", [("dense.optimizer", "keras.DistributedOptimizer: nonfinite='raise'"),
+                                        ("dense.elastic_residuals", "keras.DistributedOptimizer: elastic_residuals="),
+                                        ("dense.tape", "DistributedGradientTape: nonfinite='raise'")])
+def test_an_option_the_dense_path_cannot_honour_is_refused(job, case, says):
+    for r in ok(job["refused"]):
+        assert str(r[case]).startswith(f"ValueError: hvd_sparse.tensorflow.{says}"), str(r[case])
+        assert str(r["dense.consistency"]) == ""

@@ -66,7 +66,7 @@ def identical(rs, *keys):
 
 
 # -- refused at construction -------------------------------------------------------------------------------------
-def test_a_preset_factory_not_called_and_momentum_applied_twice_are_refused_on_every_rank(train):
+def test_a_preset_factory_not_called_momentum_twice_and_options_dense_ignores_are_refused_on_every_rank(train):
     rs = ranks(train, "refused")
     for r in rs:
         assert str(r["factory"]).startswith("TypeError: hvd_sparse.torch.DistributedOptimizer: compression="), r
@@ -75,6 +75,8 @@ def test_a_preset_factory_not_called_and_momentum_applied_twice_are_refused_on_e
         assert "Compression.oktopk(" in str(r["allreduce_factory"])
         assert str(r["momentum_twice"]).startswith("ValueError: hvd_sparse.torch.DistributedOptimizer: "), r
         assert "momentum=0" in str(r["momentum_twice"])
+        for name in ("nonfinite", "elastic_residuals", "consistency_check_every"):      # the dense path's rule
+            assert str(r[f"dense.{name}"]).startswith(f"ValueError: hvd_sparse.torch.DistributedOptimizer: {name}=")
     identical(rs, "params")                                                  # the fixed call trains
 
 

@@ -17,7 +17,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 from horovod.tensorflow import Average
 
-from ..compression import SparseCompression, check_compression
+from ..compression import SparseCompression, check_compression, refuse_unused_options
 from ..core.comm import in_process_set
 from ..core.validate import check_nonfinite, scale_factors
 from ._xla import refuse_xla
@@ -70,6 +70,7 @@ class Reduction:
                  nonfinite="skip"):
         self.nonfinite = check_nonfinite(nonfinite, api)
         self.compression = check_compression(compression, api)
+        refuse_unused_options(compression, api, nonfinite=nonfinite)
         self.sparse = isinstance(compression, SparseCompression)
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor

@@ -65,7 +65,8 @@ def DistributedGradientTape(gradtape, device_dense='', device_sparse='', compres
         gradient_predivide_factor, process_set, scale_local_gradients: as in Horovod.
         nonfinite (str, keyword-only): when any rank's gradient holds a NaN or Inf (sparse presets): ``"skip"``
             (default: sparse state untouched on every rank and every returned gradient all NaN on every rank, so
-            a loss scaler, or ``tf.math.is_finite``, skips the update everywhere alike) or ``"raise"``.
+            a loss scaler, or ``tf.math.is_finite``, skips the update everywhere alike) or ``"raise"``. With
+            ``Compression.none`` or ``fp16`` another value than the default raises (the dense path passes it on).
     """
     api = "hvd_sparse.tensorflow.DistributedGradientTape"
     check_op(op, gradient_predivide_factor, api)

@@ -58,7 +58,7 @@ from ..core.validate import check_elastic_residuals, check_nonfinite, check_op, 
 from . import consistency, recipes
 from .base import SparseOptimizer
 from .comm import HorovodTorchCommunicator
-from ..compression import check_compression, check_momentum
+from ..compression import check_compression, check_momentum, refuse_unused_options
 from .compression import Compression, is_sparse
 
 _API = "hvd_sparse.torch.DistributedOptimizer"
@@ -387,7 +387,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         sparse_as_dense (bool): densify torch.sparse gradients into the sparsified buffer.
         process_set: ranks that take part. Default: all ranks.
         nonfinite (str, keyword-only): ``"skip"`` (default) or ``"raise"``: what every rank does when any
-            rank's gradient holds a NaN or Inf (sparse presets; the dense path propagates the NaN to every rank).
+            rank's gradient holds a NaN or Inf. Sparse presets only: with ``Compression.none`` or ``fp16``
+            (Horovod's dense path passes the NaN on to every rank) another value than the default raises, as
+            ``consistency_check_every`` and ``elastic_residuals`` do.
         consistency_check_every (int, keyword-only): every that many steps, check that all ranks hold
             bit-identical parameters (one small allgather); 0 (default) turns it off.
         elastic_residuals (str, keyword-only): under ``hvd.elastic``, what a reset (a rank left or joined) does
@@ -411,10 +413,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     check_nonfinite(nonfinite, _API)
     check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
     check_elastic_residuals(elastic_residuals, _API)
+    refuse_unused_options(compression, _API, nonfinite=nonfinite, elastic_residuals=elastic_residuals,
+                          consistency_check_every=consistency_check_every)
     if not is_sparse(compression):
-        if consistency_check_every:
-            raise ValueError(f"{_API}: consistency_check_every works with hvd_sparse's sparse optimizer; with "
-                             f"{compression!r} the result is Horovod's own optimizer")
         return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters, compression=compression,
                                         backward_passes_per_step=backward_passes_per_step, op=op,
                                         gradient_predivide_factor=gradient_predivide_factor,

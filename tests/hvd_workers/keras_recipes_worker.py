@@ -21,7 +21,8 @@ Scenarios:
                and a DistributedGradientTape step (eager and in a tf.function) with another preset or other Ok-Topk
                periods on rank 1: the error each rank got and when
   refused      a preset's factory not called (the optimizer's, the tape's and sparse_allreduce's compression=), and
-               momentum_correction beside SGD's momentum: the error each rank got at construction
+               momentum_correction beside SGD's momentum, options of the sparse path with Compression.none or
+               fp16: the error each rank got at construction
 """
 
 import os
@@ -254,6 +255,14 @@ def scenario_refused(res):
         keras.optimizers.SGD(0.05, momentum=0.9), compression=hvds.Compression.topka(0.1, momentum_correction=0.9)))
     res["momentum_once"] = error_of(lambda: hvds.DistributedOptimizer(
         keras.optimizers.SGD(0.05), compression=hvds.Compression.topka(0.1, momentum_correction=0.9)))
+    res["dense.optimizer"] = error_of(lambda: hvds.DistributedOptimizer(
+        keras.optimizers.SGD(0.05), compression=hvds.Compression.none, nonfinite="raise"))
+    res["dense.elastic_residuals"] = error_of(lambda: hvds.DistributedOptimizer(
+        keras.optimizers.SGD(0.05), compression=hvds.Compression.fp16, elastic_residuals="drop"))
+    res["dense.tape"] = error_of(lambda: hvd_tf.DistributedGradientTape(
+        tf.GradientTape(), compression=hvd_tf.Compression.none, nonfinite="raise"))
+    res["dense.consistency"] = error_of(lambda: hvds.DistributedOptimizer(       # works on the dense path too
+        keras.optimizers.SGD(0.05), compression=hvds.Compression.none, consistency_check_every=5))
 
 
 def recorded(scenario, path):

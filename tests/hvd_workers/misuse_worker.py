@@ -16,7 +16,8 @@ train:  add_param_group, unfreeze, embedding (nn.Embedding(sparse=True) without 
         call on a fresh start, DCT and ExDyna: the run equals the run without it), after_an_error (going on after
         a RankDisagreementError; sparse_allreduce names built at run time), compiled (torch.compile(opt.step)),
         refused (a preset's factory not called, as DistributedOptimizer's compression= and sparse_allreduce's;
-        momentum_correction beside SGD's momentum: the error each rank got)
+        momentum_correction beside SGD's momentum; options of the sparse path with Compression.fp16: the error
+        each rank got)
 """
 
 import sys
@@ -328,6 +329,10 @@ def refused(outdir):
            "momentum_twice": caught(lambda: hvds.DistributedOptimizer(
                sgd(0.9), named_parameters=model.named_parameters(),
                compression=hvds.Compression.topka(0.1, momentum_correction=0.9)))[0]}
+    for option in ({"nonfinite": "raise"}, {"elastic_residuals": "drop"}, {"consistency_check_every": 5}):
+        (name, value), = option.items()
+        out[f"dense.{name}"] = caught(lambda: hvds.DistributedOptimizer(
+            sgd(0.9), named_parameters=model.named_parameters(), compression=hvds.Compression.fp16, **option))[0]
     opt = hvds.DistributedOptimizer(sgd(0.0), named_parameters=model.named_parameters(),       # the fixed call
                                     compression=hvds.Compression.topka(0.1, momentum_correction=0.9))
     train_step(model, opt, 0)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 
-from ...compression import SparseCompression, check_compression, check_momentum
+from ...compression import SparseCompression, check_compression, check_momentum, refuse_unused_options
 from ...core.state import already_used
 from ...core.validate import check_elastic_residuals, check_op, check_positive_int
 from .. import Compression, SparseState
@@ -347,7 +347,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         nonfinite (str, keyword-only): when any rank's gradient holds a NaN or Inf (sparse presets):
             ``"skip"`` (default: on every rank the update is skipped -- no variable changes, not even
             ``iterations`` -- and the sparse state is untouched) or ``"raise"`` (the step fails on every rank
-            with hvd_sparse.NonFiniteGradientError's message).
+            with hvd_sparse.NonFiniteGradientError's message). With ``Compression.none`` or ``fp16`` another
+            value than the default raises (Horovod's dense path passes the NaN on), as ``elastic_residuals`` does.
         consistency_check_every (int, keyword-only): every that many applied updates (counted since the start or
             the last elastic reset), check that all ranks hold bit-identical variables (one small allgather; see
             :meth:`check_consistency`); 0 (default) turns it off. Works with every compression (the dense path
@@ -367,6 +368,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          "hvd_sparse or Horovod); wrap the plain Keras optimizer once")
     refuse_wrapped(optimizer, _API)
     check_compression(compression, _API)
+    refuse_unused_options(compression, _API, nonfinite=nonfinite, elastic_residuals=elastic_residuals)
     check_op(op, gradient_predivide_factor, _API)
     if isinstance(compression, SparseCompression):
         if compression.states.owner() is not None:
