@@ -162,6 +162,28 @@ def check_compression(compression, api, *, sparse=False):
     raise TypeError(f"{api}: compression must be {wanted}, got {compression!r}")
 
 
+def allreduce_op(average, op, compression, api):
+    """The reduce op of a ``sparse_allreduce`` called as ``hvd.allreduce`` is: ``average`` (Horovod's deprecated
+    bool) or ``op`` (default ``hvd.Average``), never both; ``compression=`` is a keyword, and a preset in the
+    second position (the signature hvd_sparse had before, where Horovod has ``average``) is refused with the call
+    to make."""
+    from .core.validate import HVD_AVERAGE, HVD_SUM
+
+    if isinstance(average, SparseCompression) or callable(average):
+        raise TypeError(f"{api}: the second positional argument is Horovod's average, as in hvd.allreduce; pass the "
+                        f"preset as a keyword: {api.rsplit('.', 1)[-1]}(tensor, compression=..., name=...)")
+    if compression is None:
+        raise TypeError(f"{api}: compression= is required: a sparse preset such as Compression.topka(0.01)")
+    if average is None:
+        return HVD_AVERAGE if op is None else op
+    if op is not None:
+        raise ValueError(f"{api}: average and op are exclusive (average is Horovod's deprecated spelling of op): "
+                         "pass op=hvd.Average or op=hvd.Sum")
+    if not isinstance(average, bool):
+        raise TypeError(f"{api}: average must be True or False (or left out for op=), got {average!r}")
+    return HVD_AVERAGE if average else HVD_SUM
+
+
 #: options that only a sparse preset honours: their default, and why another value cannot take effect on the dense
 #: path (Horovod's own allreduce); :func:`refuse_unused_options`
 SPARSE_ONLY = {

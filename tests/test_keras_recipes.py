@@ -173,3 +173,9 @@ def test_an_option_the_dense_path_cannot_honour_is_refused(job, case, says):
     for r in ok(job["refused"]):
         assert str(r[case]).startswith(f"ValueError: hvd_sparse.tensorflow.{says}"), str(r[case])
         assert str(r["dense.consistency"]) == ""
+
+
+def test_a_preset_in_horovods_average_position_is_refused_with_the_keyword_call(job):
+    for r in ok(job["refused"]):
+        assert str(r["allreduce.positional"]).startswith("TypeError: hvd_sparse.tensorflow.sparse_allreduce: ")
+        assert "sparse_allreduce(tensor, compression=" in str(r["allreduce.positional"])

@@ -73,6 +73,8 @@ def test_a_preset_factory_not_called_momentum_twice_and_options_dense_ignores_ar
         assert "Compression.topka(" in str(r["factory"])                     # the call to make
         assert str(r["allreduce_factory"]).startswith("TypeError: hvd_sparse.torch.sparse_allreduce: compression=")
         assert "Compression.oktopk(" in str(r["allreduce_factory"])
+        assert str(r["allreduce_positional"]).startswith("TypeError: hvd_sparse.torch.sparse_allreduce: ")
+        assert "sparse_allreduce(tensor, compression=" in str(r["allreduce_positional"])
         assert str(r["momentum_twice"]).startswith("ValueError: hvd_sparse.torch.DistributedOptimizer: "), r
         assert "momentum=0" in str(r["momentum_twice"])
         for name in ("nonfinite", "elastic_residuals", "consistency_check_every"):      # the dense path's rule

@@ -183,7 +183,7 @@ def test_the_tape_declares_its_layout_to_the_engine_and_refuses_another_model():
     assert engine.steps == 1
     grads((2, 3), (3,))
     assert engine.steps == 2
-    hvds.sparse_allreduce(tf.ones((2, 2)), comp, name="op.x")
+    hvds.sparse_allreduce(tf.ones((2, 2)), compression=comp, name="op.x")
     assert comp.states.get("op.x").entries == (("op.x", (2, 2), "float32"),)
 
 

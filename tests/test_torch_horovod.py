@@ -79,6 +79,11 @@ def test_sparse_allreduce_op_equals_simulator(job):
     sim = simulate(hvd_sparse.Compression.topka(0.1), grads)
     for r in range(P):
         assert ranks[r]["outs"].tobytes() == sim.updates[:, r].tobytes()
+    want = np.zeros_like(grads[0, 0])              # op=Sum, prescale 2, postscale 1/4 (k = n: every entry)
+    for g in grads[0]:
+        want = want + np.float32(2.0) * g
+    for r in range(P):
+        assert ranks[r]["scaled"].tobytes() == (want * np.float32(0.25)).tobytes()
 
 
 def test_misuse_raises_clear_errors_on_every_rank(job):

@@ -47,7 +47,7 @@ class StashAdapter:
         if opt is None:
             raise RuntimeError(f"{self.compression!r}: compress() was called outside "
                                "horovod.torch.DistributedOptimizer; for a single tensor use "
-                               "hvd_sparse.torch.sparse_allreduce(tensor, compression, name=...)")
+                               "hvd_sparse.torch.sparse_allreduce(tensor, compression=..., name=...)")
         if self.optimizer is None:
             if getattr(opt, "op", None) is None:        # _DistributedAdasumOptimizer has no `op`
                 check_op(Adasum, 1.0, _API)

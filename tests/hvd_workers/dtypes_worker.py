@@ -143,7 +143,7 @@ def scenario_op(res, model_dtype, device):
     ins, outs = [], []
     for _ in range(4):
         t = torch.randn(6, 11, generator=g).to(device=device, dtype=MODELS[model_dtype][0])
-        r = hvds.sparse_allreduce(t, comp, name="op.test")
+        r = hvds.sparse_allreduce(t, compression=comp, name="op.test")
         assert r.shape == t.shape and r.dtype == t.dtype and r.device == t.device
         ins.append(f32(t).reshape(-1))
         outs.append(f32(r).reshape(-1))

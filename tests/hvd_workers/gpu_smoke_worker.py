@@ -26,8 +26,8 @@ if __name__ == "__main__":
         model(torch.randn(16, 64, device="cuda", generator=g)).pow(2).mean().backward()
         opt.step()
     opt.check_consistency()
-    out = hvds.sparse_allreduce(torch.randn(1000, device="cuda", generator=g).bfloat16(), hvds.Compression.topka(0.1),
-                                name="smoke")
+    out = hvds.sparse_allreduce(torch.randn(1000, device="cuda", generator=g).bfloat16(),
+                                compression=hvds.Compression.topka(0.1), name="smoke")
     print(f"gpu_smoke ok rank {hvd.rank()}/{hvd.size()}: dense allreduce {total.tolist()}, "
           f"{opt.sparse_stats()['recv_bytes']} bytes received in the last sparse step, sparse_allreduce "
           f"{out.dtype} {out.device}", flush=True)

@@ -250,7 +250,9 @@ def scenario_refused(res):
                                                                           compression=hvds.Compression.topka))
     res["tape.factory"] = error_of(lambda: hvd_tf.DistributedGradientTape(tf.GradientTape(),
                                                                           compression=hvd_tf.Compression.topka))
-    res["allreduce.factory"] = error_of(lambda: hvd_tf.sparse_allreduce(tf.ones(8), hvd_tf.Compression.topka))
+    res["allreduce.factory"] = error_of(lambda: hvd_tf.sparse_allreduce(tf.ones(8),
+                                                                        compression=hvd_tf.Compression.topka))
+    res["allreduce.positional"] = error_of(lambda: hvd_tf.sparse_allreduce(tf.ones(8), hvd_tf.Compression.topka(0.5)))
     res["momentum_twice"] = error_of(lambda: hvds.DistributedOptimizer(
         keras.optimizers.SGD(0.05, momentum=0.9), compression=hvds.Compression.topka(0.1, momentum_correction=0.9)))
     res["momentum_once"] = error_of(lambda: hvds.DistributedOptimizer(

@@ -16,8 +16,8 @@ train:  add_param_group, unfreeze, embedding (nn.Embedding(sparse=True) without 
         call on a fresh start, DCT and ExDyna: the run equals the run without it), after_an_error (going on after
         a RankDisagreementError; sparse_allreduce names built at run time), compiled (torch.compile(opt.step)),
         refused (a preset's factory not called, as DistributedOptimizer's compression= and sparse_allreduce's;
-        momentum_correction beside SGD's momentum; options of the sparse path with Compression.fp16: the error
-        each rank got)
+        momentum_correction beside SGD's momentum; options of the sparse path with Compression.fp16; a preset as
+        sparse_allreduce's second positional argument, Horovod's average: the error each rank got)
 """
 
 import sys
@@ -79,10 +79,10 @@ def allreduce_shapes(outdir):
     for key, make in {"topka": hvds.Compression.topka, "oktopk": hvds.Compression.oktopk}.items():
         comp = make(0.2)
         sizes = torch.randn(10 if hvd.rank() == 0 else 12)
-        out[f"{key}.sizes"], _ = caught(lambda: hvds.sparse_allreduce(sizes, comp, name=f"{key}.sizes"))
+        out[f"{key}.sizes"], _ = caught(lambda: hvds.sparse_allreduce(sizes, compression=comp, name=f"{key}.sizes"))
         shaped = torch.randn((3, 4) if hvd.rank() == 0 else (4, 3))
-        out[f"{key}.shapes"], _ = caught(lambda: hvds.sparse_allreduce(shaped, comp, name=f"{key}.shapes"))
-        same = hvds.sparse_allreduce(data(0, n=12), comp, name=f"{key}.same")       # still works afterwards
+        out[f"{key}.shapes"], _ = caught(lambda: hvds.sparse_allreduce(shaped, compression=comp, name=f"{key}.shapes"))
+        same = hvds.sparse_allreduce(data(0, n=12), compression=comp, name=f"{key}.same")       # still works afterwards
         out[f"{key}.same"] = same.numpy()
     save(outdir, "allreduce_shapes", **out)
 
@@ -181,7 +181,7 @@ def after_an_error(outdir):
     comp, outs = hvds.Compression.topka(0.3), []
     for t in range(3):
         for i in range(2):
-            outs.append(hvds.sparse_allreduce(data(t, n=12)[i], comp, name="grad." + str(i)).numpy())
+            outs.append(hvds.sparse_allreduce(data(t, n=12)[i], compression=comp, name="grad." + str(i)).numpy())
     save(outdir, "after_an_error", msg=msg, a=flat(a), b=flat(b), allreduced=np.stack(outs))
 
 
@@ -325,7 +325,10 @@ def refused(outdir):
 
     out = {"factory": caught(lambda: hvds.DistributedOptimizer(sgd(0.0), named_parameters=model.named_parameters(),
                                                                compression=hvds.Compression.topka))[0],
-           "allreduce_factory": caught(lambda: hvds.sparse_allreduce(torch.ones(8), hvds.Compression.oktopk))[0],
+           "allreduce_factory": caught(lambda: hvds.sparse_allreduce(torch.ones(8),
+                                                                     compression=hvds.Compression.oktopk))[0],
+           "allreduce_positional": caught(lambda: hvds.sparse_allreduce(torch.ones(8),       # the old signature
+                                                                        hvds.Compression.topka(0.5)))[0],
            "momentum_twice": caught(lambda: hvds.DistributedOptimizer(
                sgd(0.9), named_parameters=model.named_parameters(),
                compression=hvds.Compression.topka(0.1, momentum_correction=0.9)))[0]}

@@ -133,7 +133,7 @@ def inputs(outdir):
         rec[f"{key}_moved"] = bool((end != start).any())
         rec[f"{key}_dtypes"] = np.array(sorted({str(p.dtype) for p in model.parameters()}))
     try:
-        hvds.sparse_allreduce(torch.arange(4), hvds.Compression.topka(0.5), name="ints")
+        hvds.sparse_allreduce(torch.arange(4), compression=hvds.Compression.topka(0.5), name="ints")
     except TypeError as e:
         rec["int_error"] = str(e)
 

@@ -62,7 +62,7 @@ with tf.GradientTape() as tape:
 tape = hvdt.DistributedGradientTape(tape, compression=hvdt.Compression.topka(0.5))
 out["tape_all_nan"] = bool(np.isnan(tape.gradient(loss, [x])[0].numpy()).all())
 try:
-    hvdt.sparse_allreduce(tf.constant([1, 2]), hvdt.Compression.topka(0.5))
+    hvdt.sparse_allreduce(tf.constant([1, 2]), compression=hvdt.Compression.topka(0.5))
 except TypeError as e:
     out["int_error"] = str(e)
 print("RESULT " + json.dumps(out))

@@ -114,7 +114,7 @@ def allreduce_op(compression, name, graph):
     """``sparse_allreduce`` with ``compression`` under ``name`` -- a new string object at every call, equal by value,
     as a script builds it (f"grad.{i}") --, inside a tf.function when ``graph``."""
     def op(t):
-        return hvds.sparse_allreduce(t, compression, name=(name + ".")[:-1])
+        return hvds.sparse_allreduce(t, compression=compression, name=(name + ".")[:-1])
     return tf.function(op) if graph else op
 
 

@@ -186,11 +186,13 @@ def scenario_op(out):
     ins, outs = [], []
     for _ in range(5):
         t = torch.randn(6, 11, generator=g)
-        r = hvds.sparse_allreduce(t, comp, name="op.test")
+        r = hvds.sparse_allreduce(t, compression=comp, name="op.test")
         assert r.shape == t.shape and r.dtype == t.dtype
         ins.append(t.reshape(-1).numpy().copy())
         outs.append(r.reshape(-1).numpy().copy())
-    np.savez(out, ins=np.array(ins), outs=np.array(outs))
+    scaled = hvds.sparse_allreduce(torch.from_numpy(ins[0]).reshape(6, 11), compression=hvds.Compression.topka(1.0),
+                                   op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25, name="op.scaled")
+    np.savez(out, ins=np.array(ins), outs=np.array(outs), scaled=scaled.reshape(-1).numpy())
 
 
 def scenario_errors(out):
