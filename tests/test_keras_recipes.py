@@ -14,7 +14,8 @@ bit-identical weights, or every rank gets the same clear error, within the job's
 * ranks that disagree on the compression (model.fit: density, preset; the tape, eagerly and in a tf.function:
   preset, Ok-Topk's periods): the same RankDisagreementError on every rank, naming the argument and the ranks;
 * a preset's factory not called, momentum_correction beside the optimizer's momentum, and options of the sparse path
-  with Compression.none or fp16: refused at construction.
+  with Compression.none or fp16: refused at construction;
+* sparse_stats(average=True) and skipped_steps(), as torch's optimizer has them.
 """
 
 import re
@@ -27,7 +28,8 @@ from horovod_helpers import requires_horovod, scenario_job, tf_env
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
 P = 2
-SCENARIOS = ("loss_scale", "jit", "subclass", "from_config", "local_vars", "schedule", "disagree", "refused")
+SCENARIOS = ("loss_scale", "jit", "subclass", "from_config", "local_vars", "schedule", "disagree", "refused",
+             "stats")
 
 
 @pytest.fixture(scope="module", params=["keras3", "tf_keras"])
@@ -179,3 +181,15 @@ def test_a_preset_in_horovods_average_position_is_refused_with_the_keyword_call(
     for r in ok(job["refused"]):
         assert str(r["allreduce.positional"]).startswith("TypeError: hvd_sparse.tensorflow.sparse_allreduce: ")
         assert "sparse_allreduce(tensor, compression=" in str(r["allreduce.positional"])
+
+
+def test_averaged_sparse_stats_and_skipped_steps_as_torch_has_them(job):
+    ranks = ok(job["stats"])
+    keys = ("averaged.density", "averaged.sent_bytes", "averaged.recv_bytes", "averaged.residual_norm")
+    for key in keys:
+        same_on_every_rank(ranks, key)                          # averaged over the ranks: one value everywhere
+    r = ranks[0]
+    assert 0 < float(r["averaged.density"]) <= 0.1 * (1 + 1e-9) and float(r["averaged.sent_bytes"]) > 0
+    assert int(r["again"]) == 0 and int(r["skipped"]) == 0
+    mean_sent = np.mean([float(x["last.sent_bytes"]) for x in ranks])
+    assert float(r["averaged.sent_bytes"]) == pytest.approx(mean_sent)   # a fixed wire: every step sends the same

@@ -19,13 +19,17 @@ from horovod.tensorflow import Average
 
 from ..compression import SparseCompression, check_compression, refuse_unused_options
 from ..core.comm import in_process_set
+from ..core.state import SparsityWindow, averaged
 from ..core.validate import check_nonfinite, scale_factors
 from ._xla import refuse_xla
 from .comm import HorovodTFCommunicator
 
+#: the Horovod name of the allreduce of ``sparse_stats(average=True)`` (torch's: hvd_sparse/torch/stats.py)
+STATS_NAME = "hvd_sparse.model.sparse_stats"
+
 
 def engine_step(compression, unit, owner, process_set, tensors, average, prescale, postscale, nonfinite="skip",
-                names=None):
+                names=None, window=None):
     """One engine step of ``unit`` over ``tensors`` (a list of dense tf tensors) inside a ``tf.py_function``.
 
     What is exchanged is declared to the engine (:meth:`hvd_sparse.core.engine.Engine.declare`): ``(name, shape,
@@ -36,7 +40,8 @@ def engine_step(compression, unit, owner, process_set, tensors, average, prescal
     preset owns the state, so other tensors at a later step are another model, an error on every rank.
 
     Returns ``(reduced tensors, skipped)``: ``skipped`` is a boolean tensor, True on every rank when a NaN or Inf
-    on some rank skipped the step (``nonfinite="skip"``; the reduced tensors are then all NaN)."""
+    on some rank skipped the step (``nonfinite="skip"``; the reduced tensors are then all NaN). ``window``: a
+    :class:`~hvd_sparse.core.state.SparsityWindow` that each step's statistics are added to."""
     sizes = [int(t.shape.num_elements()) for t in tensors]
     names = names or [f"variable #{i}" for i in range(len(tensors))]
     entries = [(name, tuple(t.shape.as_list()), t.dtype.name) for name, t in zip(names, tensors)]
@@ -46,6 +51,8 @@ def engine_step(compression, unit, owner, process_set, tensors, average, prescal
         engine = compression.states.engine(unit, owner, lambda: HorovodTFCommunicator(process_set, unit))
         engine.declare(entries, fixed=True)
         out = engine.step(x, average=average, prescale=prescale, postscale=postscale, nonfinite=nonfinite)
+        if window is not None:
+            window.add(engine.last)
         return out, tf.constant(bool(engine.last["skipped"]))
 
     out, skipped = tf.py_function(step, [flat], [tf.float32, tf.bool])
@@ -78,6 +85,20 @@ class Reduction:
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self.api = api
+        self.window = SparsityWindow()      # the sparse steps since the last averaged_stats()
+
+    def averaged_stats(self, residual_norm):
+        """Collective (one float64 sum-allreduce over the process set, every rank at the same point): the statistics
+        of the sparse steps since the previous call, averaged over them and over the ranks, as torch's
+        ``sparse_stats(average=True)`` (:mod:`hvd_sparse.torch.stats`); ``{}`` when no rank made one."""
+        ps = self.process_set
+        if not in_process_set(ps, hvd.rank()):
+            return {}
+        local = tf.constant(self.window.local(residual_norm), tf.float64)
+        total = hvd.allreduce(local, op=hvd.Sum, name=STATS_NAME, process_set=ps) if ps.size() > 1 else local
+        self.window.clear()
+        total = total.numpy().tolist()
+        return averaged(total, ps.size()) if total[0] > 0 else {}
 
     def densify(self, grads, variables):
         """Dense gradients: zeros for ``None`` (unused on this rank, as in Horovod), ``tf.IndexedSlices``
@@ -109,7 +130,7 @@ class Reduction:
             # The state's owner is the preset itself (a tape is created anew every step); a preset shared by
             # two models is caught by the engine's fixed layout.
             return engine_step(self.compression, "model", self.compression, self.process_set, dense,
-                               self.average, self.prescale, self.postscale, self.nonfinite)
+                               self.average, self.prescale, self.postscale, self.nonfinite, window=self.window)
         if self.process_set.size() == 1:
             return dense, None
         refuse_xla(self.api, sparse=False)

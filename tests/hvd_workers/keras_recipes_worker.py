@@ -20,6 +20,7 @@ Scenarios:
   disagree     ranks that disagree on the compression: model.fit with another density or another preset on rank 1,
                and a DistributedGradientTape step (eager and in a tf.function) with another preset or other Ok-Topk
                periods on rank 1: the error each rank got and when
+  stats        sparse_stats(average=True) and skipped_steps() after three sparse steps, as torch's optimizer has
   refused      a preset's factory not called (the optimizer's, the tape's and sparse_allreduce's compression=), and
                momentum_correction beside SGD's momentum, options of the sparse path with Compression.none or
                fp16: the error each rank got at construction
@@ -265,6 +266,17 @@ def scenario_refused(res):
         tf.GradientTape(), compression=hvd_tf.Compression.none, nonfinite="raise"))
     res["dense.consistency"] = error_of(lambda: hvds.DistributedOptimizer(       # works on the dense path too
         keras.optimizers.SGD(0.05), compression=hvds.Compression.none, consistency_check_every=5))
+
+
+def scenario_stats(res):
+    x, y = keras_digits(hvd, 3 * BATCH)
+    opt = hvds.DistributedOptimizer(keras.optimizers.SGD(0.05), compression=hvds.Compression.topka(0.1))
+    fit(keras_mlp(), opt, x, y)                                    # three sparse steps
+    for key, value in opt.sparse_stats(average=True).items():
+        res[f"averaged.{key}"] = value
+    res["again"] = len(opt.sparse_stats(average=True))            # no step since the last call: {}
+    res["skipped"] = opt.skipped_steps()
+    res["last.sent_bytes"] = opt.sparse_stats()["sent_bytes"]
 
 
 def recorded(scenario, path):

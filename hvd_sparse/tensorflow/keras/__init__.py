@@ -274,14 +274,26 @@ class _CommonMethods:
         names = [variable_name(v) for v in variables]
         return run_check(variables, lambda values: self._hvds_check(names, values))
 
-    def sparse_stats(self):
+    def sparse_stats(self, average=False):
         """Statistics of this rank's last sparse step: ``n, k, selected, density, sent_bytes, recv_bytes,
-        sent_words, recv_words, collectives``; empty with a dense compression or before the first step."""
+        sent_words, recv_words, collectives``; empty with a dense compression or before the first step.
+
+        ``average=True``: a collective (every rank, at the same point) that returns ``density``, ``sent_bytes``,
+        ``recv_bytes`` and ``residual_norm`` as floats averaged over the sparse steps since the previous such call
+        and over the ranks, as torch's optimizer does (``{}`` when no rank made one)."""
+        if average:
+            return self._hvds_reduce.averaged_stats(self.residual_norm())
         states = getattr(self._hvds_reduce.compression, "states", None)
         engine = None if states is None else states.get("model")
         if engine is None or not engine.steps:
             return {}
         return {k: v for k, v in engine.last.items() if k != "info"}
+
+    def skipped_steps(self):
+        """Steps skipped on this rank (and every other) because a gradient was not finite (0 on the dense path)."""
+        states = getattr(self._hvds_reduce.compression, "states", None)
+        engine = None if states is None else states.get("model")
+        return 0 if engine is None else engine.skipped_steps
 
     def residual_norm(self):
         """L2 norm of this rank's error-feedback residual (0.0 with a dense compression)."""
