@@ -283,17 +283,20 @@ class _CommonMethods:
         and over the ranks, as torch's optimizer does (``{}`` when no rank made one)."""
         if average:
             return self._hvds_reduce.averaged_stats(self.residual_norm())
-        states = getattr(self._hvds_reduce.compression, "states", None)
-        engine = None if states is None else states.get("model")
+        engine = self._hvds_sparse_engine()
         if engine is None or not engine.steps:
             return {}
         return {k: v for k, v in engine.last.items() if k != "info"}
 
     def skipped_steps(self):
         """Steps skipped on this rank (and every other) because a gradient was not finite (0 on the dense path)."""
-        states = getattr(self._hvds_reduce.compression, "states", None)
-        engine = None if states is None else states.get("model")
+        engine = self._hvds_sparse_engine()
         return 0 if engine is None else engine.skipped_steps
+
+    def _hvds_sparse_engine(self):
+        """The sparse preset's engine of this optimizer, or None (a dense compression, or before the first step)."""
+        states = getattr(self._hvds_reduce.compression, "states", None)
+        return None if states is None else states.get("model")
 
     def residual_norm(self):
         """L2 norm of this rank's error-feedback residual (0.0 with a dense compression)."""
