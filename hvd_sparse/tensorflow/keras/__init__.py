@@ -34,7 +34,7 @@ from horovod.tensorflow import Average, global_process_set
 
 from ...compression import SparseCompression, check_compression, check_momentum, refuse_unused_options
 from ...core.state import already_used
-from ...core.validate import check_elastic_residuals, check_op, check_positive_int
+from ...core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int
 from .. import Compression, SparseState
 from .._consistency import check_now, run_check, variable_name
 from .._variables import keras_flavour, same_variable
@@ -383,7 +383,6 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          "hvd_sparse or Horovod); wrap the plain Keras optimizer once")
     refuse_wrapped(optimizer, _API)
     check_compression(compression, _API)
-    refuse_unused_options(compression, _API, nonfinite=nonfinite, elastic_residuals=elastic_residuals)
     check_op(op, gradient_predivide_factor, _API)
     if isinstance(compression, SparseCompression):
         if compression.states.owner() is not None:
@@ -392,6 +391,8 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     passes = check_positive_int(backward_passes_per_step, "backward_passes_per_step", _API)
     every = check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
     check_elastic_residuals(elastic_residuals, _API)
+    check_nonfinite(nonfinite, _API)
+    refuse_unused_options(compression, _API, nonfinite=nonfinite, elastic_residuals=elastic_residuals)
     # The flavour from the class's bases (a user's `class MySGD(tf.keras.optimizers.SGD)` lives in __main__)
     tf_keras = keras_flavour(optimizer) == "tf_keras"
     if not tf_keras:
