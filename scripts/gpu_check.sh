@@ -27,9 +27,10 @@
 #                   float32/bf16/fp16/mixed models through horovodrun -np 2 on the one GPU
 #   4. nccl         the NCCL build: horovodrun --check-build, the CUDA smoke job at -np 1 and at -np 2 (with one GPU
 #                   the two ranks share it, which NCCL refuses: recorded, not counted as a failure)
-#   5. benchmarks   bench trainstep (25M MLP, 2 ranks on the GPU, Gloo build; twice, then once with
-#                   HOROVOD_CYCLE_TIME=0.1 ms), bench engine --device cuda (25M, twice), bench latency (one small
-#                   collective, 2 and 4 ranks), bench select --device cuda (25M, 100M)
+#   5. benchmarks   bench trainstep (25M MLP, 2 ranks on the GPU, Gloo build; then again with
+#                   HOROVOD_CYCLE_TIME=0.1 ms), bench engine --device cuda (25M) -- these two in pairs with the
+#                   baseline when HVD_SPARSE_BASELINE is set --, bench latency (one small collective, 2 and 4
+#                   ranks), bench select --device cuda (25M, 100M)
 # OUTDIR then holds summary.txt (one line per step: exit code, seconds), logs/, reports/ (JSON, Markdown, PNG) and
 # wheels/ (the Horovod wheels built, for the next run). After every step, an archive of summary.txt, logs/ and
 # reports/ is written to $HVD_SPARSE_GPU_CHECK_ARCHIVE (default OUTDIR.tar.gz), so a run cut short keeps its logs.
