@@ -27,6 +27,7 @@ from .core.reducers import Dense, ExDynaReducer, GTopk, OkTopk, Reducer, SparDL,
 from .core.reducers.oktopk import FEW_COLLECTIVES_FROM
 from .core.sparsifiers import DCT, ExDyna, GaussianK, Sparsifier, ThresholdReuse, TopK
 from .core.state import UnitStates
+from .core.validate import HVD_AVERAGE, HVD_SUM
 
 #: the training options every sparse preset takes, and their defaults
 TRAINING_OPTIONS = {"warmup_dense_steps": 0, "momentum_correction": 0.0}
@@ -157,9 +158,11 @@ def check_compression(compression, api, *, sparse=False):
     if not sparse and callable(getattr(compression, "compress", None)) \
             and callable(getattr(compression, "decompress", None)):
         return compression
-    wanted = "a sparse preset such as Compression.topka(0.01)" + (
-        "" if sparse else ", or a Horovod compressor (Compression.none, Compression.fp16)")
-    raise TypeError(f"{api}: compression must be {wanted}, got {compression!r}")
+    if sparse:
+        raise TypeError(f"{api}: compression must be a sparse preset such as Compression.topka(0.01), got "
+                        f"{compression!r}; for dense tensors use hvd.allreduce")
+    raise TypeError(f"{api}: compression must be a sparse preset such as Compression.topka(0.01), or a Horovod "
+                    f"compressor (Compression.none, Compression.fp16), got {compression!r}")
 
 
 def allreduce_op(average, op, compression, api):
@@ -167,8 +170,6 @@ def allreduce_op(average, op, compression, api):
     bool) or ``op`` (default ``hvd.Average``), never both; ``compression=`` is a keyword, and a preset in the
     second position (the signature hvd_sparse had before, where Horovod has ``average``) is refused with the call
     to make."""
-    from .core.validate import HVD_AVERAGE, HVD_SUM
-
     if isinstance(average, SparseCompression) or callable(average):
         raise TypeError(f"{api}: the second positional argument is Horovod's average, as in hvd.allreduce; pass the "
                         f"preset as a keyword: {api.rsplit('.', 1)[-1]}(tensor, compression=..., name=...)")

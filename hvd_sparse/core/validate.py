@@ -57,13 +57,10 @@ def scale_factors(op, gradient_predivide_factor):
     return 1.0, 1.0, False
 
 
-def check_sparse_allreduce(sparse, op, nonfinite, floating, dtype, compression, api):
-    """The argument checks of every framework's ``sparse_allreduce``, before it touches the engine: ``sparse``
-    (``compression`` is a sparse preset), ``op``, ``nonfinite`` and ``floating`` (the tensor's dtype ``dtype`` is
-    a floating-point one)."""
-    if not sparse:
-        raise TypeError(f"{api}: compression must be a sparse preset such as Compression.topka(0.01), got "
-                        f"{compression!r}; for dense tensors use hvd.allreduce")
+def check_sparse_allreduce(op, nonfinite, floating, dtype, api):
+    """The argument checks of every framework's ``sparse_allreduce`` beside its compression's
+    (:func:`hvd_sparse.compression.check_compression`), before it touches the engine: ``op``, ``nonfinite`` and
+    ``floating`` (the tensor's dtype ``dtype`` is a floating-point one)."""
     check_op(op, 1.0, api)
     check_nonfinite(nonfinite, api)
     if not floating:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import tensorflow as tf
 from horovod.tensorflow import global_process_set
 
-from ..compression import SparseCompression, allreduce_op, check_compression
+from ..compression import allreduce_op, check_compression
 from ..core.validate import check_sparse_allreduce, scale_factors
 from ._xla import refuse_xla
 from .reduction import engine_step
@@ -43,8 +43,7 @@ def sparse_allreduce(tensor, average=None, device_dense='', device_sparse='', co
     op = allreduce_op(average, op, compression, _API)
     tensor = tf.convert_to_tensor(tensor)
     check_compression(compression, _API, sparse=True)
-    check_sparse_allreduce(isinstance(compression, SparseCompression), op, nonfinite, tensor.dtype.is_floating,
-                           tensor.dtype.name, compression, _API)
+    check_sparse_allreduce(op, nonfinite, tensor.dtype.is_floating, tensor.dtype.name, _API)
     refuse_xla(_API)
     unit = name or "sparse_allreduce"
     prescale, postscale, average = scale_factors(op, 1.0)

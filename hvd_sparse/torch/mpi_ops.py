@@ -6,7 +6,6 @@ from horovod.torch.mpi_ops import global_process_set
 
 from .comm import HorovodTorchCommunicator
 from ..compression import allreduce_op, check_compression
-from .compression import is_sparse
 from ..core.validate import check_sparse_allreduce, scale_factors
 
 _API = "hvd_sparse.torch.sparse_allreduce"
@@ -43,8 +42,7 @@ def sparse_allreduce(tensor, average=None, name=None, compression=None, op=None,
     if tensor.is_sparse:
         raise TypeError(f"{_API}: tensor must be dense, got a torch.sparse tensor")
     check_compression(compression, _API, sparse=True)
-    check_sparse_allreduce(is_sparse(compression), op, nonfinite, tensor.is_floating_point(), tensor.dtype,
-                           compression, _API)
+    check_sparse_allreduce(op, nonfinite, tensor.is_floating_point(), tensor.dtype, _API)
     unit = name or "sparse_allreduce"
     # collectives "hvd_sparse.allreduce.<name>.<phase>": never those of an optimizer or of another name
     engine = compression.states.engine(unit, unit,
