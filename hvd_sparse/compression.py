@@ -473,16 +473,21 @@ class Compression:
 
     @staticmethod
     @_documents_training_options
-    def dct(density=None, lifespan=1000, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
+    def dct(density=None, lifespan=1000, *, drift=2.0, byte_budget=None, warmup_dense_steps=0,
+            momentum_correction=0.0):
         """DCT-DP (Gupta et al., KDD'21, "Dynamic Communication Thresholding"; docs/algorithms.md#dct): a hard
         threshold per parameter tensor, the K-th largest |acc| of the tensor (K = ceil(density·n_l)),
-        recomputed only every ``lifespan`` steps and reused in between; the selections are allgathered.
+        recomputed every ``lifespan`` steps, and sooner when the count it passes drifts, and reused in between;
+        the selections are allgathered.
 
         Args:
             density (float): fraction of each tensor sent on recompute steps, in (0, 1].
             lifespan (int): steps between threshold recomputations (default 1000, the paper's value).
+            drift (float or None): the thresholds are also recomputed at the next step when the entries they pass
+                leave [c / drift, c · drift], c the count of the last recompute step (default 2); None: only every
+                ``lifespan`` steps, as in the paper (the count then drifts as error feedback grows).
         """
-        return _preset(Compression.dct, locals(), DCT(_density("dct", locals()), lifespan), TopkA())
+        return _preset(Compression.dct, locals(), DCT(_density("dct", locals()), lifespan, drift=drift), TopkA())
 
     @staticmethod
     @_documents_training_options

@@ -5,6 +5,8 @@ is the per-tensor threshold rule with the rank-order aggregation, written out in
 integer-valued float32 data (oracles.int_grads) or rank-order float32 sums reproduced by the reference.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,6 +15,8 @@ from hypothesis import strategies as st
 from hvd_sparse.compression import SparseCompression
 from hvd_sparse.core.reducers.topka import TopkA
 from hvd_sparse.core.sparsifiers.dct import DCT, dct_k
+from hvd_sparse.core.validate import options
+from hvd_sparse.core.validate import real as real_option
 from hvd_sparse.core.xp import backend_of
 from hvd_sparse.testing import simulate
 
@@ -20,11 +24,15 @@ from oracles import PS, ctx_of, int_grads, real, ref_topk, run_world
 
 
 # -- test double ----------------------------------------------------------------------------------------------------
+@options
 class RecDCT(DCT):
-    """DCT that leaves its selection in the state, with room for all of it: the wire's capacity (2k) cuts what DCT's
-    rule selects beyond it, and these tests check the rule itself."""
+    """The paper's DCT (``drift=None``: thresholds recomputed every ``lifespan`` steps only) that leaves its
+    selection in the state, with room for all of it: the wire's capacity (2k) cuts what DCT's rule selects beyond
+    it, and these tests check the rule itself."""
 
     capacity_ratio = 1e9
+    _: dataclasses.KW_ONLY
+    drift: float = real_option(None, 1.0, low_incl=False, allow_none=True)
 
     def select(self, xp, acc, k, state, ctx):
         out = super().select(xp, acc, k, state, ctx)
@@ -42,28 +50,32 @@ def _k_ref(nl, d6, rounding):
     return min(max(K, 1), nl)
 
 
-def dct_reference(g, layout, d6, L, guard=True, rounding="ceil", sync=False):
+def dct_reference(g, layout, d6, L, guard=True, rounding="ceil", sync=False, drift=None):
+    """Per step: u, E, M, Gt, the thresholds used and whether each rank recomputed them. ``drift``: a rank also
+    recomputes when its previous |M| left [c / drift, c * drift], c its |M| on its last recompute."""
     steps, P, n = g.shape
     offs = np.concatenate([[0], np.cumsum(layout)]).astype(int)
     E = np.zeros((P, n), np.float32)
     tau = [[None] * len(layout) for _ in range(P)]
+    drifted, counted = [False] * P, [0] * P
     out = []
     for t in range(steps):
         Gt = E + g[t]
         M = np.zeros((P, n), bool)
         taus_used = []
-        if t % L == 0:
-            for r in range(P):
+        recompute = [t % L == 0 or drifted[r] for r in range(P)]
+        for r in range(P):
+            if recompute[r]:
                 for l, nl in enumerate(layout):
                     a = np.sort(np.nan_to_num(np.abs(Gt[r, offs[l]:offs[l + 1]]), nan=0, posinf=0, neginf=0))[::-1]
                     tau[r][l] = float(a[_k_ref(nl, d6, rounding) - 1])
-            if sync and P > 1:
-                for l in range(len(layout)):
-                    s = np.float32(tau[0][l])
-                    for r in range(1, P):
-                        s = np.float32(s + np.float32(tau[r][l]))
-                    for r in range(P):
-                        tau[r][l] = float(s) / P
+        if sync and P > 1 and recompute[0]:
+            for l in range(len(layout)):
+                s = np.float32(tau[0][l])
+                for r in range(1, P):
+                    s = np.float32(s + np.float32(tau[r][l]))
+                for r in range(P):
+                    tau[r][l] = float(s) / P
         for r in range(P):
             for l in range(len(layout)):
                 a = np.abs(Gt[r, offs[l]:offs[l + 1]])
@@ -72,8 +84,11 @@ def dct_reference(g, layout, d6, L, guard=True, rounding="ceil", sync=False):
         u = np.zeros(n, np.float32)
         for r in range(P):
             u[M[r]] += Gt[r][M[r]]
+            passed = int(M[r].sum())
+            counted[r] = passed if recompute[r] else counted[r]
+            drifted[r] = drift is not None and not counted[r] / drift <= passed <= counted[r] * drift
         Enew = np.where(M, np.float32(0), Gt)
-        out.append({"u": u, "E": Enew, "M": M, "Gt": Gt, "tau": taus_used, "recompute": t % L == 0})
+        out.append({"u": u, "E": Enew, "M": M, "Gt": Gt, "tau": taus_used, "recompute": recompute})
         E = Enew
     return out
 
@@ -90,7 +105,7 @@ def check_dct(recs, ref, P, layout, guard=True):
             M[st["_idx"]] = True
             assert M.tolist() == rt["M"][r].tolist(), (t, r)
             assert st["tau"] == rt["tau"][r], (t, r)
-            assert st["recomputed"] == rt["recompute"]
+            assert st["recomputed"] == rt["recompute"][r]
             assert st["nnz"] == [int(M[offs[l]:offs[l + 1]].sum()) for l in range(len(layout))]
             # 1. exact error-feedback identity: Ghat + E_new == G + E_old, Ghat * E_new == 0
             Gt = rt["Gt"][r]
@@ -143,6 +158,29 @@ def test_dct_stale_threshold_lets_nnz_drift():
     recs = run_world(SparseCompression(RecDCT(0.05, 6), TopkA()), g)
     nnz = [recs[t][0]["state"]["nnz"][0] for t in range(6)]
     assert nnz[0] == 50 and max(nnz[1:]) > 50           # error feedback grows the unsent entries
+
+
+@pytest.mark.parametrize("P", [1, 3])
+def test_dct_drift_recomputes_a_rank_whose_count_left_its_band(P):
+    """Each rank recomputes at the step after its |M| left [c/2, 2c] (c: its |M| on its last recompute), and only
+    then; the paper's rule (drift=None) lets |M| run out of that band on the same data."""
+    g = np.random.default_rng(P).standard_normal((30, P, 500)).astype(np.float32)
+    layout = [int(np.prod(s)) for s in SHAPES[:4]]
+    g = g[:, :, :sum(layout)]
+    drifting = RecDCT(0.05, 1000, drift=2.0)
+    recs = run_world(SparseCompression(drifting, TopkA()), g, shapes=SHAPES[:4])
+    ref = dct_reference(g, layout, 50000, 1000, drift=2.0)
+    check_dct(recs, ref, P, layout)
+    redone = [recs[t][r]["state"]["recomputed"] for t in range(1, 30) for r in range(P)]
+    assert any(redone) and not all(redone)
+    for t in range(30):
+        for r in range(P):
+            st = recs[t][r]["state"]
+            assert st["passed"] == int(ref[t]["M"][r].sum())
+            assert st["drifted"] == (not st["reference"] / 2 <= st["passed"] <= 2 * st["reference"])
+    paper = dct_reference(g, layout, 50000, 1000)
+    late = [np.mean([out[t]["M"].sum() / out[0]["M"].sum() for t in range(20, 30)]) for out in (ref, paper)]
+    assert late[0] < 2 < late[1]
 
 
 @pytest.mark.parametrize("P", [1, 2, 3])
@@ -286,7 +324,7 @@ def test_dct_layout_change_recomputes_and_nan_is_kept_out_of_tau():
 
 def test_dct_single_rank_no_collective():
     g = int_grads(4, 1, 300, seed=9)
-    res = simulate(SparseCompression(DCT(0.05, 2, sync_threshold=True), TopkA()), g, shapes=[(100,), (200,)])
+    res = simulate(SparseCompression(DCT(0.05, 2, sync_threshold=True, drift=None), TopkA()), g, shapes=[(100,), (200,)])
     assert all(v[0]["collectives"] == 0 and v[0]["recv_words"] == 0 for v in res.volume)
 
 
@@ -321,7 +359,8 @@ def test_dct_property_matches_reference(sizes, P, d6, L, steps, rounding, sync, 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(lifespan=0), "lifespan"), (dict(k_rounding="floor"), "k_rounding"),
     (dict(zero_tau_guard=1), "zero_tau_guard"), (dict(sync_threshold="yes"), "sync_threshold"),
-    (dict(ef_drain_period=0), "ef_drain_period"), (dict(drain_seed=-1), "drain_seed")])
+    (dict(ef_drain_period=0), "ef_drain_period"), (dict(drain_seed=-1), "drain_seed"), (dict(drift=1.0), "drift"),
+    (dict(drift=2.0, sync_threshold=True), "drift=None")])
 def test_dct_arguments_are_validated(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         DCT(0.01, **kwargs)

@@ -30,6 +30,7 @@ CASES.update({
     "oktopk.P5.periods": ("oktopk", 5, "numpy", {}, {"threshold_period": 3, "repartition_period": 5}),
     "spardl.P4.groups": ("spardl", 4, "numpy", {}, {"groups": 2}),
     "gaussiank.P3.adjust": ("gaussiank", 3, "numpy", {}, {"adjust": "vgg"}),
+    "dct.P4.paper": ("dct", 4, "numpy", {}, {"drift": None}),
 })
 
 

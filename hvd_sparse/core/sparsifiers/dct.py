@@ -1,10 +1,11 @@
-"""DCT-DP (docs/algorithms.md#dct): per-tensor hard threshold, refreshed by a top-K once every ``lifespan`` steps.
+"""DCT-DP (docs/algorithms.md#dct): per-tensor hard threshold, refreshed by a top-K every ``lifespan`` steps, or sooner
+when the count it passes drifts.
 Exchanged by :class:`hvd_sparse.core.reducers.topka.TopkA` (one allgather of 2k pairs, padded).
 
 Rank p, step t (``ctx.step``), tensor l of ``ctx.layout`` (numels n_l, offsets = prefix sums):
 
     Gt   = G + E_l                          # error feedback (the engine's ``acc``)
-    if t % L == 0 (or the layout changed):  # threshold life-span expired (t = 0 included)
+    if t % L == 0 (or the layout changed, or drifted):  # life-span expired (t = 0 included), or the count drifted
         a     = nan_to_num(|Gt|, nan=0, posinf=0, neginf=0)
         K     = clamp(ceil(rho * n_l), 1, n_l)          # k_rounding="paper": n_l - floor(n_l*(1-rho)) + 1
         tau_l = K-th largest value of a
@@ -13,8 +14,15 @@ Rank p, step t (``ctx.step``), tensor l of ``ctx.layout`` (numels n_l, offsets =
     while |M| > 2k: tau *= 1.03             # every tensor's alike (ours: the capacity, docs/algorithms.md#the-wire)
     send (nonzero(M) + offset_l, Gt[M])     # TopkA: one allgather of 2k pairs, padded; rank-order sum
     E_l  = where(M, 0, Gt)                  # the engine's error feedback (residual[included] = 0)
+    drifted = |M| outside [c/drift, c*drift]    # ours: c = |M| of the last recompute step; recompute next step
 
-Between recomputes tau_l is stale (nnz drifts); NaN never passes the mask (it stays in E), ±Inf passes.
+Between recomputes tau_l is stale: error feedback grows the unsent entries, so |M| grows with each step (on a
+small CNN's gradients at P = 4, density 0.01, 52x k on average over 200 steps with L = 1000), and the capacity
+then cuts nearly every step. ``drift`` (default 2; None: the paper's rule) recomputes when |M| has left a band around the
+count of the last recompute; the count travels in the opening's header (the selection's note), so the check reads
+nothing more on the host.
+
+NaN never passes the mask (it stays in E), ±Inf passes.
 Optional drain (the paper's Remark 2), "flush" only: with ``ef_drain_period = T_d`` a Bernoulli(1/T_d) draw keyed by
 (drain_seed, t) -- identical on every rank -- selects every entry this step, of which the capacity sends the 2k
 largest (a full flush, Ghat = Gt and E = 0, would need a dense exchange: another shape on the wire). Mode "discard"
@@ -30,7 +38,7 @@ import math
 import numpy as np
 
 from ..comm import SUM
-from ..validate import choice, flag, integer, options
+from ..validate import choice, flag, integer, options, real
 from .base import CLIMB, Sparsifier
 
 K_ROUNDINGS = ("ceil", "paper")
@@ -76,9 +84,15 @@ class DCT(Sparsifier):
         ef_drain_period (int or None): T_d of the stochastic drain; default None (off).
         ef_drain_mode (str): "flush" (default; the only mode available, see the module docstring).
         drain_seed (int): seed of the rank-identical drain draws; default 0.
+        drift (float or None): the thresholds are also recomputed at the next step when the count they pass
+            (before the capacity) leaves [c / drift, c · drift], c the count of the last recompute step; default 2.
+            None: only every ``lifespan`` steps, as in the paper. Not with ``sync_threshold`` (the ranks' counts
+            differ, the allreduce needs them all at one step).
 
-    State (per rank): ``tau`` (list, one per tensor), ``layout``, and statistics ``nnz`` (list, per tensor: on a
-    device a device array), ``recomputed``, ``drained``, ``selected`` (the selection's size).
+    State (per rank): ``tau`` (list, one per tensor), ``layout``, ``reference`` (the count passed on the last
+    recompute step), ``drifted`` (recompute at the next step), and statistics ``nnz`` (list, per tensor: on a
+    device a device array), ``recomputed``, ``drained``, ``selected`` (the selection's size), ``passed`` (the count
+    the thresholds passed, before the capacity).
     """
 
     name = "dct"
@@ -95,8 +109,13 @@ class DCT(Sparsifier):
     ef_drain_mode: str = choice("flush", DRAIN_MODES, fix="'discard' (drop the error buffer without sending it) "
                                                           "is not available through the sparsifier interface")
     drain_seed: int = integer(0, minimum=0)
+    drift: float = real(2.0, 1.0, low_incl=False, allow_none=True)
 
     def check_together(self, api):
+        if self.sync_threshold and self.drift is not None:
+            raise ValueError(f"{api}: sync_threshold=True averages the thresholds over the ranks, so every rank must "
+                             "recompute them at the same step, and drift recomputes them when this rank's own count "
+                             f"leaves its band (drift={self.drift!r}); pass drift=None with sync_threshold=True")
         if not self.zero_tau_guard:
             raise ValueError(f"{api}: zero_tau_guard=False would select the zero entries of a tensor whose threshold "
                              "is 0, and no sparsifier may send a zero (it is always on); leave zero_tau_guard=True")
@@ -110,28 +129,23 @@ class DCT(Sparsifier):
         return bool(np.random.default_rng([self.drain_seed, int(t)]).random() < 1.0 / self.ef_drain_period)
 
     def _recomputes(self, state, ctx, layout):
-        return ctx.step % self.lifespan == 0 or state.get("layout") != layout or "tau" not in state
+        return (ctx.step % self.lifespan == 0 or state.get("layout") != layout or "tau" not in state
+                or state.get("drifted", False))
 
     def communicates(self, state, ctx):
         """A recompute step with ``sync_threshold`` averages the thresholds by an allreduce."""
         return self.sync_threshold and ctx.size > 1 and self._recomputes(state, ctx, list(ctx.layout))
 
     def _thresholds(self, xp, mag, layout, offsets, ctx):
-        """The per-tensor thresholds of a recompute step: the K-th largest |Gt| of each tensor (host floats: read
-        once per ``lifespan`` steps), averaged over the ranks with ``sync_threshold``."""
-        taus = []
-        for l, nl in enumerate(layout):
-            if nl == 0:
-                taus.append(0.0)
-                continue
-            a = mag[offsets[l]:offsets[l + 1]]
-            if not xp.all_finite(a):
-                a = xp.nan_to_zero(a)
-            taus.append(float(xp.kth_largest(a, dct_k(nl, self.density, self.k_rounding))))
-        if self.sync_threshold and ctx.size > 1 and taus:
-            s = xp.to_numpy(ctx.comm.allreduce(xp.asarray(taus, xp.float32, like=mag), SUM, "dct_tau"))
-            taus = [float(v) / ctx.size for v in s]
-        return taus
+        """The per-tensor thresholds of a recompute step: the K-th largest |Gt| of each tensor (NaN and Inf counted
+        as 0), read to the host in one transfer, or averaged over the ranks with ``sync_threshold``."""
+        mag = xp.nan_to_zero(mag)
+        kth = [xp.kth_largest(mag[offsets[l]:offsets[l + 1]], dct_k(nl, self.density, self.k_rounding)) if nl
+               else 0.0 for l, nl in enumerate(layout)]
+        if self.sync_threshold and ctx.size > 1 and kth:
+            mine = xp.stack([xp.asarray(v, xp.float32, like=mag) for v in kth])
+            return [float(v) / ctx.size for v in xp.to_numpy(ctx.comm.allreduce(mine, SUM, "dct_tau"))]
+        return [float(v[0]) for v in xp.read(*kth)]
 
     def select(self, xp, acc, k, state, ctx):
         """M = |Gt| >= tau of each entry's tensor, as the score |Gt| / tau >= 1 (tau = 0: |Gt| > 0), so that one
@@ -153,7 +167,22 @@ class DCT(Sparsifier):
             state.update(nnz=list(layout), recomputed=recompute, drained=True, selected=n)
             return xp.arange(n, xp.index_dtype, like=acc)
         score = xp.div(mag, xp.repeat(xp.asarray(state["tau"], xp.float32, like=acc), layout, n))
-        idx, count, _ = xp.select_capped(score, xp.ladder(1.0, CLIMB, acc), "ge", self.capacity(k, n), n)
+        idx, count, _, passed = xp.select_capped(score, xp.ladder(1.0, CLIMB, acc), "ge", self.capacity(k, n), n,
+                                                 counts=1)
         bounds = xp.searchsorted(idx, xp.asarray(offsets, xp.index_dtype, like=acc))
         state.update(nnz=xp.segment_counts(bounds), recomputed=recompute, drained=False, selected=count)
-        return idx, count
+        return idx, count, passed[0]
+
+    def update(self, xp, state, info, ctx):
+        """The drift check, on the host: ``ctx.note`` is how many entries the thresholds passed (before the
+        capacity), back with the opening's header. A recompute step sets the reference count; a later step whose
+        count leaves [reference / drift, reference · drift] marks the thresholds stale, to be recomputed at the
+        next step."""
+        if state.get("drained"):
+            return
+        passed = int(ctx.note)
+        if state.get("recomputed"):
+            state["reference"] = passed
+        state["passed"] = passed
+        ref = state.get("reference", passed)
+        state["drifted"] = self.drift is not None and not ref / self.drift <= passed <= ref * self.drift
