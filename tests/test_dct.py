@@ -324,7 +324,8 @@ def test_dct_layout_change_recomputes_and_nan_is_kept_out_of_tau():
 
 def test_dct_single_rank_no_collective():
     g = int_grads(4, 1, 300, seed=9)
-    res = simulate(SparseCompression(DCT(0.05, 2, sync_threshold=True, drift=None), TopkA()), g, shapes=[(100,), (200,)])
+    comp = SparseCompression(DCT(0.05, 2, sync_threshold=True, drift=None), TopkA())
+    res = simulate(comp, g, shapes=[(100,), (200,)])
     assert all(v[0]["collectives"] == 0 and v[0]["recv_words"] == 0 for v in res.volume)
 
 

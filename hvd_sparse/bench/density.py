@@ -117,7 +117,8 @@ def markdown(rows):
     for r in rows:
         readme = "--" if r["readme_words_per_k"] is None else f"{r['readme_words_per_k']:.2f}"
         lines.append(f"| {r['preset']} | {r['density_ratio']:.2f} ({r['density_ratio_min']:.2f}, "
-                     f"{r['density_ratio_max']:.2f}) | {r['recv_words_per_k']:.2f}, {r['recv_words_max_per_k']:.2f} | {readme} | "
+                     f"{r['density_ratio_max']:.2f}) | {r['recv_words_per_k']:.2f}, "
+                     f"{r['recv_words_max_per_k']:.2f} | {readme} | "
                      f"{r['final_loss']:.3f} |")
     return "\n".join(lines)
 
