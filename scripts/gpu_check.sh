@@ -29,8 +29,8 @@
 #                   the two ranks share it, which NCCL refuses: recorded, not counted as a failure)
 #   5. benchmarks   bench trainstep (25M MLP, 2 ranks on the GPU, Gloo build; then again with
 #                   HOROVOD_CYCLE_TIME=0.1 ms), bench engine --device cuda (25M) -- these two in pairs with the
-#                   baseline when HVD_SPARSE_BASELINE is set --, bench latency (one small collective, 2 and 4
-#                   ranks), bench select --device cuda (25M, 100M)
+#                   baseline when HVD_SPARSE_BASELINE is set --, bench advise (under horovodrun -np 2, 25M MLP),
+#                   bench latency (one small collective, 2 and 4 ranks), bench select --device cuda (25M, 100M)
 # OUTDIR then holds summary.txt (one line per step: exit code, seconds), logs/, reports/ (JSON, Markdown, PNG) and
 # wheels/ (the Horovod wheels built, for the next run). After every step, an archive of summary.txt, logs/ and
 # reports/ is written to $HVD_SPARSE_GPU_CHECK_ARCHIVE (default OUTDIR.tar.gz), so a run cut short keeps its logs.
@@ -131,6 +131,9 @@ if use gloo; then
     step tests timeout 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs "$ROOT/tests/test_cuda.py" \
         "$ROOT/tests/test_dtypes_horovod.py" "$ROOT/tests/test_bench_steps.py"
     step bench_trainstep pairs 150 trainstep trainstep --workers 2 --device cuda
+    step bench_advise timeout 150 horovodrun -np 2 -H localhost:2 --gloo "$PY" -m hvd_sparse.bench advise \
+        --device cuda --numel 25000000 --steps 10 --warmup 3 --json "$OUT/reports/advise.json" \
+        --markdown "$OUT/reports/advise.md"
     step bench_trainstep_cycle timeout 150 env HOROVOD_CYCLE_TIME=0.1 "$PY" -m hvd_sparse.bench trainstep \
         --workers 2 --device cuda --json "$OUT/reports/trainstep_cycle0.1.json"
     step bench_engine pairs 150 engine engine --device cuda --numel 25000000

@@ -1,8 +1,10 @@
 """The step benchmarks at tiny sizes, so that they cannot rot (their GPU runs are in docs/gpu.md): ``engine`` (one
 rank's engine step per preset) on the CPU and, with ``-m cuda``, on a GPU; ``trainstep`` and ``latency`` through
-real horovodrun. No timing is asserted."""
+real horovodrun; ``advise`` launched by horovodrun as a user would. No timing is asserted."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ from hvd_sparse.bench.__main__ import main
 from hvd_sparse.bench.engine import REFERENCES
 from hvd_sparse.bench.presets import names
 
-from horovod_helpers import requires_horovod
+from horovod_helpers import HOROVODRUN, job_env, requires_horovod
 from test_bench_select_plot import assert_png
 
 
@@ -73,3 +75,27 @@ def test_trainstep_and_latency_cli_through_horovodrun(tmp_path):
     assert {(r["collective"], r["wait"]) for r in rows} == {(c, w) for c in ("allreduce", "allgather")
                                                             for w in ("poll", "spin")}
     assert all(r["workers"] == 2 and r["cycle_time_ms"] == "0.1" and r["median_us"] > 0 for r in rows)
+
+
+@requires_horovod
+def test_advise_under_horovodrun_measures_every_configuration_and_gives_a_verdict(tmp_path):
+    """``bench advise`` launched as training is: every configuration's step, bytes and the links' probes, in JSON
+    and Markdown, with progress on the way; one rank alone is refused with the command to run."""
+    out, md = tmp_path / "a.json", tmp_path / "a.md"
+    cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", "hvd_sparse.bench",
+           "advise", "--model", "hvd_sparse.bench.advise:digits_cnn", "--presets", "topka", "--densities", "0.01",
+           "--steps", "2", "--warmup", "1", "--probe-mb", "1", "--json", str(out), "--markdown", str(md)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=job_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {r["name"]: r for r in report["configurations"]}
+    assert list(rows) == ["compute", "dense", "fp16", "topka@b0.05", "topka@d0.01"]
+    assert report["workers"] == 2 and report["numel"] == 38_282 and report["build"]["gloo"]
+    assert rows["dense"]["sent_bytes"] == 4 * 38_282 and rows["fp16"]["sent_bytes"] == 2 * 38_282   # the ring's
+    assert 0 < rows["topka@d0.01"]["sent_bytes"] < rows["topka@b0.05"]["sent_bytes"] < rows["fp16"]["sent_bytes"]
+    assert rows["compute"]["beyond_compute_ms"] == 0 and all(r["step_ms"] > 0 for r in rows.values())
+    assert report["latency_us"] > 0 and report["bandwidth_gbit"] > 0
+    assert report["verdict"] in md.read_text() and "[5/5] topka@d0.01" in proc.stderr
+    alone = subprocess.run([sys.executable, "-m", "hvd_sparse.bench", "advise"], capture_output=True, text=True,
+                           timeout=300, env=job_env())
+    assert alone.returncode != 0 and "horovodrun -np 2" in alone.stderr

@@ -23,6 +23,7 @@ COMMANDS = {
     "engine": ("engine", "one rank's engine step per preset (P = 1), CPU or GPU: wall, GPU kernel time, syncs"),
     "trainstep": ("trainstep", "training step of a 25M MLP under horovodrun: compute only, Horovod dense, presets"),
     "latency": ("latency", "one small Horovod collective's latency by ranks, cycle time and wait mode"),
+    "advise": ("advise", "under horovodrun: your model's step with Horovod dense, fp16 and presets, a verdict"),
     "density": ("density", "achieved density and words per step of each preset over a real training run, simulated"),
     "timeline": ("timeline", "per collective of a HOROVOD_TIMELINE: calls negotiated in full vs served by the cache"),
 }
