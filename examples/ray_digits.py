@@ -1,6 +1,6 @@
 """examples/pytorch_digits.py on a Ray cluster, through Horovod's ``horovod.ray.RayExecutor`` (no horovodrun).
 
-    pip install "hvd_sparse[ray]"                       # the Ray release Horovod 0.28.1 was tested with here
+    pip install ".[ray]"    # in this repository: the Ray release Horovod 0.28.1 was tested with here
     python examples/ray_digits.py --workers 2 -- --density 0.01 --epochs 12      # a local Ray started for the run
     ray start --head --num-cpus 2 && python examples/ray_digits.py --address auto --workers 2   # a running cluster
 

@@ -18,7 +18,7 @@ import pytest
 
 from horovod_helpers import BIN, job_env, requires_horovod
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'hvd_sparse[ray]'; make test installs it)")
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install '.[ray]' here; make test installs it)")
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
