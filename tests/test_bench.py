@@ -76,3 +76,24 @@ def test_density_cli_writes_a_row_per_preset(tmp_path, capsys):
     row = report["presets"][0]
     assert row["density_ratio"] == 1.0 and row["recv_words_per_k"] == row["readme_words_per_k"] == 2.0
     assert "| topka |" in capsys.readouterr().out
+
+
+def test_advise_decides_the_faster_side_and_the_break_even_link_speed():
+    """The cost model of docs/choosing.md: each fixed cost is the time beyond compute less bytes / bandwidth; the
+    preset and dense cost the same at (B_dense - B_preset) / (F_preset - F_dense)."""
+    from hvd_sparse.bench.advise import break_even, decide, verdict
+
+    def row(name, beyond, sent):
+        return {"name": name, "step_ms": 50 + beyond, "beyond_compute_ms": beyond, "sent_bytes": sent,
+                "speedup_vs_dense": 100 / (50 + beyond)}
+
+    dense, preset = row("dense", 50, 8e6), row("topka@b0.05", 10, 4e5)        # at 1 Gbit/s: F_d 0, F_s 6.8 ms
+    assert break_even(preset, dense, 1.25e8) == pytest.approx(7.6e6 / 6.8e-3)
+    assert break_even(row("x", 1, 4e5), dense, 1.25e8) is None              # no fixed cost above dense's
+    rows = [row("compute", 0, 0), dense, row("fp16", 40, 4e6), preset]
+    facts = decide(rows, 1.25e8)
+    assert facts["best"] == "topka@b0.05" and facts["wins"] and facts["speedup"] == pytest.approx(100 / 60)
+    assert facts["break_even_gbit"] == pytest.approx(7.6e6 / 6.8e-3 * 8 / 1e9)
+    rows[-1] = row("topka@b0.05", 48, 4e5)                                  # 2% faster: not a win
+    assert not decide(rows, 1.25e8)["wins"] and verdict(rows, 1.25e8, 4)
+    assert decide(rows[:3], 1.25e8)["best"] is None                           # fp16 is no preset

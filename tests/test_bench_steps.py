@@ -96,6 +96,7 @@ def test_advise_under_horovodrun_measures_every_configuration_and_gives_a_verdic
     assert rows["compute"]["beyond_compute_ms"] == 0 and all(r["step_ms"] > 0 for r in rows.values())
     assert report["latency_us"] > 0 and report["bandwidth_gbit"] > 0
     assert report["verdict"] in md.read_text() and "[5/5] topka@d0.01" in proc.stderr
+    assert report["decision"]["best"] in ("topka@b0.05", "topka@d0.01")
     alone = subprocess.run([sys.executable, "-m", "hvd_sparse.bench", "advise"], capture_output=True, text=True,
                            timeout=300, env=job_env())
     assert alone.returncode != 0 and "horovodrun -np 2" in alone.stderr

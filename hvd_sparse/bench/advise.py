@@ -181,31 +181,46 @@ def break_even(row, dense, bandwidth):
     return saved / extra if saved > 0 and extra > 0 else None
 
 
-def verdict(rows, bandwidth, P, margin=1.1):
-    """One paragraph: the fastest configuration against dense (faster only by more than ``margin``), and the link
-    speed where that changes."""
+def decide(rows, bandwidth, margin=1.1):
+    """The verdict's facts: the fastest preset (``best``, None without presets), its ``speedup`` over dense,
+    whether it wins (faster by more than ``margin``) and the ``break_even_gbit`` link speed (None: no crossing)."""
     dense = next(r for r in rows if r["name"] == "dense")
     sparse = [r for r in rows if r["name"] not in BASELINES]
-    best = min(sparse, key=lambda r: r["step_ms"]) if sparse else None
-    where = f"On these hosts (P = {P}, links measured at {bandwidth * 8 / 1e9:.2f} Gbit/s)"
-    if best is None:
-        return f"{where} Horovod's dense step takes {dense['step_ms']:.1f} ms; no preset was measured."
+    if not sparse:
+        return {"best": None, "speedup": None, "wins": False, "break_even_gbit": None}
+    best = min(sparse, key=lambda r: r["step_ms"])
     at = break_even(best, dense, bandwidth)
-    ratio = dense["step_ms"] / best["step_ms"]
-    if ratio >= margin:
-        text = (f"{where} {best['name']} is {ratio:.1f}x faster per step than Horovod's dense optimizer "
+    speedup = dense["step_ms"] / best["step_ms"]
+    return {"best": best["name"], "speedup": speedup, "wins": speedup >= margin,
+            "break_even_gbit": None if at is None else at * 8 / 1e9}
+
+
+def verdict(rows, bandwidth, P, margin=1.1):
+    """One paragraph on :func:`decide`'s facts: the fastest preset against dense, and the link speed where that
+    changes."""
+    facts = decide(rows, bandwidth, margin)
+    dense = next(r for r in rows if r["name"] == "dense")
+    where = f"On these hosts (P = {P}, links measured at {bandwidth * 8 / 1e9:.2f} Gbit/s)"
+    if facts["best"] is None:
+        return f"{where} Horovod's dense step takes {dense['step_ms']:.1f} ms; no preset was measured."
+    best = next(r for r in rows if r["name"] == facts["best"])
+    at = facts["break_even_gbit"]
+    if facts["wins"]:
+        text = (f"{where} {best['name']} is {facts['speedup']:.1f}x faster per step than Horovod's dense optimizer "
                 f"({best['step_ms']:.1f} ms against {dense['step_ms']:.1f} ms, with "
                 f"{best['sent_bytes'] / max(dense['sent_bytes'], 1):.3f} of its bytes). ")
-        text += (f"Dense would catch up on links faster than {at * 8 / 1e9:.1f} Gbit/s (docs/choosing.md)." if at
-                 else "It stays ahead on faster links too: its fixed cost is not above dense's.")
+        text += (f"Dense would catch up on links faster than {at:.1f} Gbit/s (docs/choosing.md)." if at else
+                 "It stays ahead on faster links too: its fixed cost is not above dense's.")
     else:
         text = (f"{where} no preset is more than {margin:.1f}x faster than Horovod's dense step "
                 f"({dense['step_ms']:.1f} ms; the fastest preset, {best['name']}, {best['step_ms']:.1f} ms): "
                 "keep Horovod's optimizer. ")
-        text += (f"{best['name']} would win on links slower than {at * 8 / 1e9:.2f} Gbit/s (docs/choosing.md)."
-                 if at else "")
+        text += f"{best['name']} would win on links slower than {at:.2f} Gbit/s (docs/choosing.md)." if at else ""
     if best["name"].startswith("topka@d"):
         text += " TopkA's bytes grow with P: past P = 1/density it sends more than dense; a byte_budget scales it."
+    elif "@b" in best["name"]:
+        text += (" At a byte budget the bytes keep their share of dense's at any number of ranks; the fixed cost grows "
+                 "with the ranks: measure again at another P.")
     return text.rstrip()
 
 
@@ -295,7 +310,8 @@ def main(args):
               "numel": numel, "latency_us": latency * 1e6, "bandwidth_gbit": bandwidth * 8 / 1e9,
               "build": {"nccl": bool(hvd.nccl_built()), "gloo": bool(hvd.gloo_enabled()),
                         "mpi": bool(hvd.mpi_enabled())},
-              "configurations": rows, "verdict": verdict(rows, bandwidth, hvd.size())}
+              "configurations": rows, "decision": decide(rows, bandwidth),
+              "verdict": verdict(rows, bandwidth, hvd.size())}
     if hvd.rank() == 0:
         cli.write_json(args.json, report)
         if args.markdown:
