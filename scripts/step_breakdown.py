@@ -8,8 +8,8 @@ Runs the network benchmark's worker path without the network (loopback): the sam
 ``time.thread_time`` (CPU time of the main thread) by wrapping the engine's functions; ``rank CPU`` is the CPU
 time of all the rank's threads (``time.process_time``: Horovod's background thread included) and ``step`` the
 wall time of ``optimizer.step()``. Rank 0 prints one row per part and one column per rank (ms per step, mean over
-the measured steps), and the share of the step taken by the agreement that starts every step
-(``hvd_sparse/core/comm.py``) plus the adapter's layout read. A diagnostic tool for docs/benchmarks.md, not a
+the measured steps), and the share of the step taken by the opening that starts every step (the agreement's header
+with the reducer's first message, ``hvd_sparse/core/comm.py``) plus the adapter's layout read. A diagnostic tool for docs/benchmarks.md, not a
 benchmark: the wrappers cost a little.
 """
 
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 
-AGREEMENT = "agreement (incl. its allgather)"
+AGREEMENT = "the opening (incl. its allgather)"
 LAYOUT = "layout read + declare"
 
 
@@ -43,7 +43,7 @@ def main():
     from hvd_sparse.bench.layouts import synthetic_layout
     from hvd_sparse.bench.presets import make
     from hvd_sparse.bench.shm import SharedGradients, write_gradient_data
-    from hvd_sparse.core import comm, engine, memory
+    from hvd_sparse.core import comm, engine, state
     from hvd_sparse.core.reducers import oktopk
     from hvd_sparse.core.sparsifiers import threshold_reuse
     from hvd_sparse.torch import optimizer as torch_optimizer
@@ -83,15 +83,16 @@ def main():
 
     guarded = comm.HorovodCommunicator._guarded
     comm.HorovodCommunicator._guarded = timed_collectives
-    timed(memory.ErrorFeedback, "compensate", "residual + grad (the add pass)")
-    timed(memory.ErrorFeedback, "update", "zero S cap G in the residual")
+    timed(state.ErrorFeedback, "compensate", "residual + grad (the add pass)")
+    timed(state.ErrorFeedback, "update", "zero S cap G in the residual")
     timed(threshold_reuse.ThresholdReuse, "select", "selection")
     timed(oktopk.OkTopk, "reduce", "reducer (incl. its collectives)")
     timed(engine.Engine, "_emit", "write the result into p.grad")
     timed(torch.optim.SGD, "step", "SGD update")
-    # the agreement every step starts with (hvd_sparse/core/comm.py): fingerprint check + its 28-byte allgather
-    # (that allgather's wait is also in "waiting in collectives"), and the adapter's read of what is trained now
-    timed(engine.Engine, "_agreement", AGREEMENT)
+    # the opening every step starts with (hvd_sparse/core/comm.py): the header with the agreement, in front of the
+    # reducer's first message, one allgather (inside the reducer's time; its wait is also in "waiting in
+    # collectives"), and the adapter's read of what is trained now
+    timed(engine.Engine, "_open", AGREEMENT)
     timed(engine.Engine, "declare", LAYOUT)
     timed(torch_optimizer._SparseDistributedOptimizer, "_hvds_params", LAYOUT)
 
@@ -125,7 +126,7 @@ def main():
         for key in sorted(rows[0]):
             print(f"  {key:36s}" + "".join(f"{r.get(key, 0.0) * 1e3:9.1f}" for r in rows))
         share = [100 * (r.get(AGREEMENT, 0.0) + r.get(LAYOUT, 0.0)) / r["step (wall, median)"] for r in rows]
-        print(f"  {'agreement + layout, % of step':36s}" + "".join(f"{s:9.2f}" for s in share))
+        print(f"  {'opening + layout, % of step':36s}" + "".join(f"{s:9.2f}" for s in share))
     hvd.shutdown()
     os._exit(0)
 
