@@ -66,7 +66,8 @@ def load_model(spec, numel, batch_size, seed, device):
         except (ImportError, AttributeError, ValueError) as e:
             raise Unusable(f"--model {spec!r}: cannot load it ({e}); give package.module:callable") from e
         made = factory()
-        if not isinstance(made, tuple) or len(made) not in (2, 3):
+        if not (isinstance(made, tuple) and len(made) in (2, 3) and isinstance(made[1], (tuple, list))
+                and len(made[1]) == 2):
             raise Unusable(f"--model {spec!r} must return (model, (inputs, targets)) or (model, (inputs, targets), "
                            f"loss_fn), got {type(made).__name__}")
         model, (x, y), loss = (*made, torch.nn.functional.cross_entropy)[:3]
