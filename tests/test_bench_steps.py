@@ -1,10 +1,12 @@
 """The step benchmarks at tiny sizes, so that they cannot rot (their GPU runs are in docs/gpu.md): ``engine`` (one
 rank's engine step per preset) on the CPU and, with ``-m cuda``, on a GPU; ``trainstep`` and ``latency`` through
-real horovodrun; ``advise`` launched by horovodrun as a user would. No timing is asserted."""
+real horovodrun; ``advise`` launched by horovodrun as a user would; ``scripts/step_breakdown.py``. No timing is
+asserted."""
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,3 +102,19 @@ def test_advise_under_horovodrun_measures_every_configuration_and_gives_a_verdic
     alone = subprocess.run([sys.executable, "-m", "hvd_sparse.bench", "advise"], capture_output=True, text=True,
                            timeout=300, env=job_env())
     assert alone.returncode != 0 and "horovodrun -np 2" in alone.stderr
+
+
+@requires_horovod
+def test_step_breakdown_script_reports_every_part_on_every_rank(tmp_path):
+    """``scripts/step_breakdown.py`` (docs/benchmarks.md, "What the Ok-Topk step costs") at a tiny size: it wraps
+    the engine's parts by name, so a renamed part fails here instead of in the next diagnosis."""
+    cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
+           str(Path(__file__).parent.parent / "scripts" / "step_breakdown.py"), "--numel", "20000", "--steps", "2",
+           "--data", str(tmp_path / "data")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=job_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {line.split("<stdout>:", 1)[1].strip().rsplit(None, 2)[0]: line.split()[-2:]
+            for line in proc.stdout.splitlines() if "<stdout>:  " in line}
+    for part in ("reducer (incl. its collectives)", "selection", "residual + grad (the add pass)",
+                 "the opening (incl. its allgather)", "step (wall, median)"):
+        assert part in rows and all(float(v) > 0 for v in rows[part]), (part, rows)
