@@ -44,6 +44,8 @@ def main():
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--steps", type=int, default=300)
     args = p.parse_args()
+    if args.steps <= SKIP:
+        p.error(f"--steps must be more than {SKIP}: the percentiles are over steps {SKIP}..")
     warnings.simplefilter("ignore")
     P, steps = args.workers, args.steps
     src = MLPGradients(P, seed=0)
