@@ -203,6 +203,10 @@ def dense_bytes(n, size):
     return 2.0 * n * (size - 1) / size * 4 if size > 1 else 0.0
 
 
+#: the Horovod name of the sum-allreduce of ``sparse_stats(average=True)``, torch's and TensorFlow's alike
+STATS_NAME = "hvd_sparse.model.sparse_stats"
+
+
 class SparsityWindow:
     """This rank's running sums of :data:`FIELDS` since the last :meth:`clear`."""
 
@@ -226,6 +230,16 @@ class SparsityWindow:
         :data:`FIELDS` over its steps, its residual norm]."""
         s = self.steps
         return [1.0 if s else 0.0] + [v / s if s else 0.0 for v in self.sums] + [float(residual_norm)]
+
+    def average(self, residual_norm, size, sum_over_ranks):
+        """``sparse_stats(average=True)``: this window's statistics averaged over its steps and over the ``size``
+        ranks, ``{}`` when no rank made a sparse step; the window then starts afresh. ``sum_over_ranks(local)``:
+        the framework's float64 sum-allreduce of :meth:`local` (named :data:`STATS_NAME`) as a list, called
+        when ``size > 1``: a collective, so every rank calls this at the same point."""
+        local = self.local(residual_norm)
+        total = sum_over_ranks(local) if size > 1 else local
+        self.clear()
+        return averaged(total, size) if total[0] > 0 else {}
 
 
 def averaged(total, size, numel=None):

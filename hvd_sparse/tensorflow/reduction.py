@@ -19,13 +19,10 @@ from horovod.tensorflow import Average
 
 from ..compression import SparseCompression, check_compression, refuse_unused_options
 from ..core.comm import in_process_set
-from ..core.state import SparsityWindow, averaged
+from ..core.state import STATS_NAME, SparsityWindow
 from ..core.validate import check_nonfinite, scale_factors
 from ._xla import refuse_xla
 from .comm import HorovodTFCommunicator
-
-#: the Horovod name of the allreduce of ``sparse_stats(average=True)`` (torch's: hvd_sparse/torch/stats.py)
-STATS_NAME = "hvd_sparse.model.sparse_stats"
 
 
 def engine_step(compression, unit, owner, process_set, tensors, average, prescale, postscale, nonfinite="skip",
@@ -94,11 +91,12 @@ class Reduction:
         ps = self.process_set
         if not in_process_set(ps, hvd.rank()):
             return {}
-        local = tf.constant(self.window.local(residual_norm), tf.float64)
-        total = hvd.allreduce(local, op=hvd.Sum, name=STATS_NAME, process_set=ps) if ps.size() > 1 else local
-        self.window.clear()
-        total = total.numpy().tolist()
-        return averaged(total, ps.size()) if total[0] > 0 else {}
+
+        def sum_over_ranks(local):
+            return hvd.allreduce(tf.constant(local, tf.float64), op=hvd.Sum, name=STATS_NAME,
+                                 process_set=ps).numpy().tolist()
+
+        return self.window.average(residual_norm, ps.size(), sum_over_ranks)
 
     def densify(self, grads, variables):
         """Dense gradients: zeros for ``None`` (unused on this rank, as in Horovod), ``tf.IndexedSlices``

@@ -25,9 +25,7 @@ import horovod.torch as hvd
 import torch
 
 from ..core.comm import in_process_set
-from ..core.state import averaged
-
-_NAME = "hvd_sparse.model.sparse_stats"
+from ..core.state import STATS_NAME
 
 
 def averaged_stats(optimizer):
@@ -36,10 +34,10 @@ def averaged_stats(optimizer):
     ps = optimizer.process_set
     if not in_process_set(ps, hvd.rank()):
         return {}
-    w = optimizer._hvds_window          # filled by every exchange (DistributedOptimizer)
     norm = optimizer._hvds_engine().residual_norm() if optimizer._hvds_exchanges else 0.0
-    local = torch.tensor(w.local(norm), dtype=torch.float64)
-    total = hvd.allreduce(local, op=hvd.Sum, name=_NAME, process_set=ps) if ps.size() > 1 else local
-    w.clear()
-    total = total.tolist()
-    return averaged(total, ps.size()) if total[0] > 0 else {}
+
+    def sum_over_ranks(local):
+        return hvd.allreduce(torch.tensor(local, dtype=torch.float64), op=hvd.Sum, name=STATS_NAME,
+                             process_set=ps).tolist()
+
+    return optimizer._hvds_window.average(norm, ps.size(), sum_over_ranks)     # filled by every exchange
