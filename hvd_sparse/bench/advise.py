@@ -158,10 +158,13 @@ def slowest(seconds):
 def rows_of(measured, numel, P):
     """Table rows from ``[(label, every rank's (seconds, sent))]``: the slowest rank per step, the median over steps;
     dense and fp16 send the ring's 2n(P-1)/P words of 4 and 2 bytes."""
+    from .loop import ring_allreduce_bytes
+
     rows = []
     for label, ranks in measured:
         steps = [max(s[t] for s, _ in ranks) for t in range(len(ranks[0][0]))]
-        sent = {"compute": 0.0, "dense": 8.0 * numel * (P - 1) / P, "fp16": 4.0 * numel * (P - 1) / P}.get(label)
+        sent = {"compute": 0.0, "dense": ring_allreduce_bytes(numel, P),
+                "fp16": ring_allreduce_bytes(numel, P, itemsize=2)}.get(label)
         if sent is None:
             sent = statistics.fmean(b for _, b in ranks)
         rows.append({"name": label, "step_ms": statistics.median(steps) * 1e3, "sent_bytes": sent})
