@@ -43,7 +43,8 @@ def main():
     from hvd_sparse.bench.layouts import synthetic_layout
     from hvd_sparse.bench.presets import make
     from hvd_sparse.bench.shm import SharedGradients, write_gradient_data
-    from hvd_sparse.core import comm, engine, state
+    from hvd_sparse import horovod_comm
+    from hvd_sparse.core import engine, state
     from hvd_sparse.core.reducers import oktopk
     from hvd_sparse.core.sparsifiers import threshold_reuse
     from hvd_sparse.torch import optimizer as torch_optimizer
@@ -81,8 +82,8 @@ def main():
         finally:
             cpu["waiting in collectives"] += time.thread_time() - t0
 
-    guarded = comm.HorovodCommunicator._guarded
-    comm.HorovodCommunicator._guarded = timed_collectives
+    guarded = horovod_comm.HorovodCommunicator._guarded
+    horovod_comm.HorovodCommunicator._guarded = timed_collectives
     timed(state.ErrorFeedback, "compensate", "residual + grad (the add pass)")
     timed(state.ErrorFeedback, "update", "zero S cap G in the residual")
     timed(threshold_reuse.ThresholdReuse, "select", "selection")

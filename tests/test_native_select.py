@@ -77,8 +77,8 @@ def kernel_build(request, tmp_path_factory):
 def kernel(kernel_build, monkeypatch):
     """Route the module's calls to one build variant (the module caches one library per process)."""
     name, lib = kernel_build
-    monkeypatch.setitem(native._state, "lib", lib)
-    monkeypatch.setitem(native._state, "tried", True)
+    monkeypatch.setitem(native.library._state, "lib", lib)
+    monkeypatch.setitem(native.library._state, "tried", True)
     return name, lib
 
 
@@ -228,7 +228,7 @@ def test_cache_honours_xdg_and_concurrent_builders_do_not_clash(tmp_path):
 def test_no_compiler_falls_back_with_one_warning(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    monkeypatch.setattr(native, "_state", {"lib": None, "tried": False, "path": None, "flags": None,
+    monkeypatch.setattr(native.library, "_state", {"lib": None, "tried": False, "path": None, "flags": None,
                                            "reason": None})
     with pytest.warns(RuntimeWarning, match="native selection kernel could not be built"):
         assert not native.available()

@@ -3,8 +3,9 @@ engine step starts with: its header, the agreement it proves.
 
 A reducer talks to the other ranks only through a :class:`Communicator`. Two implementations exist:
 :class:`hvd_sparse.core.sim.SimulatedCommunicator` (P virtual ranks in one process, the test oracle) and
-the Horovod communicators of the framework adapters (``hvd.allreduce`` / ``allgather`` / ``alltoall`` /
-``broadcast`` with explicit names ``hvd_sparse.<unit>.<phase>`` and the process set).
+the Horovod communicators of the framework adapters (:mod:`hvd_sparse.horovod_comm`: ``hvd.allreduce`` /
+``allgather`` / ``alltoall`` / ``broadcast`` with explicit names ``hvd_sparse.<unit>.<phase>`` and the process set).
+The core imports no Horovod.
 
 Every collective takes a ``phase`` (``"values"``, ``"indices"``, ``"count"``, ...) that names the
 collective and keys the volume meter. Collectives are issued by every rank of the process set in the
@@ -79,12 +80,9 @@ it makes anyway and a tuple comparison.
 from __future__ import annotations
 
 import collections
-import functools
 import hashlib
 import json
 import numbers
-import os
-import time
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -204,134 +202,6 @@ def meter_parts(meter, P, parts, itemsize):
     first = 1 if len(parts) > 1 and parts[0][0] == AGREE_PHASE else 0
     for i, (phase, words) in enumerate(parts):
         meter.add(phase, words * (P - 1), words * (P - 1), itemsize, int(i == first))
-
-
-@functools.lru_cache(maxsize=None)
-def _peer_failure_type():
-    from horovod.common.exceptions import HorovodInternalError
-
-    class PeerFailureError(HorovodInternalError):
-        """A collective of hvd_sparse failed because Horovod shut down: another rank failed or was killed.
-        A ``HorovodInternalError``, so ``hvd.elastic.run`` recovers from it as from Horovod's own."""
-
-    return PeerFailureError
-
-
-#: seconds a surviving rank waits before raising :class:`PeerFailureError` outside elastic mode, so that
-#: ``horovodrun`` sees the failed rank exit first and names it ("The first process to do so was: ...")
-PEER_FAILURE_GRACE = 3.0
-
-
-def in_process_set(process_set, rank):
-    """Whether this process (global ``rank``, the framework's ``hvd.rank()``) belongs to Horovod's ``process_set``.
-
-    Not ``process_set.included()``: Horovod 0.28.1 fills the process sets' rank lists inside ``hvd.init()``
-    through the module of whichever framework was imported last. With ``horovod.torch`` and
-    ``horovod.tensorflow`` both imported, the global process set's ranks can come from the framework that was not
-    initialized: ``[]``, and ``included()`` is False on every rank, which would skip the exchange everywhere and
-    let the replicas drift silently. The global set (id 0) holds every rank; another set, the ranks it was built
-    with."""
-    if process_set.process_set_id == 0:
-        return True
-    return process_set.ranks is not None and rank in process_set.ranks
-
-
-class HorovodCommunicator:
-    """The ``Communicator`` over Horovod's collectives, shared by the framework adapters.
-
-    It names every collective ``hvd_sparse.<unit>.<phase>`` (the same on every rank, stable across steps, unique per
-unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
-    passes the process set, and meters what moved. A framework subclass only runs the five Horovod calls on its
-    own tensors: ``_allreduce(x, hvd_op, kw)``, ``_allgather(x, kw)``, ``_grouped_allgather(xs, kw) -> outs``,
-    ``_alltoall(x, splits, kw) -> (out, recv_splits)``, ``_broadcast(x, root, kw)``, where ``kw`` holds ``name`` and
-    ``process_set``.
-
-    Failures: when another rank dies or raises, Horovod shuts down and the pending collective fails on the
-    survivors (Gloo notices the closed connection within seconds: no hang). The survivors raise
-    ``PeerFailureError`` (a ``HorovodInternalError``, which ``hvd.elastic.run`` handles) naming the collective,
-    after a short grace (:data:`PEER_FAILURE_GRACE`, not under elastic) so that horovodrun reports the rank
-    that failed first rather than a survivor.
-    """
-
-    def __init__(self, hvd, process_set, unit):
-        self._hvd = hvd
-        self.process_set = process_set
-        self.unit = unit
-        self.rank = process_set.rank()
-        self.size = process_set.size()
-        self.meter = VolumeMeter()
-
-    def _kw(self, phase):
-        return {"name": self.name(phase), "process_set": self.process_set}
-
-    def name(self, phase):
-        """The Horovod name of ``phase``'s collective: ``hvd_sparse.<unit>.<phase>``, unique per unit, except for
-        the agreement step's phases, which every unit of the process set shares (``hvd_sparse.agree``, ...: see
-        the agreement below)."""
-        shared = SHARED_NAMES.get(phase)
-        return f"hvd_sparse.{shared}" if shared else f"hvd_sparse.{self.unit}.{phase}"
-
-    def _guarded(self, phase, fn, *args):
-        try:
-            return fn(*args)
-        except Exception as e:      # noqa: BLE001 - only Horovod's shutdown is translated, the rest re-raised
-            from horovod.common.exceptions import HorovodInternalError
-
-            if not isinstance(e, HorovodInternalError) and "Horovod has been shut down" not in str(e):
-                raise
-            if os.environ.get("HOROVOD_ELASTIC") != "1":
-                time.sleep(PEER_FAILURE_GRACE)
-            raise _peer_failure_type()(
-                f"hvd_sparse: collective '{self.name(phase)}' failed on rank {self.rank}: Horovod "
-                "shut down because another rank failed or was killed (its own error comes first in the log, and "
-                f"horovodrun names it); this rank stops too. Horovod said: {e}") from e
-
-    def allreduce(self, x, op, phase):
-        xp = backend_of(x)
-        out = self._guarded(phase, self._allreduce, x, {SUM: self._hvd.Sum, MAX: self._hvd.Max}[op],
-                            self._kw(phase))
-        meter_allreduce(self.meter, self.size, xp.numel(x), xp.itemsize(x), phase)
-        return out
-
-    def allgather(self, x, phase, parts=None):
-        out = self._guarded(phase, self._allgather, x, self._kw(phase))
-        if parts is None:
-            self._meter_allgather(x, out, phase)
-        else:
-            meter_parts(self.meter, self.size, parts, backend_of(x).itemsize(x))
-        return out
-
-    def grouped_allgather(self, xs, phases):
-        """The allgathers of ``xs`` in one Horovod negotiation (``hvd.grouped_allgather``, named after the phases
-        joined by ``+``)."""
-        outs = self._guarded(phases[0], self._grouped_allgather, list(xs), self._kw("+".join(phases)))
-        for i, (x, out, phase) in enumerate(zip(xs, outs, phases)):
-            self._meter_allgather(x, out, phase, calls=int(i == 0))
-        return list(outs)
-
-    def _meter_allgather(self, x, out, phase, calls=1):
-        # Horovod does not return the per-rank sizes; only ours and the total matter for the meter.
-        xp = backend_of(x)
-        mine = xp.numel(x)
-        sizes = [0] * self.size
-        sizes[self.rank] = mine
-        sizes[(self.rank + 1) % self.size] += backend_of(out).numel(out) - mine
-        meter_allgather(self.meter, self.rank, sizes, xp.itemsize(x), phase, calls)
-
-    def alltoall(self, x, splits, phase):
-        xp = backend_of(x)
-        splits = [int(s) for s in splits]
-        out, recv_splits = self._guarded(phase, self._alltoall, x, splits, self._kw(phase))
-        n = xp.numel(x)
-        row_words = n // x.shape[0] if n else 1
-        meter_alltoall(self.meter, self.rank, splits, recv_splits, xp.itemsize(x), phase, row_words=row_words)
-        return out, recv_splits
-
-    def broadcast(self, x, root, phase):
-        xp = backend_of(x)
-        out = self._guarded(phase, self._broadcast, x, root, self._kw(phase))
-        meter_broadcast(self.meter, self.rank, root, self.size, xp.numel(x), xp.itemsize(x), phase)
-        return out
 
 
 # -- the opening every step starts with ---------------------------------------------------------------------------

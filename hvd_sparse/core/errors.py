@@ -1,9 +1,8 @@
-"""The exceptions every adapter raises alike, their messages (what ranks disagree on), the checksums the consistency
-guard of every adapter compares, and the checks of a restored state's origin. The checks of arguments are in
-:mod:`hvd_sparse.core.validate`."""
+"""The exceptions every adapter raises alike, their messages (what ranks disagree on) and the checksums the
+consistency guard of every adapter compares. The checks of arguments are in :mod:`hvd_sparse.core.validate`, those of
+a restored state's origin in :mod:`hvd_sparse.core.state`."""
 
 from __future__ import annotations
-
 
 import numpy as np
 
@@ -139,31 +138,3 @@ def disagreement_message(per_rank):
                 "a loss scaler use Horovod's recipe: optimizer.synchronize(); scaler.unscale_(optimizer); with "
                 "optimizer.skip_synchronize(): scaler.step(optimizer))")
     return "hvd_sparse: ranks disagree on the agreement vector, but their descriptions are equal (a hash collision)"
-
-
-# -- checkpoints: where a sparse state may be restored ------------------------------------------------------------
-def state_signature(compression):
-    """What a sparse state must have been saved with: the sparsifier's and reducer's full configuration (the
-    density and every period included) and the byte budget, if any (a budget's sparsifier carries the density for one
-    rank, which a preset with that density would share)."""
-    from .comm import config_of
-
-    reducer = config_of(compression.reducer)
-    args = ", ".join(f"{k}={v!r}" for k, v in reducer.items() if k != "class")
-    budget = getattr(compression, "byte_budget", None)
-    return f"{compression.sparsifier!r} + {reducer['class']}({args})" + \
-        (f" within byte_budget={budget!r}" if budget is not None else "")
-
-
-def check_state_origin(state, rank, size, compression, api):
-    """Raise ValueError unless ``state`` (with ``rank``, ``size`` and ``compression`` keys) was saved by this
-    rank, with this number of ranks and this compression (shared by the torch and TensorFlow checkpoints)."""
-    if state["size"] != size or state["rank"] != rank:
-        raise ValueError(f"{api}: this sparse state was saved by rank {state['rank']} of {state['size']}, but this "
-                         f"is rank {rank} of {size}; residuals are per rank: every rank must restore the "
-                         "checkpoint it wrote itself (put hvd.rank() in the checkpoint path), with the same number "
-                         "of ranks")
-    if state["compression"] != state_signature(compression):
-        raise ValueError(f"{api}: this sparse state was saved with {state['compression']}, but it is being restored "
-                         f"into {state_signature(compression)}; rebuild the same compression preset (same scheme and "
-                         "arguments) before restoring")

@@ -59,7 +59,7 @@ import weakref
 
 import numpy as np
 
-from .errors import check_state_origin, state_signature
+from .comm import config_of
 from .reducers.base import ALL
 
 
@@ -393,6 +393,31 @@ def already_used(compression, unit=None, api=None):
     return ValueError(f"{api + ': ' if api else ''}{compression!r} is already used by another optimizer or model"
                       f"{where}; a sparse preset keeps per-model state (residuals, thresholds): create one per "
                       f"optimizer or model, e.g. Compression.{compression.preset.split('(')[0]}(...) again")
+
+
+def state_signature(compression):
+    """What a sparse state must have been saved with: the sparsifier's and reducer's full configuration (the
+    density and every period included) and the byte budget, if any (a budget's sparsifier carries the density for one
+    rank, which a preset with that density would share)."""
+    reducer = config_of(compression.reducer)
+    args = ", ".join(f"{k}={v!r}" for k, v in reducer.items() if k != "class")
+    budget = getattr(compression, "byte_budget", None)
+    return f"{compression.sparsifier!r} + {reducer['class']}({args})" + \
+        (f" within byte_budget={budget!r}" if budget is not None else "")
+
+
+def check_state_origin(state, rank, size, compression, api):
+    """Raise ValueError unless ``state`` (with ``rank``, ``size`` and ``compression`` keys) was saved by this
+    rank, with this number of ranks and this compression (shared by the torch and TensorFlow checkpoints)."""
+    if state["size"] != size or state["rank"] != rank:
+        raise ValueError(f"{api}: this sparse state was saved by rank {state['rank']} of {state['size']}, but this "
+                         f"is rank {rank} of {size}; residuals are per rank: every rank must restore the "
+                         "checkpoint it wrote itself (put hvd.rank() in the checkpoint path), with the same number "
+                         "of ranks")
+    if state["compression"] != state_signature(compression):
+        raise ValueError(f"{api}: this sparse state was saved with {state['compression']}, but it is being restored "
+                         f"into {state_signature(compression)}; rebuild the same compression preset (same scheme and "
+                         "arguments) before restoring")
 
 
 def check_state_format(state, api):

@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 from horovod.tensorflow import global_process_set
 
-from ..core.comm import in_process_set
+from ..horovod_comm import in_process_set
 from ..core.errors import check_replicas_agree, checksums
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from ..core.comm import HorovodCommunicator
+from ..horovod_comm import HorovodCommunicator
 
 
 class HorovodTFCommunicator(HorovodCommunicator):

@@ -18,7 +18,7 @@ import tensorflow as tf
 from horovod.tensorflow import Average
 
 from ..compression import SparseCompression, check_compression, refuse_unused_options
-from ..core.comm import in_process_set
+from ..horovod_comm import in_process_set
 from ..core.state import STATS_NAME, SparsityWindow
 from ..core.validate import check_nonfinite, scale_factors
 from ._xla import refuse_xla

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from ..core.comm import HorovodCommunicator
+from ..horovod_comm import HorovodCommunicator
 
 #: first sleep between two polls of a pending collective (seconds); it doubles up to wait_max_seconds()
 WAIT_FIRST_SLEEP = 20e-6

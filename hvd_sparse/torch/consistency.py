@@ -8,7 +8,7 @@ from __future__ import annotations
 import horovod.torch as hvd
 import torch
 
-from ..core.comm import in_process_set
+from ..horovod_comm import in_process_set
 from ..core.errors import check_replicas_agree, checksums
 
 def checksum(p):

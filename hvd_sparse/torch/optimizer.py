@@ -52,7 +52,7 @@ import horovod.torch as hvd
 import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
-from ..core.comm import in_process_set
+from ..horovod_comm import in_process_set
 from ..core.state import SparsityWindow, already_used
 from ..core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int, scale_factors
 from . import consistency, recipes

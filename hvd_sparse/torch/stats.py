@@ -24,7 +24,7 @@ from __future__ import annotations
 import horovod.torch as hvd
 import torch
 
-from ..core.comm import in_process_set
+from ..horovod_comm import in_process_set
 from ..core.state import STATS_NAME
 
 

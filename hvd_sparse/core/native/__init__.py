@@ -1,8 +1,8 @@
 """The fused CPU kernels: a small C file (``kernels.c``), compiled on first use, loaded with ctypes.
 
 Files: ``kernels.c`` (the kernels), ``build.py`` (compile, cache, load, thread count), ``kernels.py`` (the
-Python wrappers on numpy arrays and the views of numpy and CPU torch buffers), this file (the process's loaded
-kernel). The algorithms do not call this package: the numpy and torch array backends do
+Python wrappers on numpy arrays and the views of numpy and CPU torch buffers), ``library.py`` (the process's loaded
+kernel), this file (what the package offers). The algorithms do not call this package: the numpy and torch array backends do
 (:mod:`hvd_sparse.core.xp.kernels`), behind the backend methods ``scan``, ``accumulate_``, ``merge_add``,
 ``intersect`` and ``members``, and fall back to their generic path when the kernel is not built; so does the
 exact top-k of :mod:`hvd_sparse.core.selection` (two passes of ``select``).
@@ -74,75 +74,12 @@ API (``kernels.py``; numpy in, numpy out; :func:`f32_view` / :func:`wrap` conver
 
 from __future__ import annotations
 
-import subprocess
-import threading
-import warnings
-
-from .build import (ABI, FLAG_SETS, MIN_PER_THREAD, SOURCE, build, cache_dir, compiler,
-                    default_threads, enabled, load, threads_for)
+from .build import (ABI, FLAG_SETS, MIN_PER_THREAD, SOURCE, build, cache_dir, compiler, default_threads, enabled,
+                    load, threads_for)
+from .kernels import (RULES, add, add_select, bounds, count, f32_view, i64_view, intersect, members, merge_add,
+                      select, wrap)
+from .library import available, calls, info
 
 __all__ = ["ABI", "FLAG_SETS", "MIN_PER_THREAD", "SOURCE", "RULES", "available", "build", "cache_dir", "calls",
            "count", "default_threads", "enabled", "f32_view", "i64_view", "info", "intersect", "load", "members",
            "merge_add", "select", "add", "add_select", "threads_for", "wrap", "bounds"]
-
-_lock = threading.Lock()
-#: the process's kernel: loaded once (``tried``), or the reason it is not
-_state = {"lib": None, "tried": False, "path": None, "flags": None, "reason": None}
-#: kernel calls so far in this process
-_calls = [0]
-
-
-def _library():
-    """The loaded kernel, or None (disabled, or the build failed: then warn once and keep None)."""
-    if not enabled():
-        return None
-    if _state["tried"]:
-        return _state["lib"]
-    with _lock:
-        if _state["tried"]:
-            return _state["lib"]
-        errors = []
-        for flags in FLAG_SETS:
-            try:
-                path = build(flags)
-                try:
-                    lib = load(path)
-                except OSError:                               # a damaged cached file: rebuild once
-                    lib = load(build(flags, force=True))
-                _state.update(lib=lib, path=str(path), flags=" ".join(flags), reason=None)
-                break
-            except (OSError, subprocess.SubprocessError) as e:
-                detail = getattr(e, "stderr", b"") or b""
-                errors.append(f"{compiler()} {' '.join(flags)}: {e} {detail.decode(errors='replace')[-300:]}")
-        else:
-            _state["reason"] = "; ".join(errors)
-            warnings.warn("hvd_sparse: the native selection kernel could not be built, using the generic "
-                          f"array path (set CC to a C compiler, or HVD_SPARSE_NATIVE=0 to silence): "
-                          f"{_state['reason']}", RuntimeWarning, stacklevel=3)
-        _state["tried"] = True
-        return _state["lib"]
-
-
-def available():
-    """True when the kernel is enabled and built (builds it on the first call)."""
-    return _library() is not None
-
-
-def info():
-    """What the kernel is doing in this process (for benchmark reports): enabled, path, flags, simd, threads,
-    calls (kernel calls so far), reason (why it is unavailable)."""
-    lib = _library()
-    return {"enabled": lib is not None, "path": _state["path"], "flags": _state["flags"],
-            "simd": lib.hvds_simd().decode() if lib is not None else None,
-            "threads": default_threads(), "min_per_thread": MIN_PER_THREAD, "calls": _calls[0],
-            "reason": None if lib is not None else ("HVD_SPARSE_NATIVE=0" if not enabled() else _state["reason"])}
-
-
-def calls():
-    """Number of kernel calls so far in this process (benchmarks read it to tell which path ran)."""
-    return _calls[0]
-
-
-# the wrappers read ``_library`` and ``_calls`` above
-from .kernels import (RULES, add, add_select, bounds, count, f32_view, i64_view, intersect,  # noqa: E402
-                      members, merge_add, select, wrap)

@@ -12,7 +12,7 @@ import threading
 
 import numpy as np
 
-from . import _calls, _library
+from .library import _calls, loaded
 from .build import MAX_THREADS, threads_for
 
 RULES = ("ge_nonzero", "gt", "ge")
@@ -61,14 +61,14 @@ def i64_view(xp, x):
 def _view(x, np_dtype, torch_dtype):
     if isinstance(x, np.ndarray):
         ok = x.dtype == np_dtype and x.ndim == 1 and x.flags.c_contiguous and x.dtype.isnative
-        return x if ok and _library() is not None else None
+        return x if ok and loaded() is not None else None
     torch = sys.modules.get("torch")
     if torch is None or not isinstance(x, torch.Tensor):
         return None
     if (x.dtype != getattr(torch, torch_dtype) or x.dim() != 1 or x.device.type != "cpu" or not x.is_contiguous()
             or x.is_conj() or x.is_neg()):
         return None
-    if _library() is None:
+    if loaded() is None:
         return None
     return x.detach().numpy()
 
@@ -137,7 +137,7 @@ def _check_view(view):
 def _prepare(view, th, rule):
     """The checks and bounds shared by :func:`count` and :func:`select`: ``(library, n, lo, hi)``."""
     _check_view(view)
-    lib = _library()
+    lib = loaded()
     if lib is None:
         raise RuntimeError("hvd_sparse.core.native: the kernel is not available (check available() first)")
     lo, hi = bounds(th, rule)
@@ -204,7 +204,7 @@ def _check_add(r, g, out, zero_g):
             raise ValueError("hvd_sparse.core.native.add: the arrays differ in size")
     if zero_g and (g.ctypes.data == out.ctypes.data or np.shares_memory(g, out)):
         raise ValueError("hvd_sparse.core.native.add: zero_g needs an out that is not g")
-    lib = _library()
+    lib = loaded()
     if lib is None:
         raise RuntimeError("hvd_sparse.core.native: the kernel is not available (check available() first)")
     return lib
@@ -274,7 +274,7 @@ def merge_add(idx, val, counts):
     if (idx.size != val.size or counts.ndim != 1 or int(counts.sum()) != idx.size
             or not 1 <= counts.size <= MAX_THREADS):
         raise ValueError("hvd_sparse.core.native.merge_add: counts must split idx and val (same size) into 1..256 runs")
-    lib = _library()
+    lib = loaded()
     out_idx = np.empty(idx.size, np.int64)
     out_val = np.empty(idx.size, np.float32)
     _calls[0] += 1
@@ -290,7 +290,7 @@ def intersect(a, b):
     merge pass); None when an input is not strictly ascending."""
     _check_i64(a)
     _check_i64(b)
-    lib = _library()
+    lib = loaded()
     out = np.empty(min(a.size, b.size), np.int64)
     _calls[0] += 1
     m = lib.hvds_intersect_i64(a.ctypes.data, a.size, b.ctypes.data, b.size, out.ctypes.data)
@@ -303,7 +303,7 @@ def members(a, b, fill):
     when an input is not ascending."""
     _check_i64(a)
     _check_i64(b)
-    lib = _library()
+    lib = loaded()
     out = np.empty(a.size, np.int64)
     _calls[0] += 1
     m = lib.hvds_members_i64(a.ctypes.data, a.size, b.ctypes.data, b.size, int(fill), out.ctypes.data)
@@ -314,5 +314,5 @@ def _check_i64(x):
     if not (isinstance(x, np.ndarray) and x.dtype == np.int64 and x.ndim == 1 and x.flags.c_contiguous):
         raise TypeError("hvd_sparse.core.native: expected a 1-D contiguous numpy int64 array (see i64_view), "
                         f"got {type(x).__name__} {getattr(x, 'dtype', '')}")
-    if _library() is None:
+    if loaded() is None:
         raise RuntimeError("hvd_sparse.core.native: the kernel is not available (check available() first)")

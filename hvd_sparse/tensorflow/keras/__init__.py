@@ -35,10 +35,10 @@ from horovod.tensorflow import Average, global_process_set
 from ...compression import SparseCompression, check_compression, check_momentum, refuse_unused_options
 from ...core.state import already_used
 from ...core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int
-from .. import Compression, SparseState
 from .._consistency import check_now, run_check, variable_name
 from .._variables import keras_flavour, same_variable
-from ..checkpoint import load_sparse_state_dict, sparse_state_dict, sparse_target
+from ..checkpoint import SparseState, load_sparse_state_dict, sparse_state_dict, sparse_target
+from ..compression import Compression
 from ..reduction import Reduction
 from ._aggregation import LocalAggregation, reduce_with_locals
 from ._loss_scale import install as install_loss_scale_agreement

@@ -29,7 +29,7 @@ from __future__ import annotations
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from ...core.comm import in_process_set
+from ...horovod_comm import in_process_set
 from .._xla import refuse_xla
 
 _LSO_NAMES = ("LossScaleOptimizer", "LossScaleOptimizerV3", "BaseLossScaleOptimizer")
