@@ -42,7 +42,8 @@ def main(argv=None):
                 wait(start(), max_sleep)
                 if i >= args.warmup:
                     secs.append(time.perf_counter() - t0)
-            rows.append({"collective": coll, "wait": mode, "ranks": hvd.allgather_object(secs, name=f"lat.{coll}.{mode}")})
+            rows.append({"collective": coll, "wait": mode,
+                         "ranks": hvd.allgather_object(secs, name=f"lat.{coll}.{mode}")})
     if hvd.rank() == 0:
         write_json(args.out, {"workers": hvd.size(), "cycle_time_ms": os.environ.get("HOROVOD_CYCLE_TIME", "default"),
                               "cpus": os.cpu_count(), "results": rows})

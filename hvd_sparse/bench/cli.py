@@ -38,6 +38,18 @@ def density(text):
     return v
 
 
+def targets(text):
+    """Comma-separated test accuracies in (0, 1], e.g. ``0.9,0.95`` (``--targets`` of ``bench train`` and of
+    ``python -m hvd_sparse.bench.train_report``)."""
+    try:
+        vals = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated fractions like 0.9,0.95, got {text!r}") from None
+    if not vals or not all(0 < v <= 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"must be fractions in (0, 1], got {text!r}")
+    return vals
+
+
 def worker_parser(doc, seed, lr):
     """The arguments every benchmark worker that runs presets takes -- ``--algorithms``, ``--density``, ``--seed``
     (default ``seed``), ``--lr`` (default ``lr``), ``--out`` -- with the first paragraph of ``doc`` as description;

@@ -96,7 +96,7 @@ class RecordedGradients:
         import torch
         import torch.nn.functional as F
 
-        from .digits import Net, load_data
+        from .digits_torch import Net, load_data
 
         torch.manual_seed(seed)
         (x, y), _ = load_data(seed)

@@ -20,7 +20,8 @@ Reported per preset, over the steps from ``--skip`` on (the first steps set the 
     readme_words_per_k     what README's table says a rank receives, / k (None where it gives a range)
     final_loss             the training loss of the last step (mean over the ranks)
 
-Cost: 3-8 s per preset for 100 steps at P = 4 on two CPU cores (Gaussiank the slowest), mostly the engines.
+Cost: mostly the engines' steps; docs/benchmarks.md ("While the model trains") has the measured seconds per
+preset.
 """
 
 from __future__ import annotations

@@ -9,15 +9,14 @@ vice versa. The model lives next to it, once per framework, with the same layers
 
     conv 3x3, 16 ch, ReLU -> conv 3x3, 32 ch, ReLU -> max-pool 2 -> dense 64, ReLU -> dense 10 (logits)
 
-``from hvd_sparse.bench.digits import Net, load_data`` still works (it loads ``digits_torch`` on first use).
+The framework modules import this one, never the other way: ``Net`` and ``load_data`` come from
+``hvd_sparse.bench.digits_torch``, ``make_model`` from ``hvd_sparse.bench.digits_keras``.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-#: trainable parameters of the digits CNN (both frameworks)
-NUM_PARAMETERS = 38_282
 NUM_CLASSES = 10
 _LAYOUTS = ("channels_first", "channels_last")
 
@@ -45,11 +44,3 @@ def load_arrays(seed=42, layout="channels_first"):
     y = np.ascontiguousarray(y[perm].astype(np.int64))
     cut = int(0.8 * len(x))
     return (x[:cut], y[:cut]), (x[cut:], y[cut:])
-
-
-def __getattr__(name):              # the torch model and loader, imported only when asked for
-    if name in ("Net", "load_data"):
-        from . import digits_torch
-
-        return getattr(digits_torch, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,8 +1,8 @@
 """Equal bytes on the wire: the density at which each preset sends, as measured, what a reference preset sends.
 
-At one density the presets do not cost the same (at density 0.01 on 4 ranks Ok-Topk sends about 0.4 of what TopkA
-sends), and a preset's ``byte_budget=`` derives its density from a cost model that is conservative for some
-presets (:mod:`hvd_sparse.core.budget`: Ok-Topk sends 0.5-0.9 of its budget). :func:`calibrate` therefore measures:
+At one density the presets do not cost the same (Ok-Topk sends a fraction of what TopkA sends), and a preset's
+``byte_budget=`` derives its density from a cost model that is conservative for some presets
+(:mod:`hvd_sparse.core.budget`; Ok-Topk sends less than its budget). :func:`calibrate` therefore measures:
 it runs each preset on P virtual ranks of the in-process simulator (:func:`hvd_sparse.testing.simulate`, ``record``
 limited to the volume) over synthetic gradient-like data with the model's parameter layout
 (:class:`LayoutGradients`), and takes as its bytes the mean of the volume meter's ``sent_bytes`` over the ranks and
@@ -13,27 +13,26 @@ proportional to the density), the slope clamped to [0.2, 5]. Every density tried
 digits (:func:`round_density`), so the density returned is the one measured, and the configuration name
 ``<preset>+d<density>`` carries it exactly (:func:`density_text`).
 
-Steps. The threshold controllers take long to settle: ExDyna's bytes swing between about 0.3 and 1.9 times their
-mean from step to step, and on :class:`LayoutGradients` of the digits WideNet (P = 4, TopkA at 0.01 as the reference)
-its mean over steps 5..29 is 1.13 times that over steps 5..99 (Ok-Topk: 1.03). The default is 100 steps, steps
-5.. averaged.
+Steps. The threshold controllers take long to settle (ExDyna's bytes swing from step to step, and a mean over a
+few tens of steps is not yet that over a hundred), so the default is 100 steps, steps 5.. averaged.
 
 Size. A model larger than ``numel`` (default 1M) is simulated at ``numel`` values, its layout scaled in proportion
 (:func:`scaled_layout`; every tensor keeps at least one value), and its bytes scaled back by the ratio of the sizes.
 The density transfers: k = density x n for an exact top-k, and a threshold selects the same fraction of entries
 whose statistics do not depend on n (the data is independent across entries, each tensor keeping its share and its
 scale); only the per-step control words (counts, Ok-Topk's histogram) do not scale, and at k/P in the thousands
-they are a small part. Measured: the densities calibrated at 1M (Ok-Topk 0.02383, ExDyna 0.0244 against TopkA at
-0.01; 0.988 and 0.981 of its bytes) send 0.989 and 0.981 of TopkA's bytes at the full 4,224,394 values (100 steps).
+they are a small part (checked by calibrating at 1M and measuring the densities found at the model's full size).
 
 Deterministic: the data is a function of ``seed`` (and the layout and P), the simulator sums in rank order. The
 data is synthetic, so a preset whose count depends on the data (threshold-based selections) can send somewhat
 another amount on a real model's gradients; the train benchmark reports the bytes its workers measured beside the
 calibration's.
 
-Cost: a simulation of ``steps`` steps makes steps x P gradients of n values, most of its time. Calibrating
-Ok-Topk, TopkA and ExDyna against TopkA at 0.01 (P = 4, the digits WideNet) takes 6 simulations and 33 s on two CPU
-cores at the defaults (1M values, 100 steps); at the full 4.2M values and 30 steps, 5 simulations and 33 s.
+Cost: a simulation of ``steps`` steps makes steps x P gradients of n values, most of its time.
+
+docs/benchmarks.md ("Time to accuracy of real training") has the measured figures: the bytes of the presets at one
+density and against their budgets, how the controllers' bytes settle over the steps, the densities calibrated for
+the digits WideNet and what they send at its full size, and the calibration's time.
 """
 
 from __future__ import annotations

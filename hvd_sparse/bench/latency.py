@@ -55,7 +55,8 @@ def add_arguments(p):
 
     p.add_argument("--workers", type=cli.positive_ints, default=[2, 4], help="ranks per job (default: 2,4)")
     p.add_argument("--cycle-times", default="default,0.1",
-                   help="comma-separated HOROVOD_CYCLE_TIME values in ms, 'default' for Horovod's (default: default,0.1)")
+                   help="comma-separated HOROVOD_CYCLE_TIME values in ms, 'default' for Horovod's "
+                        "(default: default,0.1)")
     p.add_argument("--repeat", type=cli.positive_int, default=200)
     p.add_argument("--warmup", type=cli.positive_int, default=20)
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")

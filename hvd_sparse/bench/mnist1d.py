@@ -1,6 +1,7 @@
 """The MNIST-1D task of ``bench train``: the ``mnist1d`` package's ten 1D digit templates, padded, dilated, scaled,
 translated, noised and sheared into sequences of 40 values (10 classes), generated from a seed (nothing is
-downloaded). Harder than scikit-learn's digits: an MLP reaches about 68% test accuracy on it, a small CNN about 94%.
+downloaded). Harder than scikit-learn's digits (docs/benchmarks.md quotes the test accuracy an MLP and a small CNN
+reach on it).
 
 This module imports no framework (numpy and the ``mnist1d`` package only); the PyTorch model and the tensors are in
 :mod:`hvd_sparse.bench.mnist1d_torch`.

@@ -9,8 +9,8 @@ every worker runs in its own network namespace and owns a full-duplex "NIC" of R
 traffic, including what Horovod/Gloo sends to the other workers, crosses the shaped links. ``<prefix>`` is
 ``hvds<pid>`` of this process; leftovers of an earlier run that died (a prefix whose pid is gone) are
 removed first, and the command tears everything down on exit, error, Ctrl-C or SIGTERM. Before the run, a
-link check times one TCP stream between two namespaces (``link_check_bytes_per_s``, payload bytes/s; at
-1gbit expect about 118-119e6, i.e. 125e6 minus Ethernet/IP/TCP headers).
+link check times one TCP stream between two namespaces (``link_check_bytes_per_s``, payload bytes/s: the line
+rate RATE / 8 less the Ethernet/IP/TCP headers; docs/benchmarks.md has the rate measured at 1gbit).
 
 The job: Horovod over Gloo, launched by :func:`hvd_sparse.bench.launcher.launch` the way ``horovodrun --gloo``
 does it, but with each rank started by ``ip netns exec <ns>``. Rank r runs

@@ -95,17 +95,6 @@ def equal_bytes_reference(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def targets(text):
-    """``--targets``: comma-separated test accuracies in (0, 1], e.g. ``0.9,0.95``."""
-    try:
-        vals = [float(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated fractions like 0.9,0.95, got {text!r}") from None
-    if not vals or not all(0 < v <= 1 for v in vals):
-        raise argparse.ArgumentTypeError(f"must be fractions in (0, 1], got {text!r}")
-    return vals
-
-
 def _job(net, cmd, args, logdir, deadline, verbose):
     """One job of the workers (arguments ``args``, logs in the new directory ``logdir``); returns rank 0's result,
     raises WorkerFailed."""
@@ -245,7 +234,7 @@ def add_arguments(p):
                    help="epochs of the compute-only floor (default: --epochs; timing only)")
     p.add_argument("--powersgd-warmup", type=cli.positive_int, default=None,
                    help="PowerSGD's start_powerSGD_iter (default: 10%% of the steps, at least 2)")
-    p.add_argument("--targets", type=targets, default=[0.9, 0.95],
+    p.add_argument("--targets", type=cli.targets, default=[0.9, 0.95],
                    help="test accuracies whose time to reach is reported (default: 0.9,0.95)")
     p.add_argument("--stop-at-target", action="store_true",
                    help="stop each configuration once its test accuracy reaches the highest target (its final "

@@ -263,11 +263,10 @@ def retarget(report, accuracy_targets, others=()):
 
 def main(argv=None):
     from . import cli
-    from .train import targets
 
     p = argparse.ArgumentParser(description="A train report with other targets (module docstring).")
     p.add_argument("reports", nargs="+", help="JSON reports of python -m hvd_sparse.bench train (several: merged)")
-    p.add_argument("--targets", type=targets, required=True, help="test accuracies, e.g. 0.8,0.85")
+    p.add_argument("--targets", type=cli.targets, required=True, help="test accuracies, e.g. 0.8,0.85")
     p.add_argument("--json", metavar="FILE", help="write the new report as JSON")
     p.add_argument("--plot", metavar="FILE", help="save its plot as a PNG")
     args = p.parse_args(argv)
