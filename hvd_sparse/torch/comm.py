@@ -12,10 +12,11 @@ communicator waits politely: it polls the handle and sleeps in between, 20 us at
 ``HVD_SPARSE_WAIT_MAX_US`` (default 500 us), then takes the result with ``synchronize`` (which returns at once).
 
 ``HVD_SPARSE_WAIT`` chooses (:func:`wait_max_seconds`): ``auto`` (default) spins when this host runs no more ranks
-than it has cores for this process, and polls otherwise; ``spin`` and ``poll`` force one. Measured: with a core per
-rank spinning is faster (one small allreduce, 2 ranks: 1.05 ms against 1.50 ms at Horovod's default cycle time on
-16 cores, 1.06 against 1.66 ms on 2; docs/gpu.md); with 4 ranks on 2 cores polling is (n = 25M, Ok-Topk's CPU time
-per rank and step about 175 ms against 300 ms; docs/benchmarks.md, "Waiting for a collective").
+than it has cores for this process, and polls otherwise; ``spin`` and ``poll`` force one. With a core per rank
+spinning is faster (measured on one small allreduce of 2 ranks: docs/gpu.md, "Measured", *One small collective*,
+and docs/benchmarks.md, "Measured choices in the code"); with more ranks than cores polling is (measured on
+Ok-Topk's CPU time per rank and step, 4 ranks on 2 cores: docs/benchmarks.md, "What the Ok-Topk step costs (P = 4,
+25M)", *Spinning*).
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ under ``ge_nonzero`` it acts as ``t <= 0`` (every nonzero), as the generic ``rul
 
 Why a kernel: ``xp.nonzero(xp.abs(acc) >= t)`` costs an |acc| copy, a boolean mask and a compaction:
 four passes over n elements plus two n-sized temporaries; ThresholdReuse's guard adds a count pass per
-raise. Measured with torch on 25M values (2-core VM, ``python -m hvd_sparse.bench select``): ThresholdReuse's
-reuse step on that path takes about 27x one streaming read (``torch.amax``); with the kernel, about 1x
-(docs/benchmarks.md, "Sparsifier cost").
+raise. On that path ThresholdReuse's reuse step takes many times one streaming read (``torch.amax``); with the
+kernel, about one read (measured with torch, ``python -m hvd_sparse.bench select``: docs/benchmarks.md,
+"Sparsifier cost: select").
 
 Design decisions:
 
@@ -39,14 +39,16 @@ Design decisions:
   is not writable); the hash covers the source, the flags, the machine and the CPU's feature flags, so
   nodes of a cluster that share a home directory never load a build for another CPU. Each build is
   written to a private temporary file and renamed into place (atomic), so ranks of one ``horovodrun``
-  job that start compiling at once do not clash. The C source has no torch or Python headers (compiles
-  in about a second). AVX2 path when the compiler targets AVX2, else SSE2, else portable C.
+  job that start compiling at once do not clash. The C source has no torch or Python headers, so it compiles
+  quickly (measured: docs/benchmarks.md, "Measured choices in the code"). AVX2 path when the compiler targets
+  AVX2, else SSE2, else portable C.
 * **Plain pthreads, created per call**, not OpenMP: torch and TensorFlow each bundle their own OpenMP
   runtime, and a third one in the process invites oversubscription; and no thread pool is left running
   across ``fork()`` (DataLoader workers). Threads: ``HVD_SPARSE_NATIVE_THREADS``, else torch's
   intra-op thread count when torch is loaded, else the CPUs this process may run on; at most one thread
-  per 2^20 elements (smaller buffers are scanned by the calling thread). On the project's 2-core VM one
-  thread reads 25M values in 0.038 s against 0.032 s for ``torch.amax`` with two: the pass is memory-bound.
+  per 2^20 elements (smaller buffers are scanned by the calling thread). One thread reads nearly as fast as
+  ``torch.amax`` with two: the pass is memory-bound (measured: docs/benchmarks.md, "Measured choices in the
+  code").
 * **Thread-local output, buffers reused across steps**: thread ``t`` of the kernel scans one contiguous
   chunk and writes to its own segment of a workspace that is kept (per Python thread: the simulator runs
   one Python thread per virtual rank) and grown when a segment overflows -- the kernel still counts, the

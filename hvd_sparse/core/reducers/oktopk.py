@@ -70,7 +70,8 @@ class Band:
     """``global_control="band"`` (the authors' post-hoc controller): a reuse step keeps the owners' pairs at the
     stored Γ, and Γ moves one small step after the step (``band_adjust``): Γ·``tighten`` when K > ``hi``·k,
     Γ/``relax`` when K < ``lo``·k (``OkTopk``'s ``global_band_lo/hi``, ``global_relax``, ``global_tighten``). It
-    lags behind a growing residual (measured: K = 2-8k on synthetic and digits gradients, docs/benchmarks.md)."""
+    lags behind a growing residual and lets K grow well above k (measured: docs/algorithms.md, "oktopk",
+    *Controllers*)."""
 
     lo: float
     hi: float
@@ -97,9 +98,10 @@ class Ladder:
     smallest rung whose summed count is <= k; Γ keeps it. So K <= k on reuse steps whenever the ladder reaches
     (the paper's volume bound assumes K <= k).
 
-    ``fill`` (``OkTopk.global_fill``): the owners' sums pile up above the local thresholds, so a rung can hold 2-3x
-    the next one's count (K = 0.5-0.9k on MNIST-1D). When the rung holds K < k and the one below > k, G is the
-    exact top-k of the gathered pairs above the rung below: K = k, no collective more."""
+    ``fill`` (``OkTopk.global_fill``): the owners' sums pile up above the local thresholds, so a rung can hold
+    several times the next one's count and the rung taken can leave K well below k (measured: docs/algorithms.md,
+    "oktopk", *Filling K up to k*). When the rung holds K < k and the one below > k, G is the exact top-k of the
+    gathered pairs above the rung below: K = k, no collective more."""
 
     factor: float
     fill: bool

@@ -245,7 +245,8 @@ class Regions:
     its ``load_smoothing``. The rules:
 
     * ``"periodic"`` (the paper): the repartition (the mean of the ranks' proposals) every ``period`` steps only;
-      the selection drifts in between (a region received 2.3x its share at P = 256 within 40 steps).
+      the selection drifts in between, and a region can receive well over its share before the next repartition
+      (measured: docs/benchmarks.md, "Measured choices in the code").
     * ``"result"``: the P quantiles of the step's global result G (G is more concentrated than the selections,
       so the split stays uneven).
     * ``"load"``: the pairs each region received (in the gather's header) and the next boundaries split this load

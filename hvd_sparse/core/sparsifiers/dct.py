@@ -16,11 +16,11 @@ Rank p, step t (``ctx.step``), tensor l of ``ctx.layout`` (numels n_l, offsets =
     E_l  = where(M, 0, Gt)                  # the engine's error feedback (residual[included] = 0)
     drifted = |M| outside [c/drift, c*drift]    # ours: c = |M| of the last recompute step; recompute next step
 
-Between recomputes tau_l is stale: error feedback grows the unsent entries, so |M| grows with each step (on a
-small CNN's gradients at P = 4, density 0.01, 52x k on average over 200 steps with L = 1000), and the capacity
-then cuts nearly every step. ``drift`` (default 2; None: the paper's rule) recomputes when |M| has left a band
-around the count of the last recompute; the count travels in the opening's header (the selection's note), so the
-check reads nothing more on the host.
+Between recomputes tau_l is stale: error feedback grows the unsent entries, so |M| grows with each step, to many
+times k with L = 1000 (measured on a small CNN's gradients: docs/benchmarks.md, "While the model trains: every
+preset (P = 4)"), and the capacity then cuts nearly every step. ``drift`` (default 2; None: the paper's rule)
+recomputes when |M| has left a band around the count of the last recompute; the count travels in the opening's
+header (the selection's note), so the check reads nothing more on the host.
 
 NaN never passes the mask (it stays in E), ±Inf passes.
 Optional drain (the paper's Remark 2), "flush" only: with ``ef_drain_period = T_d`` a Bernoulli(1/T_d) draw keyed by

@@ -81,8 +81,8 @@ class TorchBackend(KernelOps, _Indexing):
         """An uninitialised float32 buffer of ``n`` values for ``like``'s device that is streamed through every
         step (error feedback's). On the CPU it is numpy's (a tensor sharing it): numpy asks the kernel for
         transparent huge pages on large buffers (``madvise``), torch's allocator does not, and with 4 KiB pages
-        the pass costs a third more (measured: error feedback's add pass over 25M values, 32 ms with torch's
-        allocation, 21 ms with numpy's)."""
+        the pass is slower (measured on error feedback's add pass: docs/benchmarks.md, "What the Ok-Topk step
+        costs (P = 4, 25M)", *Huge pages*)."""
         if like.device.type == "cpu":
             return self.torch.from_numpy(np.empty(n, np.float32))
         return self.torch.empty(n, dtype=self.torch.float32, device=like.device)
@@ -141,21 +141,21 @@ class TorchBackend(KernelOps, _Indexing):
         return self.torch.topk(x, k, sorted=False).values.min()
 
     def nonzero(self, mask):
-        host = self.host(mask)              # numpy's is about 5x faster on the CPU (100,000 entries)
+        host = self.host(mask)              # numpy's is several times faster on the CPU (docs/benchmarks.md)
         if host is not None:
             return self.torch.from_numpy(NumpyBackend.nonzero(host))
         return self.torch.nonzero(mask, as_tuple=False).reshape(-1)
 
     def take(self, x, idx):
-        """``x[idx]``; a 1-D gather by integer indexes is ``index_select`` (the same values, about 4x faster than
-        advanced indexing on the CPU for 100,000 indexes)."""
+        """``x[idx]``; a 1-D gather by integer indexes is ``index_select`` (the same values, several times faster
+        than advanced indexing on the CPU; measured: docs/benchmarks.md, "Measured choices in the code")."""
         if x.dim() == 1 and self._int_index(idx):
             return self.torch.index_select(x, 0, idx)
         return super().take(x, idx)
 
     def put_(self, dst, idx, value):
         """``dst[idx] = value``; on a 1-D ``dst`` with int64 indexes, ``index_fill_`` / ``index_copy_`` (the same
-        writes, about 1.5x faster on the CPU)."""
+        writes, faster on the CPU; measured: docs/benchmarks.md, "Measured choices in the code")."""
         if dst.dim() == 1 and self._int_index(idx) and idx.dtype == self.torch.int64:
             if isinstance(value, (int, float)):
                 return dst.index_fill_(0, idx, value)
@@ -322,9 +322,9 @@ class TorchBackend(KernelOps, _Indexing):
 
     def repeat(self, values, counts, total):
         """On a device, without ``repeat_interleave``, whose CUDA kernel gives each segment one thread: a few long
-        segments (a model's tensors) then take milliseconds (measured on an H100, 25M entries in 6 segments: 3.5 ms;
-        this, 0.4). Instead a marker at each segment's start, a running sum and a gather; the markers' positions
-        are uploaded once per layout."""
+        segments (a model's tensors) are then several times slower than this (measured: docs/gpu.md, "The
+        fixed-shape wire on an H100, against the chained collectives"). Instead a marker at each segment's start, a
+        running sum and a gather; the markers' positions are uploaded once per layout."""
         counts = [int(c) for c in counts]
         if self.host(values) is not None or len(counts) < 2:
             return self.torch.repeat_interleave(values, self.asarray(counts, self.torch.int64, like=values),
@@ -420,11 +420,11 @@ class TorchBackend(KernelOps, _Indexing):
         """``passing[j]``: how many of ``mag`` reach bound j (non-decreasing bounds), from one sorted search and one
         histogram of the rungs reached. Rung 0 (below every bound: nearly every entry of a gradient) is left out of
         the histogram: a GPU adds its counts by atomic operations, which queue on one address when nearly every key
-        is the same (measured on an H100, 25M entries in 61 bins, nearly all in one: ``torch.bincount`` 2.9-3.7
-        ms). ``torch.histc`` over the fixed range of rungs 1 .. J skips the rest, and, unlike ``bincount``, reads
-        nothing on the host (bincount sizes its output by the largest key: two reads on a device). CUDA's histc
-        counts int32 keys, exactly and deterministically; elsewhere histc takes floats only (float64: exact). The
-        counts at or above each rung are then a reversed running sum."""
+        is the same, which makes ``torch.bincount`` slow there (measured: docs/gpu.md, "The fixed-shape wire on an
+        H100, against the chained collectives"). ``torch.histc`` over the fixed range of rungs 1 .. J skips the
+        rest, and, unlike ``bincount``, reads nothing on the host (bincount sizes its output by the largest key: two
+        reads on a device). CUDA's histc counts int32 keys, exactly and deterministically; elsewhere histc takes
+        floats only (float64: exact). The counts at or above each rung are then a reversed running sum."""
         torch = self.torch
         J = self.numel(bounds)
         if J == 0:
