@@ -46,11 +46,11 @@ def parse_args(argv=None):
 
 
 def last_step_stats(compression, n):
-    """(density, bytes sent by this rank) of the last exchange. The tape keeps its engine in
-    ``compression.states`` (unit "model"); Horovod's dense ring allreduce (``none``) sends 2 n (P-1)/P float32
+    """(density, bytes sent by this rank) of the last exchange. A tape's engine is in its preset's
+    ``shared_state()`` (unit "model"); Horovod's dense ring allreduce (``none``) sends 2 n (P-1)/P float32
     words."""
-    states = getattr(compression, "states", None)
-    engine = None if states is None else states.get("model")
+    shared = getattr(compression, "shared_state", None)
+    engine = None if shared is None else shared().get("model")
     if engine is None:
         return 1.0, 2.0 * n * (hvd.size() - 1) / hvd.size() * 4
     stats = engine.last

@@ -6,11 +6,12 @@ choices are combined), usable wherever Horovod takes ``compression=``.
     optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                           compression=compression)
 
-A :class:`SparseCompression` is configuration; its ``states`` (:class:`hvd_sparse.core.state.UnitStates`) own
-this rank's state of the units it serves (residuals, thresholds), bound to one optimizer or model. It is hashable (by identity) like Horovod's compressors, and it also
-speaks Horovod's compressor protocol (``compress``/``decompress``) so that the unmodified
-``horovod.torch.DistributedOptimizer(..., compression=...)`` runs the same whole-model exchange
-(see ``hvd_sparse/torch/stash.py``).
+A :class:`SparseCompression` is frozen configuration, shareable as Horovod's compressors are: any number of
+optimizers, tapes and ``sparse_allreduce`` calls may use one object. The state of one training job (residuals,
+thresholds, partitions, counters: :class:`hvd_sparse.core.state.UnitStates`) is made from it by the adapter that
+owns the job (:meth:`SparseCompression.reify`). A preset also speaks Horovod's compressor protocol
+(``compress``/``decompress``) so that the unmodified ``horovod.torch.DistributedOptimizer(..., compression=...)``
+runs the same whole-model exchange (see ``hvd_sparse/torch/stash.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import copy
 import dataclasses
 import importlib
 import inspect
+import weakref
 from typing import NamedTuple
 
 from .core import budget
@@ -45,7 +47,8 @@ REDUCERS = {
 
 
 class SparseCompression:
-    """A sparsifier/reducer pair (configuration); ``states`` holds this rank's state of the units it serves.
+    """A sparsifier/reducer pair and its options: configuration, frozen once built (set nothing on it; build
+    another preset instead). The state of a job that uses it comes from :meth:`reify`.
 
     Args:
         sparsifier (Sparsifier or None): chooses local entries; ``None`` only for the dense reducer.
@@ -87,9 +90,45 @@ class SparseCompression:
             "sparsifier": sparsifier, "allreduce": reducer.name, "warmup_dense_steps": self.warmup_dense_steps,
             "momentum_correction": self.momentum_correction, "byte_budget": self.byte_budget},
             {**TRAINING_OPTIONS, "byte_budget": None})
-        #: this rank's per-unit state (engines, restored states): see :class:`hvd_sparse.core.state.UnitStates`
-        self.states = UnitStates(self)
-        self._horovod_adapter = None
+        self._shared = None                   # the job of the call sites without an object of their own
+        self._reified = weakref.WeakSet()     # the live states made by reify(), for shared_state()'s checks
+        self._frozen = True
+
+    def __getstate__(self):             # copies and pickles carry the configuration, never a job's state
+        return {**self.__dict__, "_shared": None, "_reified": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _reified=weakref.WeakSet())
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"{self!r} is frozen configuration, shared by every optimizer, tape and "
+                                 f"sparse_allreduce that uses it: build another preset instead of setting {name!r}")
+        object.__setattr__(self, name, value)
+
+    def reify(self):
+        """A new, empty state of one training job over this configuration
+        (:class:`~hvd_sparse.core.state.UnitStates`: per unit an engine with its residual, thresholds, partitions
+        and counters, made at the unit's first step).
+        Every optimizer of hvd_sparse reifies its own at construction, so that one preset can serve several."""
+        states = UnitStates(self)
+        self._reified.add(states)
+        return states
+
+    def shared_state(self):
+        """The state of the job this preset itself names: for the call sites that keep no object of their own
+        from one step to the next (a TensorFlow ``DistributedGradientTape``, built anew every step;
+        ``sparse_allreduce``, whose units are its names; ``hvd_sparse.tensorflow.SparseState(preset)``). Made at the
+        first call, then the same object; it lives as long as the preset."""
+        if self._shared is None:
+            object.__setattr__(self, "_shared", UnitStates(self))
+        return self._shared
+
+    def reified_elsewhere(self):
+        """Whether a live optimizer reified its own state from this preset while the shared one is still empty
+        (then the preset does not name that optimizer's state: checkpoint the optimizer instead)."""
+        shared = self._shared
+        return len(self._reified) > 0 and (shared is None or shared.empty())
 
     @property
     def density(self):
@@ -103,40 +142,33 @@ class SparseCompression:
             budget.density_for(self.byte_budget, self.sparsifier, self.reducer, size)
 
     def for_size(self, size):
-        """What an engine over ``size`` ranks runs: this preset, or for a byte budget a twin (same name, options and
-        ``states``) whose sparsifier has :meth:`density_for` ``size`` (``core.budget.sparsifier_for``: may warn)."""
+        """What an engine over ``size`` ranks runs: this preset, or for a byte budget a twin (same name and options)
+        whose sparsifier has :meth:`density_for` ``size`` (``core.budget.sparsifier_for``: may warn)."""
         if self.byte_budget is None:
             return self
         twin = copy.copy(self)
-        twin.sparsifier, twin.size = budget.sparsifier_for(self.byte_budget, self.sparsifier, self.reducer, size,
-                                                           repr(self)), int(size)
+        object.__setattr__(twin, "sparsifier", budget.sparsifier_for(self.byte_budget, self.sparsifier, self.reducer,
+                                                                     size, repr(self)))
+        object.__setattr__(twin, "size", int(size))
         return twin
 
     def new_engine(self, comm, unit="model"):
         """A fresh per-rank :class:`Engine` of one unit over ``comm``, running :meth:`for_size` ``comm.size``."""
         return Engine(self.for_size(1 if comm is None else comm.size), comm, unit)
 
-    def fresh(self):
-        """A new preset of the same configuration, without state (one per optimizer)."""
-        twin = copy.copy(self)
-        twin.states, twin._horovod_adapter = UnitStates(twin), None
-        return twin
-
     # -- Horovod's compressor protocol (for the unmodified hvd.DistributedOptimizer) -------------------
     def compress(self, tensor):
-        if self._horovod_adapter is None:
-            mod = type(tensor).__module__
-            if not mod.startswith("torch"):
-                raise TypeError(f"{self!r}: as a Horovod `compression=` argument a sparse preset works only "
-                                "with horovod.torch.DistributedOptimizer; for TensorFlow use "
-                                "hvd_sparse.tensorflow.DistributedGradientTape / DistributedOptimizer")
-            self._horovod_adapter = _horovod_adapter(mod.split(".")[0])(self)
-        return self._horovod_adapter.compress(tensor)
+        mod = type(tensor).__module__
+        if not mod.startswith("torch"):
+            raise TypeError(f"{self!r}: as a Horovod `compression=` argument a sparse preset works only "
+                            "with horovod.torch.DistributedOptimizer; for TensorFlow use "
+                            "hvd_sparse.tensorflow.DistributedGradientTape / DistributedOptimizer")
+        return _horovod_adapter(mod.split(".")[0])(self, tensor)
 
     def decompress(self, tensor, ctx):
-        if ctx is None or self._horovod_adapter is None:
+        if not (isinstance(ctx, tuple) and ctx[:1] == (HOROVOD_CTX,)):
             return tensor          # Horovod's own paths (e.g. torch.sparse gradients) pass through
-        return self._horovod_adapter.decompress(tensor, ctx)
+        return ctx[2].decompress(tensor, ctx)
 
     def __repr__(self):
         return f"Compression.{self.preset}"
@@ -217,14 +249,19 @@ def check_momentum(compression, momentum, api):
                          "or leave momentum_correction at 0")
 
 
-#: framework -> class adapting a preset to Horovod's compressor protocol, registered by the framework's package
+#: framework -> ``compress(compression, tensor)`` serving a preset in Horovod's optimizer, registered by the
+#: framework's package
 _HOROVOD_ADAPTERS = {}
+#: the first word of the ``ctx`` a preset's ``compress`` returns: ``(HOROVOD_CTX, name, adapter)``, and
+#: ``decompress`` hands the output to ``adapter.decompress(output, ctx)``
+HOROVOD_CTX = "hvd_sparse"
 
 
-def register_horovod_adapter(framework, adapter):
-    """Make ``adapter(compression)`` serve ``compress``/``decompress`` of tensors of ``framework`` (the top-level
-    module of the tensor's type, e.g. ``"torch"``); ``hvd_sparse.torch`` registers its stash adapter."""
-    _HOROVOD_ADAPTERS[framework] = adapter
+def register_horovod_adapter(framework, compress):
+    """Make ``compress(compression, tensor) -> (tensor, ctx)`` serve a preset's ``compress`` of tensors of
+    ``framework`` (the top-level module of the tensor's type, e.g. ``"torch"``); ``hvd_sparse.torch`` registers
+    its stash (``hvd_sparse/torch/stash.py``)."""
+    _HOROVOD_ADAPTERS[framework] = compress
 
 
 def _horovod_adapter(framework):
@@ -349,7 +386,7 @@ def _oktopk_pair(args):
 
 
 class Compression:
-    """Sparse presets, one factory per scheme. Every call returns a new object with fresh state."""
+    """Sparse presets, one factory per scheme. Every call returns a new preset (frozen configuration)."""
 
     @staticmethod
     @_documents_training_options

@@ -125,11 +125,11 @@ def test_the_density_depends_on_the_number_of_ranks_as_the_model_says():
     assert (C.topka(byte_budget=1).density_for(1), C.topka(byte_budget=1).density_for(2)) == (1.0, 0.5)
 
 
-def test_a_twin_per_number_of_ranks_shares_name_options_and_state():
+def test_a_twin_per_number_of_ranks_shares_name_and_options():
     comp = C.exdyna(byte_budget=0.1, warmup_dense_steps=2, momentum_correction=0.5)
     engine = comp.new_engine(SimulatedWorld(8).communicators()[3], "unit")
     twin = engine.compression
-    assert twin is not comp and twin.states is comp.states and repr(twin) == repr(comp)
+    assert twin is not comp and repr(twin) == repr(comp)
     assert (twin.warmup_dense_steps, twin.momentum_correction, twin.reducer, twin.size) == (2, 0.5, comp.reducer, 8)
     assert twin.density == twin.sparsifier.density == comp.density_for(8)
     assert twin.sparsifier.threshold_rule == comp.sparsifier.threshold_rule and comp.density is None
@@ -139,25 +139,26 @@ def test_a_twin_per_number_of_ranks_shares_name_options_and_state():
 
 def test_a_new_process_set_derives_the_density_again():
     comp = C.topk_dsa(byte_budget=BUDGET)
-    owner = object()
-    first = comp.states.engine("model", owner, lambda: SimulatedWorld(4).communicators()[0])
+    states = comp.reify()
+    first = states.engine("model", lambda: SimulatedWorld(4).communicators()[0])
     assert first.compression.density == comp.density_for(4)
-    comp.states.reset(keep_residuals=True)                    # an elastic reset: ranks left or joined
-    again = comp.states.engine("model", owner, lambda: SimulatedWorld(64).communicators()[0])
+    states.reset(keep_residuals=True)                         # an elastic reset: ranks left or joined
+    again = states.engine("model", lambda: SimulatedWorld(64).communicators()[0])
     assert again.compression.density == comp.density_for(64) < comp.density_for(4)
 
 
 def test_a_checkpoint_restores_into_a_preset_of_the_same_budget_only():
-    comp, owner = C.oktopk(byte_budget=BUDGET), object()
-    engine = comp.states.engine("model", owner, lambda: SimulatedWorld(1).communicators()[0])
+    comp = C.oktopk(byte_budget=BUDGET)
+    states = comp.reify()
+    engine = states.engine("model", lambda: SimulatedWorld(1).communicators()[0])
     engine.step(np.linspace(-1, 1, 1000, dtype=np.float32))
-    state = comp.states.state_dict(0, 1)
+    state = states.state_dict(0, 1)
     assert comp.sparsifier.density == comp.density_for(1)      # the preset's sparsifier: the density for P = 1
-    C.oktopk(byte_budget=BUDGET).states.load_state_dict(state, 0, 1, "test")
+    C.oktopk(byte_budget=BUDGET).reify().load_state_dict(state, 0, 1, "test")
     same_density = C.oktopk(comp.density_for(1))            # the same sparsifier, without the budget
     for other in (C.oktopk(byte_budget=0.1), C.oktopk(BUDGET), same_density):
         with pytest.raises(ValueError, match="rebuild the same compression preset"):
-            other.states.load_state_dict(state, 0, 1, "test")
+            other.reify().load_state_dict(state, 0, 1, "test")
 
 
 def readme_cell(comp, P):

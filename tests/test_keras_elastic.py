@@ -60,7 +60,7 @@ def test_keras_state_commit_restore_and_reset_of_the_sparse_state(policy):
     committed_w = [w.copy() for w in model.get_weights()]
     committed_r = _residual(opt)
     committed_it = int(opt.iterations.numpy())
-    assert np.abs(committed_r).sum() > 0 and comp.states.get("model").steps == 2
+    assert np.abs(committed_r).sum() > 0 and opt._hvds_reduce.states.get("model").steps == 2
     step(tf.constant(2))
     step(tf.constant(3))
     state.epoch = 4
@@ -68,9 +68,9 @@ def test_keras_state_commit_restore_and_reset_of_the_sparse_state(policy):
     state.restore()                            # after a failure: everything back to the commit
     assert state.epoch == 2 and int(opt.iterations.numpy()) == committed_it
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), committed_w))
-    assert np.array_equal(_residual(opt), committed_r) and comp.states.get("model").steps == 2
+    assert np.array_equal(_residual(opt), committed_r) and opt._hvds_reduce.states.get("model").steps == 2
     state.reset()                              # the reset Horovod runs next: a fresh engine at the next step
-    assert comp.states.get("model") is None
+    assert opt._hvds_reduce.states.get("model") is None
     r = _residual(opt) if policy == "keep" else opt.sparse_state_dict()["units"].get("model", {}).get("residual")
     if policy == "keep":
         assert np.array_equal(r, committed_r)
@@ -80,7 +80,7 @@ def test_keras_state_commit_restore_and_reset_of_the_sparse_state(policy):
     state.sync()                               # size 1: rank 0's values are this rank's
     assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), committed_w))
     step(tf.constant(2))
-    engine = comp.states.get("model")
+    engine = opt._hvds_reduce.states.get("model")
     assert engine.steps == 1                   # counters start afresh
     state.restore()                            # a failure right after: back to the state after the reset
     units = opt.sparse_state_dict()["units"]
@@ -128,15 +128,16 @@ def test_tensorflow_state_for_the_tape_path_keeps_the_compression_state():
 
     step()
     state.commit()
-    saved_v, saved_r = v.numpy().copy(), comp.states.get("model").state_dict()["residual"].copy()
+    saved_v, saved_r = v.numpy().copy(), comp.shared_state().get("model").state_dict()["residual"].copy()
     step()
     state.restore()
     assert np.array_equal(v.numpy(), saved_v)
-    assert np.array_equal(comp.states.get("model").state_dict()["residual"], saved_r)
+    assert np.array_equal(comp.shared_state().get("model").state_dict()["residual"], saved_r)
     state.reset()
-    assert comp.states.get("model") is None and np.array_equal(comp.states.snapshot()["model"]["residual"], saved_r)
+    shared = comp.shared_state()
+    assert shared.get("model") is None and np.array_equal(shared.snapshot()["model"]["residual"], saved_r)
     step()
-    assert comp.states.get("model").steps == 1
+    assert comp.shared_state().get("model").steps == 1
 
 
 def test_run_turns_peer_failures_into_horovod_internal_errors_and_reraises_the_rest(monkeypatch):

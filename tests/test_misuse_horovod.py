@@ -218,3 +218,23 @@ def test_importing_both_horovod_frameworks_still_exchanges_and_keeps_replicas_id
     assert list(ranks[0]["ranks"]) == [], "Horovod filled the ranks: this test no longer covers its case"
     assert all(int(r["collectives"]) > 0 for r in ranks)                   # the sparse step exchanged
     assert ranks[1]["params"].tobytes() == ranks[0]["params"].tobytes()    # from other data on each rank
+
+
+def test_one_preset_shared_by_optimizers_of_both_frameworks_and_sparse_allreduce_trains_each_independently(
+        tmp_path):
+    """A preset is configuration: one object given to two torch optimizers (models of the same shape), Horovod's own
+    optimizer, a Keras optimizer and sparse_allreduce in both frameworks, stepped in turn, gives every job exactly
+    what it gives with a preset of its own -- no residual, threshold or counter is shared."""
+    pytest.importorskip("tensorflow")
+    from horovod_helpers import horovodrun, load_ranks
+
+    horovodrun(NP, "shared_preset_worker.py", tmp_path, timeout=LIMIT)
+    rs = load_ranks(tmp_path, "shared", NP)
+    jobs = ["ours.0", "ours.1", "horovod", "keras", "torch.allreduce", "tf.allreduce", "residual_norms"]
+    for r in rs:
+        for job in jobs:
+            assert r[f"shared.{job}"].tobytes() == r[f"separate.{job}"].tobytes(), job
+        assert (r["shared.residual_norms"] > 0).all()                   # every optimizer's step was sparse
+        assert r["shared.ours.0"].tobytes() != r["shared.ours.1"].tobytes()
+    identical(rs, "shared.ours.0", "shared.ours.1", "shared.horovod", "shared.keras", "shared.tf.allreduce",
+              "shared.torch.allreduce")

@@ -175,7 +175,7 @@ def test_the_tape_declares_its_layout_to_the_engine_and_refuses_another_model():
         return hvds.DistributedGradientTape(tape, compression=comp).gradient(loss, ws)
 
     grads((2, 3), (3,))
-    engine = comp.states.get("model")
+    engine = comp.shared_state().get("model")
     assert engine.entries == (("variable #0", (2, 3), "float32"), ("variable #1", (3,), "float32"))
     with pytest.raises((ValueError, tf.errors.OpError), match="cannot serve two models") as err:
         grads((3, 2), (3,))
@@ -184,7 +184,17 @@ def test_the_tape_declares_its_layout_to_the_engine_and_refuses_another_model():
     grads((2, 3), (3,))
     assert engine.steps == 2
     hvds.sparse_allreduce(tf.ones((2, 2)), compression=comp, name="op.x")
-    assert comp.states.get("op.x").entries == (("op.x", (2, 2), "float32"),)
+    assert comp.shared_state().get("op.x").entries == (("op.x", (2, 2), "float32"),)
+
+
+def test_a_preset_whose_state_a_keras_optimizer_keeps_points_the_checkpoint_to_the_optimizer():
+    comp = hvdk.Compression.topka(0.5)
+    opt = hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=comp)
+    with pytest.raises(TypeError, match="pass the optimizer"):
+        hvds.SparseState(comp)
+    assert hvds.SparseState(opt).state_dict()["units"] == {}
+    with pytest.raises(AttributeError, match="frozen"):
+        comp.momentum_correction = 0.9
 
 
 def test_keras_imports_no_private_name_of_the_tensorflow_package():

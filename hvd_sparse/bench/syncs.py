@@ -146,11 +146,10 @@ def count(compression, size, n, steps, seed=0):
 
     source = SyntheticGradients(n, size, seed=seed)
     counters = [(HostReads(), AtenOps()) for _ in range(size)]
-    config = compression.fresh()
 
     def rank_loop(comm):
         reads, ops = counters[comm.rank]
-        engine = config.new_engine(_Unmetered(comm, reads, ops), "model")
+        engine = compression.new_engine(_Unmetered(comm, reads, ops), "model")
         out = StepCosts([], [], [], reads.where)
         for t in range(steps):
             grad = torch.from_numpy(source.grad(t, comm.rank))

@@ -179,7 +179,8 @@ class Engine:
             return
         if fixed and self.entries is not None:
             self.refused = (f"hvd_sparse unit '{self.name}': {_first_change(self.entries, entries)}; one "
-                            "compression object cannot serve two models (create one per model/optimizer)")
+                            "compression object cannot serve two models through a tape (a tape keeps its state in "
+                            "its preset): give each model its own preset")
             return
         old, self.entries = self.entries, entries
         self.layout = [int(np.prod(s)) for _, s, _ in entries]
@@ -290,8 +291,8 @@ class Engine:
             return f"the gradient has {n} entries, but the declared layout holds {sum(self.layout)}"
         if self.numel is not None and n != self.numel:
             return (f"hvd_sparse unit '{self.name}': the gradient has {n} entries, but this compression state "
-                    f"was built for {self.numel}; one compression object cannot serve two models (create one per "
-                    "model/optimizer)")
+                    f"was built for {self.numel}; one compression object cannot serve two models through a tape "
+                    "(a tape keeps its state in its preset): give each model its own preset")
         return None
 
     def _accumulate(self, plan):
@@ -513,7 +514,7 @@ class Engine:
 
     def load_state_dict(self, state):
         """Restore what :meth:`state_dict` returned (this rank's own: residuals are per rank)."""
-        unit = state.get("unit", state.get("bucket"))        # "bucket": what earlier states call it
+        unit = state.get("unit")
         if unit != self.name:
             raise ValueError(f"hvd_sparse unit '{self.name}': the state is of unit {unit!r}")
         self.numel = state["numel"]

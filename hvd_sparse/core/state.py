@@ -1,5 +1,5 @@
 """What a rank keeps between steps: error feedback's residual (:class:`ErrorFeedback`), the statistics of its
-exchanges (:class:`SparsityWindow`) and one owner for the engines of the units a preset serves (:class:`UnitStates`).
+exchanges (:class:`SparsityWindow`) and the state of one training job: the engines of its units (:class:`UnitStates`).
 
 **Error feedback** (docs/algorithms.md#error-feedback), the residual each rank carries between steps:
 
@@ -39,12 +39,14 @@ identical on every rank. A window without any sparse step on any rank (Horovod's
 ring allreduce instead: density 1 and ``2 n (P - 1) / P * 4`` bytes each way (float32 gradients of n weights), so
 that dense and sparse runs plot on the same axes.
 
-**The engines**: a :class:`~hvd_sparse.compression.SparseCompression` is configuration (sparsifier, reducer,
-options); its ``states`` attribute is a :class:`UnitStates`, the state of this rank bound to the model that trains
-with it -- one engine per unit (``"model"`` for an optimizer or tape, the name of a ``sparse_allreduce``), each with its
-residual, thresholds, partitions and step counters. As PyTorch's ``PowerSGDState`` beside its hook, every
-framework adapter goes through the public methods below, so checkpoints have one format and one set of checks,
-and elastic Horovod's commit/restore/reset are written once:
+**The state of a job**: a :class:`~hvd_sparse.compression.SparseCompression` is frozen configuration (sparsifier,
+reducer, options); a :class:`UnitStates` is the state one training job keeps on this rank, made from it by
+``compression.reify()`` -- one engine per unit (``"model"`` for an optimizer or tape, the name of a
+``sparse_allreduce``), each with its residual, thresholds, partitions and step counters. An optimizer reifies its
+own; the call sites without an object of their own (a TensorFlow tape, ``sparse_allreduce``) share the preset's
+``shared_state()``. As PyTorch's ``PowerSGDState`` beside its hook, every framework adapter goes through the public
+methods below, so checkpoints have one format and one set of checks, and elastic Horovod's commit/restore/reset are
+written once:
 
 * :meth:`UnitStates.engine` -- the engine of a unit, created at its first use (a restored state applied then);
 * :meth:`UnitStates.state_dict` / :meth:`UnitStates.load_state_dict` -- a checkpoint of this rank, checked for
@@ -55,7 +57,6 @@ and elastic Horovod's commit/restore/reset are written once:
 from __future__ import annotations
 
 import copy
-import weakref
 
 import numpy as np
 
@@ -262,7 +263,8 @@ STATE_VERSION = 1
 
 
 class UnitStates:
-    """This rank's engines of one preset, by unit, and the states restored but not yet used by a step.
+    """The state of one training job on this rank: its engines, by unit, and the states restored but not yet used
+    by a step. Made by ``SparseCompression.reify()`` (or ``shared_state()``).
 
     Args:
         compression (SparseCompression): the configuration the engines are made from.
@@ -270,49 +272,27 @@ class UnitStates:
 
     def __init__(self, compression):
         self.compression = compression
-        self._engines = {}          # unit -> (owner token, Engine)
+        self._engines = {}          # unit -> Engine
         self._pending = {}          # unit -> Engine.state_dict(), applied at the unit's next step
-        self._owner = None          # weakref of the optimizer that claimed the preset (claim())
-
-    # -- ownership ------------------------------------------------------------------------------------------
-    def in_use(self):
-        """True once some unit has an engine (a step ran) or an optimizer claimed the preset."""
-        return bool(self._engines) or self.owner() is not None
-
-    def owner(self):
-        """The optimizer that :meth:`claim` ed the preset (None when none did, or it is gone)."""
-        return None if self._owner is None else self._owner()
-
-    def claim(self, owner):
-        """Bind the preset to ``owner`` (an optimizer). Raises ValueError when another live one holds it."""
-        held = self.owner()
-        if held is not None and held is not owner:
-            raise already_used(self.compression)
-        self._owner = weakref.ref(owner)
 
     # -- engines --------------------------------------------------------------------------------------------
-    def engine(self, unit, owner, make_comm):
-        """The engine of ``unit`` for ``owner``, created on first use over ``make_comm()``; a state restored or kept
-        for the unit (load_state_dict, restore, reset) is loaded into it then.
-
-        An owner is an object (an optimizer, a model: the same object) or a name (``sparse_allreduce``'s: an equal
-        string, however it was built). Raises ValueError when a second owner (another optimizer or model) claims
-        the same unit: its residuals and thresholds would mix with the first one's."""
-        entry = self._engines.get(unit)
-        if entry is None:
-            entry = self._engines[unit] = (owner, self.compression.new_engine(make_comm(), unit))
+    def engine(self, unit, make_comm):
+        """The engine of ``unit``, created on first use over ``make_comm()``; a state restored or kept for the unit
+        (load_state_dict, restore, reset) is loaded into it then."""
+        engine = self._engines.get(unit)
+        if engine is None:
+            engine = self._engines[unit] = self.compression.new_engine(make_comm(), unit)
             if unit in self._pending:
-                entry[1].load_state_dict(self._pending.pop(unit))
-        elif not _same_owner(entry[0], owner):
-            raise already_used(self.compression, unit)
-        return entry[1]
+                engine.load_state_dict(self._pending.pop(unit))
+        return engine
 
-    def get(self, unit, owner=None):
-        """The engine of ``unit`` if it exists (and belongs to ``owner``, when given), else None; creates nothing."""
-        entry = self._engines.get(unit)
-        if entry is None or (owner is not None and not _same_owner(entry[0], owner)):
-            return None
-        return entry[1]
+    def get(self, unit):
+        """The engine of ``unit`` if it exists, else None; creates nothing."""
+        return self._engines.get(unit)
+
+    def empty(self):
+        """True while no unit has an engine or a state restored for its first step."""
+        return not self._engines and not self._pending
 
     def residual_norm(self, unit):
         """L2 norm of the residual of ``unit``: its engine's, or the one restored for its next step; 0.0 if none."""
@@ -327,7 +307,7 @@ class UnitStates:
         """A copy of this rank's state of every unit (engine ``state_dict()`` s, states restored but not yet used
         included): what an elastic commit keeps. No collective and no check, so that it can be restored while
         Horovod is down (after a failure, before the reset)."""
-        units = {unit: engine.state_dict() for unit, (_, engine) in self._engines.items()}
+        units = {unit: engine.state_dict() for unit, engine in self._engines.items()}
         for unit, state in self._pending.items():
             units.setdefault(unit, copy.deepcopy(state))
         return units
@@ -339,9 +319,9 @@ class UnitStates:
             del self._engines[unit]
         pending = {}
         for unit, state in units.items():
-            entry = self._engines.get(unit)
-            if entry is not None:
-                entry[1].load_state_dict(copy.deepcopy(state))
+            engine = self._engines.get(unit)
+            if engine is not None:
+                engine.load_state_dict(copy.deepcopy(state))
             else:
                 pending[unit] = copy.deepcopy(state)
         self._pending = pending
@@ -380,19 +360,6 @@ class UnitStates:
             else:
                 pending[unit] = state_u
         self._pending = pending
-
-
-def _same_owner(a, b):
-    """Objects by identity (two optimizers are two owners even when equal), names by value."""
-    return a is b or (isinstance(a, str) and a == b)
-
-
-def already_used(compression, unit=None, api=None):
-    """The ValueError for a preset that a second optimizer or model tries to use (its per-model state would mix)."""
-    where = f" (unit '{unit}')" if unit else ""
-    return ValueError(f"{api + ': ' if api else ''}{compression!r} is already used by another optimizer or model"
-                      f"{where}; a sparse preset keeps per-model state (residuals, thresholds): create one per "
-                      f"optimizer or model, e.g. Compression.{compression.preset.split('(')[0]}(...) again")
 
 
 def state_signature(compression):

@@ -1,6 +1,7 @@
 """Checkpoints of the per-rank sparse state in TensorFlow: :class:`SparseState` (for ``tf.train.Checkpoint``),
-:func:`sparse_state_dict` / :func:`load_sparse_state_dict` (plain dicts), over the preset's
-:class:`hvd_sparse.core.state.UnitStates` -- the same format and checks as the torch optimizer's."""
+:func:`sparse_state_dict` / :func:`load_sparse_state_dict` (plain dicts), over a job's
+:class:`hvd_sparse.core.state.UnitStates` -- the same format and checks as the torch optimizer's. A Keras optimizer
+keeps its own job; a tape and ``sparse_allreduce`` use their preset's (``shared_state()``)."""
 
 from __future__ import annotations
 
@@ -15,24 +16,28 @@ _Trackable = tf.__internal__.tracking.Trackable
 
 
 def sparse_state_dict(compression, process_set=global_process_set):
-    """This rank's sparsification state of every unit of ``compression`` (numpy arrays and Python values):
+    """This rank's sparsification state of every unit of the job ``compression`` names (a preset, handed to a tape
+    or to ``sparse_allreduce``; or a tape or Keras optimizer of hvd_sparse) in numpy arrays and Python values:
     ``{"version", "rank", "size", "compression", "units": {unit: Engine.state_dict()}}`` (see
     :meth:`hvd_sparse.core.state.UnitStates.state_dict`); a state restored but not yet used by a step is included
     as it was restored."""
-    return compression.states.state_dict(process_set.rank(), process_set.size())
+    states, ps = sparse_target(compression, process_set, "hvd_sparse.tensorflow.sparse_state_dict")
+    return states.state_dict(ps.rank(), ps.size())
 
 
 def load_sparse_state_dict(compression, state, process_set=global_process_set, api="hvd_sparse.tensorflow"):
-    """Restore :func:`sparse_state_dict` into ``compression``: at once into the units that exist, at their first
-    step into the others. Raises ValueError (and restores nothing) for a state of another rank, another
+    """Restore :func:`sparse_state_dict` into the job ``compression`` names: at once into the units that exist, at
+    their first step into the others. Raises ValueError (and restores nothing) for a state of another rank, another
     number of ranks or another compression."""
-    compression.states.load_state_dict(state, process_set.rank(), process_set.size(), api)
+    states, ps = sparse_target(compression, process_set, api)
+    states.load_state_dict(state, ps.rank(), ps.size(), api)
 
 
 def sparse_target(obj, process_set, api):
-    """``(compression, process_set)`` of ``obj``: a sparse preset, a :func:`DistributedGradientTape` or a Keras
-    ``DistributedOptimizer`` of hvd_sparse that uses one (``process_set`` None: the tape's or optimizer's, else all
-    ranks). Raises TypeError naming ``api`` for anything else, a dense one included (no sparse state to save)."""
+    """``(states, process_set)`` of ``obj``: the job state of a :func:`DistributedGradientTape` or a Keras
+    ``DistributedOptimizer`` of hvd_sparse that uses a sparse preset, or the ``shared_state()`` of a preset
+    (``process_set`` None: the tape's or optimizer's, else all ranks). Raises TypeError naming ``api`` for anything
+    else, a dense one included (no sparse state to save), and for a preset whose state an optimizer keeps."""
     reduction = getattr(obj, "_hvds_reduce", None)
     compression = obj if reduction is None else reduction.compression
     if reduction is not None and process_set is None:
@@ -42,7 +47,12 @@ def sparse_target(obj, process_set, api):
                         f"DistributedOptimizer of hvd_sparse that uses one, got {obj!r}"
                         + (" (it reduces densely: there is no sparse state to save)" if reduction is not None
                            else ""))
-    return compression, process_set or global_process_set
+    if reduction is None and compression.reified_elsewhere():
+        raise TypeError(f"{api}: {compression!r} is used by a Keras DistributedOptimizer, which keeps its own sparse "
+                        "state (one preset may serve several optimizers): pass the optimizer, e.g. "
+                        "SparseState(optimizer)")
+    states = compression.shared_state() if reduction is None else reduction.states
+    return states, process_set or global_process_set
 
 
 class SparseState(_Trackable):
@@ -72,14 +82,16 @@ class SparseState(_Trackable):
     """
 
     def __init__(self, obj, process_set=None):
-        self._hvds_compression, self._hvds_process_set = sparse_target(obj, process_set, "hvd_sparse.SparseState")
+        self._hvds_states, self._hvds_process_set = sparse_target(obj, process_set, "hvd_sparse.SparseState")
 
     def state_dict(self):
-        """What is saved: :func:`sparse_state_dict` of the compression."""
-        return sparse_state_dict(self._hvds_compression, self._hvds_process_set)
+        """What is saved: the job's :meth:`~hvd_sparse.core.state.UnitStates.state_dict`."""
+        ps = self._hvds_process_set
+        return self._hvds_states.state_dict(ps.rank(), ps.size())
 
     def load_state_dict(self, state):
-        load_sparse_state_dict(self._hvds_compression, state, self._hvds_process_set, "hvd_sparse.SparseState")
+        ps = self._hvds_process_set
+        self._hvds_states.load_state_dict(state, ps.rank(), ps.size(), "hvd_sparse.SparseState")
 
     def _serialize_to_tensors(self):
         return {"state": tf.constant(pickle.dumps(self.state_dict(), protocol=4), dtype=tf.string)}

@@ -109,13 +109,14 @@ class _SparseElasticState(ObjectState):
         raise NotImplementedError
 
     def _sparse(self):
-        """``(compression, keep_residuals)``, or ``(None, None)`` without sparse state."""
+        """``(states, keep_residuals)``: the sparse job's :class:`~hvd_sparse.core.state.UnitStates`, or
+        ``(None, None)`` without sparse state."""
         raise NotImplementedError
 
     def _reset_sparse(self):
-        compression, keep = self._sparse()
-        if compression is not None:
-            compression.states.reset(keep)
+        states, keep = self._sparse()
+        if states is not None:
+            states.reset(keep)
 
     # -- Horovod's State protocol ------------------------------------------------------------------------------
     def save(self):
@@ -126,9 +127,9 @@ class _SparseElasticState(ObjectState):
     def restore(self):
         for var, value in self._saved_values:
             var.assign(value)
-        compression, _ = self._sparse()
-        if compression is not None:
-            compression.states.restore(self._saved_sparse)
+        states, _ = self._sparse()
+        if states is not None:
+            states.restore(self._saved_sparse)
         super().restore()
 
     def reset(self):
@@ -148,8 +149,8 @@ class _SparseElasticState(ObjectState):
         self._saved_values = [(v, v.numpy().copy()) for v in self._tracked()]
 
     def _save_sparse(self):
-        compression, _ = self._sparse()
-        self._saved_sparse = compression.states.snapshot() if compression is not None else None
+        states, _ = self._sparse()
+        self._saved_sparse = states.snapshot() if states is not None else None
 
 
 class TensorFlowState(_SparseElasticState):
@@ -180,4 +181,4 @@ class TensorFlowState(_SparseElasticState):
         return self.variables
 
     def _sparse(self):
-        return (self.compression, self._keep) if self.compression is not None else (None, None)
+        return (self.compression.shared_state(), self._keep) if self.compression is not None else (None, None)

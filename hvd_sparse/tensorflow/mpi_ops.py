@@ -47,5 +47,6 @@ def sparse_allreduce(tensor, average=None, device_dense='', device_sparse='', co
     refuse_xla(_API)
     unit = name or "sparse_allreduce"
     prescale, postscale, average = scale_factors(op, 1.0)
-    return engine_step(compression, unit, unit, process_set, [tensor], average, prescale * float(prescale_factor),
-                       postscale * float(postscale_factor), nonfinite, names=[unit])[0][0]
+    return engine_step(compression.shared_state(), unit, process_set, [tensor], average,
+                       prescale * float(prescale_factor), postscale * float(postscale_factor), nonfinite,
+                       names=[unit])[0][0]

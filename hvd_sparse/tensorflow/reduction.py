@@ -25,16 +25,17 @@ from ._xla import refuse_xla
 from .comm import HorovodTFCommunicator
 
 
-def engine_step(compression, unit, owner, process_set, tensors, average, prescale, postscale, nonfinite="skip",
-                names=None, window=None):
-    """One engine step of ``unit`` over ``tensors`` (a list of dense tf tensors) inside a ``tf.py_function``.
+def engine_step(states, unit, process_set, tensors, average, prescale, postscale, nonfinite="skip", names=None,
+                window=None):
+    """One engine step of ``unit`` of the job ``states`` (a :class:`~hvd_sparse.core.state.UnitStates`) over
+    ``tensors`` (a list of dense tf tensors) inside a ``tf.py_function``.
 
     What is exchanged is declared to the engine (:meth:`hvd_sparse.core.engine.Engine.declare`): ``(name, shape,
     dtype)`` per tensor, the name ``"variable #<position>"`` unless ``names`` are given -- positions, not variable
     names, because Keras names layers from a process-wide counter (a rank that built one more model earlier names the
     same variables differently). The engine's agreement, its first collective, proves every rank declared the same,
-    or raises ``RankDisagreementError`` on every rank naming the first differing tensor. The layout is ``fixed``: the
-    preset owns the state, so other tensors at a later step are another model, an error on every rank.
+    or raises ``RankDisagreementError`` on every rank naming the first differing tensor. The layout is ``fixed``: one
+    job trains one model, so other tensors at a later step are another model, an error on every rank.
 
     Returns ``(reduced tensors, skipped)``: ``skipped`` is a boolean tensor, True on every rank when a NaN or Inf
     on some rank skipped the step (``nonfinite="skip"``; the reduced tensors are then all NaN). ``window``: a
@@ -45,7 +46,7 @@ def engine_step(compression, unit, owner, process_set, tensors, average, prescal
     flat = tf.concat([tf.reshape(tf.cast(t, tf.float32), [-1]) for t in tensors], axis=0)
 
     def step(x):                                               # x: an EagerTensor, the engine runs on it
-        engine = compression.states.engine(unit, owner, lambda: HorovodTFCommunicator(process_set, unit))
+        engine = states.engine(unit, lambda: HorovodTFCommunicator(process_set, unit))
         engine.declare(entries, fixed=True)
         out = engine.step(x, average=average, prescale=prescale, postscale=postscale, nonfinite=nonfinite)
         if window is not None:
@@ -67,15 +68,18 @@ class Reduction:
     Keras 3 and tf_keras variables alike.
 
     Attributes:
-        compression, process_set: as given; ``sparse``: whether ``compression`` is a sparse preset.
+        compression, process_set: as given; ``sparse``: whether ``compression`` is a sparse preset; ``states``:
+        the sparse job's state (``compression.reify()`` for the Keras optimizer, which keeps it; by default the
+        preset's ``shared_state()``, for the tape, which is built anew every step), None on the dense path.
     """
 
     def __init__(self, compression, op, gradient_predivide_factor, sparse_as_dense, process_set, api,
-                 nonfinite="skip"):
+                 nonfinite="skip", states=None):
         self.nonfinite = check_nonfinite(nonfinite, api)
         self.compression = check_compression(compression, api)
         refuse_unused_options(compression, api, nonfinite=nonfinite)
         self.sparse = isinstance(compression, SparseCompression)
+        self.states = None if not self.sparse else states if states is not None else compression.shared_state()
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.prescale, self.postscale, self.average = scale_factors(op, gradient_predivide_factor)
@@ -125,10 +129,8 @@ class Reduction:
             return dense, None
         if self.sparse:
             refuse_xla(self.api)
-            # The state's owner is the preset itself (a tape is created anew every step); a preset shared by
-            # two models is caught by the engine's fixed layout.
-            return engine_step(self.compression, "model", self.compression, self.process_set, dense,
-                               self.average, self.prescale, self.postscale, self.nonfinite, window=self.window)
+            return engine_step(self.states, "model", self.process_set, dense, self.average, self.prescale,
+                               self.postscale, self.nonfinite, window=self.window)
         if self.process_set.size() == 1:
             return dense, None
         refuse_xla(self.api, sparse=False)

@@ -13,9 +13,9 @@ from .functions import broadcast_object, broadcast_optimizer_state, broadcast_pa
 from .mpi_ops import sparse_allreduce
 from .optimizer import DistributedOptimizer
 
-from .stash import StashAdapter  # noqa: E402
+from . import stash  # noqa: E402
 
-register_horovod_adapter("torch", StashAdapter)   # a preset as compression= of horovod.torch.DistributedOptimizer
+register_horovod_adapter("torch", stash.compress)   # a preset as compression= of horovod.torch.DistributedOptimizer
 elastic.register()      # hvd.elastic.TorchState keeps hvd_sparse optimizers' per-rank state (see elastic.py)
 
 __all__ = ["Compression", "DistributedOptimizer", "broadcast_object", "broadcast_optimizer_state",

@@ -20,7 +20,7 @@ _API = "hvd_sparse.torch.DistributedOptimizer"
 
 class SparseOptimizer:
     """Mixed into the optimizer class :func:`~hvd_sparse.torch.DistributedOptimizer` builds (which sets
-    ``_compression``, ``_hvds_engine()``, ``_hvds_exchanges`` and ``process_set``)."""
+    ``_compression``, ``_hvds_states``, ``_hvds_engine()``, ``_hvds_exchanges`` and ``process_set``)."""
 
     def sparse_stats(self, average=False):
         """Statistics of the last exchange on this rank: ``n, k, selected, density, sent_bytes,
@@ -45,7 +45,7 @@ class SparseOptimizer:
         overwrite with rank 0's residuals. Arrays are CPU tensors, so ``torch.load`` reads the file with its defaults
         (``weights_only=True``)."""
         self._hvds_engine()                      # the state of step 0 before the first step
-        return to_tensors(self._compression.states.state_dict(self.process_set.rank(), self.process_set.size()))
+        return to_tensors(self._hvds_states.state_dict(self.process_set.rank(), self.process_set.size()))
 
     def skipped_steps(self):
         """Steps skipped on this rank (and every other) because a gradient was not finite."""
@@ -56,17 +56,17 @@ class SparseOptimizer:
         Raises ValueError (restoring nothing) for a state of another rank, another number of ranks or another
         compression (scheme, density, periods), as ``hvd_sparse.tensorflow.SparseState`` does."""
         state = to_arrays(state)
-        self._compression.states.load_state_dict(state, self.process_set.rank(), self.process_set.size(),
+        self._hvds_states.load_state_dict(state, self.process_set.rank(), self.process_set.size(),
                                                  f"{_API}.load_sparse_state_dict")
         self._hvds_loaded(state["units"])
 
     def _hvds_snapshot(self):
         """This rank's units, unchecked (hvd_sparse.torch.elastic's commit); None before the first step."""
-        return self._compression.states.snapshot() or None
+        return self._hvds_states.snapshot() or None
 
     def _hvds_restore(self, units):
         """Roll back to :meth:`_hvds_snapshot` unchecked (hvd_sparse.torch.elastic, across a world change)."""
-        self._compression.states.restore(units)
+        self._hvds_states.restore(units)
         self._hvds_loaded(units)
 
     def _hvds_loaded(self, units):

@@ -45,8 +45,7 @@ def sparse_allreduce(tensor, average=None, name=None, compression=None, op=None,
     check_sparse_allreduce(op, nonfinite, tensor.is_floating_point(), tensor.dtype, _API)
     unit = name or "sparse_allreduce"
     # collectives "hvd_sparse.allreduce.<name>.<phase>": never those of an optimizer or of another name
-    engine = compression.states.engine(unit, unit,
-                                lambda: HorovodTorchCommunicator(process_set, f"allreduce.{unit}"))
+    engine = compression.shared_state().engine(unit, lambda: HorovodTorchCommunicator(process_set, f"allreduce.{unit}"))
     if engine.comm.process_set is not process_set:
         raise ValueError(f"{_API}: name {unit!r} was first used with another process_set")
     # shape and dtype are agreed on by every rank before any data moves (as Horovod's allreduce checks them);

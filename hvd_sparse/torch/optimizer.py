@@ -53,7 +53,7 @@ import torch
 from horovod.torch.mpi_ops import Average, global_process_set
 
 from ..horovod_comm import in_process_set
-from ..core.state import SparsityWindow, already_used
+from ..core.state import SparsityWindow
 from ..core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int, scale_factors
 from . import consistency, recipes
 from .base import SparseOptimizer
@@ -74,7 +74,9 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor, sparse_as_dense, process_set, nonfinite, consistency_check_every,
                  elastic_residuals):
         self._hvds_inner.__init__(self, params)
+        recipes.step_inner_under_broadcast(self)     # Horovod's broadcast_optimizer_state: no exchange (recipes.py)
         self._compression = compression
+        self._hvds_states = compression.reify()      # this optimizer's job: its residual, thresholds, counters
         all_params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
             named_parameters = list(named_parameters)
@@ -155,8 +157,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         return hook
 
     def _hvds_engine(self):
-        return self._compression.states.engine(
-            "model", self, lambda: HorovodTorchCommunicator(self.process_set, self._hvds_owner))
+        return self._hvds_states.engine("model", lambda: HorovodTorchCommunicator(self.process_set, self._hvds_owner))
 
     def _hvds_current_engine(self):
         """The engine, rebuilt first if the world changed without a sync (hvd.elastic skips sync() after a graceful
@@ -168,7 +169,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         return engine
 
     def _hvds_has_engine(self):
-        return self._compression.states.get("model", self) is not None
+        return self._hvds_states.get("model") is not None
 
     def _hvds_elastic_reset(self):
         """After an elastic reset (hvd_sparse.torch.elastic): a fresh engine over the current process set --
@@ -178,7 +179,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._hvds_unseen_somewhere = True
         if not self._hvds_has_engine():
             return
-        self._compression.states.reset(self._hvds_elastic_residuals == "keep")
+        self._hvds_states.reset(self._hvds_elastic_residuals == "keep")
         for p in self._hvds_passes:
             self._hvds_passes[p] = 0
         self._synchronized = False
@@ -303,12 +304,6 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
 
     @torch.compiler.disable
     def step(self, closure=None):
-        # Who is calling (recipes.py reads the frames) matters only without state: Horovod's broadcast_optimizer_state
-        # steps only such optimizers, to create the state
-        if not self.state and recipes.is_broadcast_optimizer_state(recipes.caller()):
-            # Horovod's broadcast_optimizer_state creating missing state: the inner optimizer only, no exchange
-            # (the other ranks are not stepping), sparse state untouched (hvd_sparse.torch.recipes)
-            return self._hvds_inner.step(self, closure)
         # torch.amp.GradScaler.step sets grad_scale / found_inf before it calls step(): only then is its scaler sought
         scaler = recipes.grad_scaler(self, _API) if hasattr(self, "grad_scale") or hasattr(self, "found_inf") else None
         if self._should_synchronize:
@@ -404,7 +399,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     Raises:
         NotImplementedError: ``op=hvd.Adasum`` with a sparse preset.
         ValueError: bad ``op``, ``gradient_predivide_factor``, ``backward_passes_per_step``, ``groups``,
-            duplicate or missing parameter names, or a sparse preset already used by another optimizer.
+            duplicate or missing parameter names.
     """
     if callable(getattr(optimizer, "synchronize", None)) and callable(getattr(optimizer, "skip_synchronize", None)):
         raise ValueError(f"{_API}: optimizer is already a distributed optimizer ({type(optimizer).__name__} returned "
@@ -426,8 +421,6 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     check_positive_int(num_groups, "num_groups", _API, minimum=0)
     if groups is not None and not isinstance(groups, list):
         check_positive_int(groups, "groups", _API, minimum=0)
-    if compression.states.in_use():
-        raise already_used(compression, api=_API)
     check_momentum(compression, max(float(g.get("momentum", 0.0) or 0.0) for g in optimizer.param_groups), _API)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__, SparseOptimizer),
                dict(_SparseDistributedOptimizer.__dict__, _hvds_inner=optimizer.__class__))

@@ -1,21 +1,23 @@
-"""Who is calling: the one module of hvd_sparse that reads the interpreter's frames, for the recipes of Horovod and
-PyTorch that leave no public way to tell (each behaviour it relies on is pinned by ``tests/test_recipes.py``, which
-fails when Horovod or PyTorch changes it).
+"""The compatibility shims with Horovod's and PyTorch's recipes that leave no public way to do what they need: the
+one module of hvd_sparse that reads the interpreter's frames or sets what Horovod reads. Each behaviour it relies on
+is pinned by ``tests/test_recipes.py``, which fails when Horovod or PyTorch changes it.
 
-* ``horovod.torch.broadcast_optimizer_state`` steps ranks that have no optimizer state yet, on zero gradients, to
-  create it; it skips that only for Horovod's own optimizer classes. The other ranks are not stepping, so an
-  exchange there would deadlock (resume, a joining elastic worker) or, when every rank steps (a fresh start), run a
-  sparse exchange of zeros that moves thresholds and trajectories (DCT, ExDyna). :func:`caller` lets the optimizer
-  recognise the call and run only its inner optimizer. It asks only while it has no state: with state, Horovod
-  steps nothing, so a steady step of a stateful optimizer (momentum SGD, Adam) reads no frame.
+* ``horovod.torch.broadcast_optimizer_state`` (and ``hvd.elastic.TorchState``'s sync) steps ranks that have no
+  optimizer state yet, on zero gradients, to create it. The other ranks are not stepping, so an exchange there would
+  deadlock (resume, a joining elastic worker) or, when every rank steps (a fresh start), run a sparse exchange of
+  zeros that moves thresholds and trajectories (DCT, ExDyna). Horovod steps only the wrapped class
+  (``super(optimizer.__class__, optimizer).step()``) of an optimizer whose ``__module__`` is Horovod's optimizer
+  module: :func:`step_inner_under_broadcast` makes hvd_sparse's optimizer say so (an attribute of the instance; its
+  class keeps its own module), so Horovod runs only the inner optimizer. No frame is read: a steady step asks
+  nothing.
 * ``horovod.torch.DistributedOptimizer(compression=<preset>)`` calls ``compress(p.grad)`` without the parameter,
   its name, ``op`` or process set: :func:`compressing_optimizer` finds the Horovod optimizer (and the parameter)
-  that is calling.
+  that is calling, from its frame.
 * ``torch.amp.GradScaler.step`` calls ``step()`` on every rank when the optimizer declares
   ``_step_supports_amp_scaling`` (overflow or not), with ``grad_scale`` / ``found_inf`` set (the optimizer asks only
-  then): :func:`grad_scaler` finds that scaler, so the optimizer can unscale locally, let the exchange decide the
-  skip for every rank and write that decision into the scaler's record (its ``update()`` then changes the scale
-  alike on every rank).
+  then): :func:`grad_scaler` finds that scaler from its frame, so the optimizer can unscale locally, let the
+  exchange decide the skip for every rank and write that decision into the scaler's record (its ``update()`` then
+  changes the scale alike on every rank). Only a step under a GradScaler reads a frame.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 
 import torch
 import torch._dynamo.eval_frame
-from horovod.torch.functions import broadcast_optimizer_state
+from horovod.torch.optimizer import DistributedOptimizer as _HorovodDistributedOptimizer
 
 #: files whose frames stand between ``step()`` and its caller: torch's step hooks / profiling wrapper, and the
 #: wrapper of ``torch.compiler.disable`` (which keeps the exchange out of torch.compile's graphs)
@@ -40,8 +42,10 @@ def caller(depth=2):
     return frame
 
 
-def is_broadcast_optimizer_state(frame):
-    return frame.f_code is broadcast_optimizer_state.__code__
+def step_inner_under_broadcast(optimizer):
+    """Make Horovod's ``broadcast_optimizer_state`` step only ``optimizer``'s wrapped class, as it does for its own
+    optimizers (it compares ``optimizer.__module__`` with its ``DistributedOptimizer``'s)."""
+    optimizer.__module__ = _HorovodDistributedOptimizer.__module__
 
 
 def grad_scaler(optimizer, api):

@@ -6,6 +6,8 @@ compress of a step precedes the first decompress (Horovod 0.28.1's optimizer.py)
 
 * ``compress`` stashes the gradient and returns a 1-element placeholder; it never communicates (the
   order of compress calls differs across ranks when some parameters are unused);
+* the stash and the sparse state belong to the calling Horovod optimizer (a :class:`StashAdapter` kept on it,
+  with its own ``compression.reify()``), so one preset may serve several optimizers;
 * the first ``decompress`` of a step runs one whole-model engine step over the stashed gradients in
   sorted parameter-name order, with explicit collective names, then every ``decompress`` returns its
   parameter's slice.
@@ -28,49 +30,54 @@ from horovod.torch.mpi_ops import Adasum
 from . import recipes
 from .comm import HorovodTorchCommunicator
 from .functions import HOROVOD_DTYPES
-from ..core.state import already_used
+from ..compression import HOROVOD_CTX
 from ..core.validate import check_op, scale_factors
 
 _API = "horovod.torch.DistributedOptimizer(compression=<hvd_sparse preset>)"
 
 
+def compress(compression, tensor):
+    """``compression.compress(tensor)`` called by a Horovod optimizer: the gradient stashed in that optimizer's
+    :class:`StashAdapter` (made at its first call), a placeholder and the ``ctx`` that leads ``decompress`` there."""
+    opt, p = recipes.compressing_optimizer(compression, tensor)
+    if opt is None:
+        raise RuntimeError(f"{compression!r}: compress() was called outside "
+                           "horovod.torch.DistributedOptimizer; for a single tensor use "
+                           "hvd_sparse.torch.sparse_allreduce(tensor, compression=..., name=...)")
+    if p is None:
+        raise RuntimeError(f"{_API}: compress() received a tensor that is no parameter's gradient")
+    adapter = getattr(opt, "_hvds_stash", None)
+    if adapter is None or adapter.compression is not compression:
+        adapter = opt._hvds_stash = StashAdapter(compression, opt)
+    return adapter.compress(p, tensor)
+
+
 class StashAdapter:
-    def __init__(self, compression):
+    """One Horovod optimizer's sparse exchange: its stash of the step's gradients and its sparse state."""
+
+    def __init__(self, compression, optimizer):
+        if getattr(optimizer, "op", None) is None:        # _DistributedAdasumOptimizer has no `op`
+            check_op(Adasum, 1.0, _API)
+        check_op(optimizer.op, optimizer.gradient_predivide_factor, _API)
+        if optimizer.sparse_as_dense:
+            raise ValueError(f"{_API}: sparse_as_dense=True hands the compressor unnamed dense copies; "
+                             "use hvd_sparse.torch.DistributedOptimizer(..., sparse_as_dense=True)")
         self.compression = compression
-        self.optimizer = None
+        self.optimizer = optimizer
+        self.states = compression.reify()
         self.stash = {}       # name -> (param, gradient tensor)
         self.results = None   # name -> reduced slice, after the exchange of this step
 
-    def _caller(self, tensor):
-        """The Horovod optimizer that called compress(), and the parameter whose gradient ``tensor`` is."""
-        opt, p = recipes.compressing_optimizer(self.compression, tensor)
-        if opt is None:
-            raise RuntimeError(f"{self.compression!r}: compress() was called outside "
-                               "horovod.torch.DistributedOptimizer; for a single tensor use "
-                               "hvd_sparse.torch.sparse_allreduce(tensor, compression=..., name=...)")
-        if self.optimizer is None:
-            if getattr(opt, "op", None) is None:        # _DistributedAdasumOptimizer has no `op`
-                check_op(Adasum, 1.0, _API)
-            check_op(opt.op, opt.gradient_predivide_factor, _API)
-            if opt.sparse_as_dense:
-                raise ValueError(f"{_API}: sparse_as_dense=True hands the compressor unnamed dense copies; "
-                                 "use hvd_sparse.torch.DistributedOptimizer(..., sparse_as_dense=True)")
-            self.optimizer = opt
-        elif opt is not self.optimizer:
-            raise already_used(self.compression)
-        if p is None:
-            raise RuntimeError(f"{_API}: compress() received a tensor that is no parameter's gradient")
-        return opt, p
-
-    def compress(self, tensor):
-        opt, p = self._caller(tensor)
+    def compress(self, p, tensor):
+        opt = self.optimizer
         if self.results is not None:
             raise RuntimeError(f"{_API}: compress() after the exchange of this step started; this happens "
                                "only if a step was left unfinished (an exception inside synchronize())")
-        self.stash[opt._parameter_names[p]] = (p, tensor)
+        name = opt._parameter_names[p]
+        self.stash[name] = (p, tensor)
         # Horovod allreduces the placeholder: in the gradient's dtype where Horovod has it (not bfloat16)
         dtype = tensor.dtype if tensor.dtype in HOROVOD_DTYPES else torch.float32
-        return torch.ones(1, dtype=dtype, device=tensor.device), ("hvd_sparse", opt._parameter_names[p])
+        return torch.ones(1, dtype=dtype, device=tensor.device), (HOROVOD_CTX, name, self)
 
     def decompress(self, output, ctx):
         name = ctx[1]
@@ -92,8 +99,7 @@ class StashAdapter:
                                f"{missing[:5]} were compressed")
         flat = torch.cat([self.stash[n][1].reshape(-1).to(torch.float32) for n in names])
         prescale, postscale, average = scale_factors(opt.op, opt.gradient_predivide_factor)
-        engine = self.compression.states.engine(
-            "model", opt, lambda: HorovodTorchCommunicator(opt.process_set, "model"))
+        engine = self.states.engine("model", lambda: HorovodTorchCommunicator(opt.process_set, "model"))
         engine.declare([(n, tuple(self.stash[n][1].shape), self.stash[n][1].dtype) for n in names])
         out = engine.step(flat, average=average, prescale=prescale, postscale=postscale)
         self.results = {}

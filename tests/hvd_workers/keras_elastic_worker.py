@@ -66,7 +66,7 @@ def main(outdir, policy):
             except Exception as e:
                 errors.append(f"{type(e).__name__}: {e}")
                 raise
-            records.append((state.step, hvd.size(), comp.states.get("model").steps, opt.residual_norm()))
+            records.append((state.step, hvd.size(), opt._hvds_reduce.states.get("model").steps, opt.residual_norm()))
             committed[state.step] = residual()
             state.step += 1
             state.commit()

@@ -121,7 +121,7 @@ def scenario_subclass(res):
     m = fit(keras_mlp(), opt, x, y)
     res["weights"] = keras_weights(m)
     res["iterations"] = int(opt.iterations.numpy())
-    engine = opt._hvds_reduce.compression.states.get("model")
+    engine = opt._hvds_reduce.states.get("model")
     res["exchanges"] = engine.steps if engine else 0
 
 
@@ -134,7 +134,7 @@ def scenario_from_config(res):
     copy = type(hopt).from_config(cfg)
     m = fit(keras_mlp(), copy, x, y)
     res["weights"] = keras_weights(m)
-    res["separate_state"] = copy._hvds_reduce.compression is not hopt._hvds_reduce.compression
+    res["separate_state"] = copy._hvds_reduce.states is not hopt._hvds_reduce.states
 
 
 def local_vars_run(compression, passes, average):

@@ -2,6 +2,7 @@
 hvd_sparse.torch.recipes reads from the interpreter's frames, each exercised end to end. Prints one JSON object."""
 
 import json
+import sys
 
 import horovod.torch as hvd
 import torch
@@ -24,7 +25,7 @@ def broadcast_optimizer_state():
     model, opt = model_and_opt(comp)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
     return {"state_created": bool(opt.state_dict()["state"]), "exchanges": opt._hvds_exchanges,
-            "engine": comp.states.get("model") is not None}
+            "engine": opt._hvds_states.get("model") is not None}
 
 
 def grad_scaler():
@@ -44,11 +45,10 @@ def grad_scaler():
 
 
 def frames_read():
-    """The optimizer reads the frames only when they can matter: while it has no state (Horovod's
-    broadcast_optimizer_state steps only such optimizers: with state, it steps nothing) or while GradScaler's
-    attributes are set."""
-    real, reads = recipes.caller, []
-    recipes.caller = lambda depth=2: reads.append(1) or real(depth + 1)
+    """A step of hvd_sparse's optimizer reads no interpreter frame (``sys._getframe``, counted through the whole
+    step), with state or without; Horovod's broadcast_optimizer_state steps nothing once the optimizer has state."""
+    real, reads = sys._getframe, []
+    sys._getframe = lambda depth=0: reads.append(1) or real(depth + 1)
     try:
         out = {}
         for name, momentum in (("stateless", 0.0), ("stateful", 0.9)):
@@ -59,20 +59,20 @@ def frames_read():
                                             compression=hvds.Compression.topka(0.5))
             per_step = []
             for _ in range(3):
-                del reads[:]
                 opt.zero_grad()
                 model(torch.ones(2, 6)).sum().backward()
+                del reads[:]
                 opt.step()
                 per_step.append(len(reads))
             out[name] = per_step
-        before = [p.detach().clone() for p in model.parameters()]
-        exchanges = opt._hvds_exchanges
-        hvd.broadcast_optimizer_state(opt, root_rank=0)      # an optimizer with state, gradients still set
-        stepped = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
-        out["broadcast_with_state"] = {"stepped": stepped, "exchanges": opt._hvds_exchanges - exchanges}
-        return out
     finally:
-        recipes.caller = real
+        sys._getframe = real
+    before = [p.detach().clone() for p in model.parameters()]
+    exchanges = opt._hvds_exchanges
+    hvd.broadcast_optimizer_state(opt, root_rank=0)      # an optimizer with state, gradients still set
+    stepped = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    out["broadcast_with_state"] = {"stepped": stepped, "exchanges": opt._hvds_exchanges - exchanges}
+    return out
 
 
 def compressing_optimizer():
@@ -84,7 +84,7 @@ def compressing_optimizer():
     outside = recipes.compressing_optimizer(comp, model.bias.grad)
     handle = opt._allreduce_grad_async(model.bias)        # what Horovod's hook calls: compress(p.grad) inside
     hvd.synchronize(handle[0] if isinstance(handle, tuple) else handle)
-    stashed = sorted(comp._horovod_adapter.stash)
+    stashed = sorted(opt._hvds_stash.stash)
     return {"outside": [x is None for x in outside], "stashed": stashed, "direct": [found is None, p is None]}
 
 

@@ -33,11 +33,10 @@ import tensorflow as tf
 from horovod.tensorflow import Average, global_process_set
 
 from ...compression import SparseCompression, check_compression, check_momentum, refuse_unused_options
-from ...core.state import already_used
 from ...core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int
 from .._consistency import check_now, run_check, variable_name
 from .._variables import keras_flavour, same_variable
-from ..checkpoint import SparseState, load_sparse_state_dict, sparse_state_dict, sparse_target
+from ..checkpoint import SparseState, sparse_target
 from ..compression import Compression
 from ..reduction import Reduction
 from ._aggregation import LocalAggregation, reduce_with_locals
@@ -202,7 +201,7 @@ class _CommonMethods:
     def __init__(self, *args, **kwargs):
         """The wrapped class's ``__init__``, then hvd_sparse's settings: so ``type(opt).from_config(config)`` (Keras
         and Horovod rebuild optimizers this way) gives a working distributed optimizer too -- with a sparse preset,
-        a fresh copy of it (same scheme and arguments, its own residuals), as the copy has its own slots."""
+        its own sparse state (``compression.reify()``: its own residuals), as the copy has its own slots."""
         self._hvds_inner.__init__(self, *args, **kwargs)
         _setup(self, type(self)._hvds_settings)
 
@@ -247,9 +246,8 @@ class _CommonMethods:
         the new process set at the next step (partitions, thresholds, counters), this rank's residual kept or
         dropped by ``elastic_residuals``; gradients accumulated locally (``backward_passes_per_step > 1``) since
         the last reduction are dropped; the consistency guard counts from 0 again."""
-        comp = self._hvds_reduce.compression
-        if isinstance(comp, SparseCompression):
-            comp.states.reset(self._hvds_elastic_residuals == "keep")
+        if self._hvds_reduce.sparse:
+            self._hvds_reduce.states.reset(self._hvds_elastic_residuals == "keep")
         if self._hvds_agg is not None and self._hvds_agg.sums is not None:
             self._hvds_agg.clear()
         self._hvds_guard.steps = 0         # as on a joining process: every rank checks at the same steps again
@@ -295,12 +293,12 @@ class _CommonMethods:
 
     def _hvds_sparse_engine(self):
         """The sparse preset's engine of this optimizer, or None (a dense compression, or before the first step)."""
-        states = getattr(self._hvds_reduce.compression, "states", None)
+        states = self._hvds_reduce.states
         return None if states is None else states.get("model")
 
     def residual_norm(self):
         """L2 norm of this rank's error-feedback residual (0.0 with a dense compression)."""
-        states = getattr(self._hvds_reduce.compression, "states", None)
+        states = self._hvds_reduce.states
         return 0.0 if states is None else states.residual_norm("model")     # restored / kept: the next step's
 
     def sparse_state_dict(self):
@@ -311,15 +309,15 @@ class _CommonMethods:
         among the optimizer's variables (``BroadcastGlobalVariablesCallback`` would overwrite it with rank 0's);
         :class:`hvd_sparse.tensorflow.SparseState` (``SparseState(optimizer)``) puts it into a
         ``tf.train.Checkpoint``. Raises TypeError with a dense compression (nothing to save)."""
-        comp, ps = sparse_target(self, None, f"{_API}.sparse_state_dict")
-        return sparse_state_dict(comp, ps)
+        states, ps = sparse_target(self, None, f"{_API}.sparse_state_dict")
+        return states.state_dict(ps.rank(), ps.size())
 
     def load_sparse_state_dict(self, state):
         """Restore :meth:`sparse_state_dict` (of this rank); the run then continues bit for bit as if never
         interrupted. Works before the first step too (the state is applied at that step). Raises ValueError for
         a state of another rank, another number of ranks or another compression."""
-        comp, ps = sparse_target(self, None, f"{_API}.load_sparse_state_dict")
-        load_sparse_state_dict(comp, state, ps, f"{_API}.load_sparse_state_dict")
+        states, ps = sparse_target(self, None, f"{_API}.load_sparse_state_dict")
+        states.load_state_dict(state, ps.rank(), ps.size(), f"{_API}.load_sparse_state_dict")
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,
@@ -333,7 +331,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     The result is an instance of a subclass of your optimizer's class (same name; the Keras flavour is taken from
     the class's bases, so a subclass defined in your script works), rebuilt with
     ``cls.from_config(optimizer.get_config())`` as Horovod does -- ``type(opt).from_config(config)`` gives another
-    working distributed optimizer (with a fresh copy of a sparse preset) --, with Horovod's ``register_local_var``,
+    working distributed optimizer (with its own sparse state) --, with Horovod's ``register_local_var``,
     ``sparse_stats()``, ``residual_norm()``, ``sparse_state_dict()`` and ``load_sparse_state_dict()``
     (checkpoints: also ``SparseState(optimizer)``).
 
@@ -385,8 +383,6 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     check_compression(compression, _API)
     check_op(op, gradient_predivide_factor, _API)
     if isinstance(compression, SparseCompression):
-        if compression.states.owner() is not None:
-            raise already_used(compression, api=_API)
         check_momentum(compression, _momentum(optimizer), _API)
     passes = check_positive_int(backward_passes_per_step, "backward_passes_per_step", _API)
     every = check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
@@ -400,7 +396,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     methods = dict(_TFKerasMethods.__dict__ if tf_keras else _Keras3Methods.__dict__)
     methods.update({k: v for k, v in _CommonMethods.__dict__.items() if not k.startswith("__")})
     methods = {k: v for k, v in methods.items() if not k.startswith("__")}
-    settings = {"compression": compression, "claimed": False, "passes": passes, "every": every,
+    settings = {"compression": compression, "passes": passes, "every": every,
                 "reduction": (op, gradient_predivide_factor, sparse_as_dense, process_set, _API, nonfinite),
                 "average": bool(average_aggregated_gradients), "elastic_residuals": elastic_residuals,
                 "scale_local_gradients": bool(scale_local_gradients)}
@@ -421,12 +417,8 @@ def _momentum(optimizer):
 def _setup(opt, settings):
     """hvd_sparse's state of one optimizer instance (see ``_CommonMethods.__init__``)."""
     compression = settings["compression"]
-    if isinstance(compression, SparseCompression):
-        if settings["claimed"]:                  # a rebuilt copy: a fresh preset of the same configuration
-            compression = compression.fresh()
-        settings["claimed"] = True
-        compression.states.claim(opt)
-    opt._hvds_reduce = Reduction(compression, *settings["reduction"])
+    states = compression.reify() if isinstance(compression, SparseCompression) else None     # this optimizer's job
+    opt._hvds_reduce = Reduction(compression, *settings["reduction"], states=states)
     passes = settings["passes"]
     opt._hvds_agg = LocalAggregation(passes, settings["average"]) if passes > 1 else None
     opt._hvds_guard = _Guard(settings["every"], settings["scale_local_gradients"])

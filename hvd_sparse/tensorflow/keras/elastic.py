@@ -98,7 +98,7 @@ class KerasState(_SparseElasticState):
         reduction = getattr(self.optimizer, "_hvds_reduce", None)
         if reduction is None or not reduction.sparse:
             return None, None
-        return reduction.compression, self.optimizer._hvds_elastic_residuals == "keep"
+        return reduction.states, self.optimizer._hvds_elastic_residuals == "keep"
 
     def _reset_sparse(self):
         if getattr(self.optimizer, "_hvds_reduce", None) is not None:
