@@ -128,8 +128,8 @@ pairs() {        # pairs SECONDS REPORT BENCH ARGS...: the benchmark on this tre
 }
 
 if use gloo; then
-    step tests timeout 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs "$ROOT/tests/test_cuda.py" \
-        "$ROOT/tests/test_dtypes_horovod.py" "$ROOT/tests/test_bench_steps.py"
+    step tests timeout 300 "$PY" -m pytest -q -m cuda -p no:cacheprovider -rs "$ROOT/tests/core/test_cuda.py" \
+        "$ROOT/tests/torch/test_dtypes_horovod.py" "$ROOT/tests/bench/test_bench_steps.py"
     step bench_trainstep pairs 150 trainstep trainstep --workers 2 --device cuda
     step bench_advise timeout 150 horovodrun -np 2 -H localhost:2 --gloo "$PY" -m hvd_sparse.bench advise \
         --device cuda --numel 25000000 --steps 10 --warmup 3 --json "$OUT/reports/advise.json" \

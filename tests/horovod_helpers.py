@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 
 HERE = Path(__file__).parent
+#: the repository
+ROOT = HERE.parent
 #: the horovodrun next to this Python (the project's .venv), else the one on PATH (the GPU check installs it apart)
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 if not HOROVODRUN.exists() and shutil.which("horovodrun"):
@@ -28,7 +30,7 @@ requires_horovod = pytest.mark.skipif(not horovodrun_available(), reason="horovo
 def job_env(**extra):
     """The environment of a test's horovodrun job: this venv's binaries, one thread per worker, the repo, and the
     polling wait: the suite runs several ranks per core (jobs side by side, hosts emulated on one machine), where
-    hvd_sparse's "auto" wait could spin; tests/test_torch_wait.py covers "auto" itself."""
+    hvd_sparse's "auto" wait could spin; tests/torch/test_torch_wait.py covers "auto" itself."""
     path = os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PATH=f"{BIN}:{os.environ.get('PATH', '')}", OMP_NUM_THREADS="1", PYTHONPATH=path)
     env.setdefault("HVD_SPARSE_WAIT", "poll")

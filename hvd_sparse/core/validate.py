@@ -32,7 +32,7 @@ def check_positive_int(value, name, api, minimum=1):
 
 
 # Horovod's reduce-op constants (``hvd.Average``, ``hvd.Sum``, ``hvd.Adasum``): values of the C library's
-# enum, identical in horovod.torch and horovod.tensorflow (tests/test_torch_horovod.py checks them).
+# enum, identical in horovod.torch and horovod.tensorflow (tests/torch/test_torch_horovod.py checks them).
 HVD_AVERAGE, HVD_SUM, HVD_ADASUM = 0, 1, 2
 
 

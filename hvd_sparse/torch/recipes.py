@@ -1,6 +1,6 @@
 """The compatibility shims with Horovod's and PyTorch's recipes that leave no public way to do what they need: the
 one module of hvd_sparse that reads the interpreter's frames or sets what Horovod reads. Each behaviour it relies on
-is pinned by ``tests/test_recipes.py``, which fails when Horovod or PyTorch changes it.
+is pinned by ``tests/torch/test_recipes.py``, which fails when Horovod or PyTorch changes it.
 
 * ``horovod.torch.broadcast_optimizer_state`` (and ``hvd.elastic.TorchState``'s sync) steps ranks that have no
   optimizer state yet, on zero gradients, to create it. The other ranks are not stepping, so an exchange there would

@@ -102,7 +102,7 @@ def scenario_bpps(out):
     res["none1.raw"], res["none1.red"], res["none1.weights"] = fit(hvds.Compression.none, batch=2 * BATCH, info=info)
     res["none1.iterations"] = info["iterations"]
     # a sparse preset, 2 passes per step, summed (average_aggregated_gradients=False, Horovod's default); the
-    # eager tf.cond is tested in one process (tests/test_tf_local.py)
+    # eager tf.cond is tested in one process (tests/tensorflow/test_tf_local.py)
     res["sparse2.raw"], res["sparse2.red"], res["sparse2.weights"] = fit(
         make("oktopk", DENSITY), backward_passes_per_step=2, info=info)
     res["sparse2.iterations"] = info["iterations"]

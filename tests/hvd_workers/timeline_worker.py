@@ -1,4 +1,4 @@
-"""Horovod timelines for tests/test_timeline.py (run with ``HOROVOD_TIMELINE=DYNAMIC``):
+"""Horovod timelines for tests/bench/test_timeline.py (run with ``HOROVOD_TIMELINE=DYNAMIC``):
 ``timeline_worker.py <out> <name> ...`` records each name's steps in its own timeline, ``<out>/<name>.json``
 (``hvd.start_timeline`` / ``stop_timeline``). ``probe``: 20 steps of two plain allgathers, one of a fixed shape and
 one that grows every step; a preset's name: 12 steps of a small MLP trained with it (momentum SGD, density 0.05)."""

@@ -58,7 +58,7 @@ Design decisions:
 * ctypes releases the GIL during the call.
 * **Fallback**: ``HVD_SPARSE_NATIVE=0`` (read at every call), no compiler, or a failed build (one
   ``RuntimeWarning``) -> :func:`f32_view` returns None and callers keep their generic ``xp`` path, with
-  identical results (``tests/test_native_select.py`` runs both). Only numpy float32 arrays and CPU torch
+  identical results (``tests/core/test_native_select.py`` runs both). Only numpy float32 arrays and CPU torch
   float32 tensors, 1-D and contiguous, take the kernel; CUDA and TensorFlow tensors keep the ``xp`` path.
 
 API (``kernels.py``; numpy in, numpy out; :func:`f32_view` / :func:`wrap` convert from / to the caller's backend)::

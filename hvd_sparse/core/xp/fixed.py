@@ -16,7 +16,7 @@ device before the message goes out. The operations here all return padded arrays
 
 The methods of this class are the *host* implementations (numpy arithmetic on the arrays' host copies; the numpy
 and TensorFlow backends, CPU torch tensors); the torch backend overrides them for device tensors with operations
-whose output sizes are known in advance (no host read), with the same bits (``tests/test_fixed.py``).
+whose output sizes are known in advance (no host read), with the same bits (``tests/core/test_fixed.py``).
 
 Thresholds. A rule (``ge``, ``gt``, ``ge_nonzero``, see :func:`~hvd_sparse.core.xp.generic.rule_mask`) compares
 ``|x|`` in float32 with a float64 threshold rounded to float32; :func:`lower_bounds` turns every (threshold, rule)

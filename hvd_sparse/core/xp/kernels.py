@@ -3,7 +3,7 @@
 Each method takes the kernel (:mod:`hvd_sparse.core.native`) when its buffers are numpy arrays or CPU torch
 tensors of the kernel's dtype, 1-D and contiguous, and the kernel is built (``HVD_SPARSE_NATIVE`` not 0); else
 the generic path of :class:`~hvd_sparse.core.xp.generic.GenericOps`. The results are the same bits either way
-(``tests/test_native_select.py`` runs both).
+(``tests/core/test_native_select.py`` runs both).
 """
 
 from __future__ import annotations

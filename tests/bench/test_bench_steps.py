@@ -6,7 +6,6 @@ asserted."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from hvd_sparse.bench.__main__ import main
 from hvd_sparse.bench.engine import REFERENCES
 from hvd_sparse.bench.presets import names
 
-from horovod_helpers import HOROVODRUN, job_env, requires_horovod
+from horovod_helpers import HOROVODRUN, ROOT, job_env, requires_horovod
 from test_bench_select_plot import assert_png
 
 
@@ -109,7 +108,7 @@ def test_step_breakdown_script_reports_every_part_on_every_rank(tmp_path):
     """``scripts/step_breakdown.py`` (docs/benchmarks.md, "What the Ok-Topk step costs") at a tiny size: it wraps
     the engine's parts by name, so a renamed part fails here instead of in the next diagnosis."""
     cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable,
-           str(Path(__file__).parent.parent / "scripts" / "step_breakdown.py"), "--numel", "20000", "--steps", "2",
+           str(ROOT / "scripts" / "step_breakdown.py"), "--numel", "20000", "--steps", "2",
            "--data", str(tmp_path / "data")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=job_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -1,7 +1,7 @@
 """Reliability in the simulator: the non-finite policy (docs/reliability.md) for every preset.
 
 The Horovod-level counterparts (real horovodrun: skip/raise across processes, the consistency guard, a killed
-worker) are in tests/test_reliability_horovod.py.
+worker) are in tests/jobs/test_reliability_horovod.py.
 """
 
 import numpy as np

@@ -26,7 +26,7 @@ def test_every_preset_has_a_plain_signature_with_the_training_options(name):
     assert "warmup_dense_steps (int)" in factory.__doc__
     assert params["byte_budget"].default is None and params["byte_budget"].kind is inspect.Parameter.KEYWORD_ONLY
     assert "byte_budget (float)" in factory.__doc__
-    if name != "sparse":                                    # density or byte_budget (tests/test_budget.py)
+    if name != "sparse":                                    # density or byte_budget (tests/core/test_budget.py)
         assert params["density"].default is None
 
 

@@ -5,13 +5,12 @@ epochs of every preset)."""
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from hvd_sparse.bench.__main__ import main
 
-from horovod_helpers import requires_horovod
+from horovod_helpers import ROOT, requires_horovod
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 KEYS = {"algorithm", "test_accuracy", "epoch_seconds_median", "loss_curve", "accuracy_curve", "density_mean",
@@ -110,6 +109,6 @@ def test_convergence_unknown_framework_is_an_argparse_error(capsys):
     # the same from the command line: exit code 2, a message, no traceback
     proc = subprocess.run([sys.executable, "-m", "hvd_sparse.bench", "convergence", "--framework", "jax"],
                           capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=ROOT)
     assert proc.returncode == 2
     assert "invalid choice 'jax'" in proc.stderr and "Traceback" not in proc.stderr

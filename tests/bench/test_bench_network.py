@@ -17,10 +17,9 @@ from hvd_sparse.bench import layouts, netns, shm
 from hvd_sparse.bench import network as N
 from hvd_sparse.bench.__main__ import main
 
-from horovod_helpers import requires_horovod
+from horovod_helpers import ROOT, requires_horovod
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 _WHY_NOT = netns.cannot_build()

@@ -9,7 +9,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,10 +17,9 @@ from hvd_sparse.bench import equal_bytes, presets, train_report
 from hvd_sparse.bench._train_worker import parse_config
 from hvd_sparse.bench.__main__ import main
 
-from horovod_helpers import requires_horovod
+from horovod_helpers import ROOT, requires_horovod
 from test_bench_network import PNG_MAGIC, leftovers, requires_netns
 
-ROOT = Path(__file__).resolve().parents[1]
 
 #: a stand-in for the train worker: fails on configuration "topka", else rank 0 writes one step's records
 FAILING_WORKER = r"""

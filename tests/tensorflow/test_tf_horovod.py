@@ -1,7 +1,7 @@
 """The TensorFlow adapter (DistributedGradientTape, sparse_allreduce) through real `horovodrun` (Gloo),
 eagerly and inside tf.function, checked against the simulator. The engine runs on TensorFlow tensors in the TF
 path; the numpy simulator is its oracle because the TensorFlow engine equals the numpy one bit for bit
-(tests/test_tf_backend.py). np=2 runs every preset; np=3 a subset, to keep CI time reasonable."""
+(tests/core/test_tf_backend.py). np=2 runs every preset; np=3 a subset, to keep CI time reasonable."""
 
 import numpy as np
 import pytest

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from horovod_helpers import HOROVODRUN, requires_horovod
+from horovod_helpers import HOROVODRUN, ROOT, requires_horovod
 
-ROOT = Path(__file__).parent.parent
 JOB = textwrap.dedent("""
     import horovod.torch as hvd
     import torch

@@ -4,7 +4,6 @@ within the budget on gradient-like data, for every sparse preset at P = 4, 8, 64
 
 import re
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +16,8 @@ from hvd_sparse.core.reducers import Dense, TopkA
 from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.core.sparsifiers import GaussianK, TopK
 from hvd_sparse.testing import simulate
+
+from horovod_helpers import ROOT
 
 C = hvd_sparse.Compression
 PRESETS = ("oktopk", "topka", "topk_dsa", "gtopk", "gaussiank", "exdyna", "dct", "spardl")
@@ -170,7 +171,7 @@ def readme_cell(comp, P):
 
 
 def test_the_readme_table_is_the_models():
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    text = (ROOT / "README.md").read_text()
     start = text.index("### Byte budget")
     section = text[start:text.index("\n## ", start)]
     rows = {m[1]: m[2] for m in re.finditer(r"^\| `(\w+)` \|(.*)\|\s*$", section, re.M) if m[1] in PRESETS}

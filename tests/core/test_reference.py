@@ -1,8 +1,8 @@
 """Every preset's results against a reference recorded before the core was restructured (tests/data/reference.json):
 the same bits, not just the same invariants. Each case runs the simulator on fixed gradient-like data and hashes the
 updates, residuals and volume; a case that changes is a change of behaviour (say so in CHANGELOG.md and record the
-reference again with ``python tests/test_reference.py --record``, only for an intended change). Through real
-horovodrun the presets equal the simulator bit for bit (tests/test_torch_horovod.py), so this covers them too."""
+reference again with ``python tests/core/test_reference.py --record``, only for an intended change). Through real
+horovodrun the presets equal the simulator bit for bit (tests/torch/test_torch_horovod.py), so this covers them too."""
 
 import hashlib
 import json
@@ -16,7 +16,7 @@ from hvd_sparse.bench import presets
 from hvd_sparse.bench.data import SyntheticGradients
 from hvd_sparse.testing import simulate
 
-REFERENCE = Path(__file__).parent / "data" / "reference.json"
+REFERENCE = Path(__file__).resolve().parents[1] / "data" / "reference.json"
 STEPS, N, DENSITY = 12, 3000, 0.02
 #: case name -> (preset, P, backend, training options, preset options)
 CASES = {f"{p}.P{P}": (p, P, "numpy", {}, {}) for p in presets.names() for P in (1, 3, 4)}

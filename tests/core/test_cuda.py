@@ -1,6 +1,6 @@
 """The engine on CUDA tensors (``-m cuda``; skipped without a GPU): every preset on P simulated ranks whose gradients
 live on the GPU gives the same bits as the numpy simulator, identical on every rank and from run to run, and half
-precision gives the same bits as on the CPU. Through real horovodrun: tests/test_dtypes_horovod.py (its cuda job)."""
+precision gives the same bits as on the CPU. Through real horovodrun: tests/torch/test_dtypes_horovod.py (its cuda job)."""
 
 import numpy as np
 import pytest

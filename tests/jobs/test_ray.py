@@ -16,13 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from horovod_helpers import BIN, job_env, requires_horovod
+from horovod_helpers import BIN, ROOT, job_env, requires_horovod
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install '.[ray]' here; make test installs it)")
 
 pytestmark = [pytest.mark.horovod, requires_horovod]
 
-ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "ray_digits.py"
 LINE = re.compile(r"\[ *(dense|sparse)\] epoch +(\d+) +loss ([\d.]+) +test acc +([\d.]+)%")
 

@@ -14,6 +14,8 @@ import hvd_sparse.tensorflow as hvds  # noqa: E402
 import hvd_sparse.tensorflow.keras as hvdk  # noqa: E402
 from hvd_sparse.testing import simulate  # noqa: E402
 
+from horovod_helpers import HERE, ROOT  # noqa: E402
+
 pytestmark = pytest.mark.usefixtures("horovod")  # hvd.init() in this process (conftest.py)
 
 
@@ -130,11 +132,10 @@ def test_nonfinite_gradients_skip_the_keras_update_or_raise(flavour):
     import json
     import subprocess
     import sys
-    from pathlib import Path
 
     env = dict(os.environ, TF_USE_LEGACY_KERAS="1" if flavour == "tf_keras" else "0",
-               PYTHONPATH=str(Path(__file__).parent.parent))
-    proc = subprocess.run([sys.executable, str(Path(__file__).parent / "hvd_workers" / "tf_nonfinite_worker.py")],
+               PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(HERE / "hvd_workers" / "tf_nonfinite_worker.py")],
                           capture_output=True, text=True, timeout=300, env=env)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
