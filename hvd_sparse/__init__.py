@@ -8,7 +8,8 @@ __version__ = "0.1.0.dev0"
 
 from .compression import Compression, SparseCompression  # noqa: E402
 from .core.errors import NonFiniteGradientError, RankDisagreementError, ReplicaDivergenceError  # noqa: E402
-from .core.sparsifiers import DCT, ExDyna, GaussianK, Sparsifier, ThresholdReuse, TopK  # noqa: E402
+from .core.oktopk import ThresholdReuse  # noqa: E402
+from .core.sparsifiers import DCT, ExDyna, GaussianK, Sparsifier, TopK  # noqa: E402
 
 __all__ = ["Compression", "SparseCompression", "DCT", "ExDyna", "GaussianK", "Sparsifier", "ThresholdReuse", "TopK",
            "NonFiniteGradientError", "RankDisagreementError", "ReplicaDivergenceError", "__version__"]

@@ -17,17 +17,16 @@ runs the same whole-model exchange (see ``hvd_sparse/torch/stash.py``).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import importlib
 import inspect
 import weakref
-from typing import NamedTuple
 
 from .core import budget
 from .core.engine import Engine
-from .core.reducers import Dense, ExDynaReducer, GTopk, OkTopk, Reducer, SparDL, TopkA, TopkDSA
-from .core.reducers.oktopk import FEW_COLLECTIVES_FROM
-from .core.sparsifiers import DCT, ExDyna, GaussianK, Sparsifier, ThresholdReuse, TopK
+from .core.oktopk import FEW_COLLECTIVES_FROM, OkTopk
+from .core.oktopk.variants import pair as oktopk_pair
+from .core.reducers import Dense, ExDynaReducer, GTopk, Reducer, SparDL, TopkA, TopkDSA
+from .core.sparsifiers import DCT, ExDyna, GaussianK, Sparsifier, TopK
 from .core.state import UnitStates
 from .core.validate import HVD_AVERAGE, HVD_SUM
 
@@ -321,68 +320,16 @@ def _preset(factory, args, sparsifier, reducer):
                              momentum_correction=args["momentum_correction"], byte_budget=args["byte_budget"])
 
 
-class OkTopkVariant(NamedTuple):
-    """One of Ok-Topk's variants: its local selection (density 1.0: ``Compression.oktopk`` sets it) and its reducer."""
-
-    sparsifier: ThresholdReuse
-    reducer: OkTopk
-
-
-#: Ok-Topk's variants (``Compression.oktopk(variant=...)``; docs/algorithms.md#oktopk); the authors' dense warm-up
-#: steps (128 / 512 / 0) are not reproduced
-OKTOPK_PRESETS = {
-    # the library's default: the paper's algorithm and balancing, exact-k selection, controllers that keep |S| <= k
-    # and K <= k on reuse steps and boundaries that split each step's load evenly (the 6k(P-1)/P bound's assumptions)
-    "library": OkTopkVariant(
-        ThresholdReuse(1.0, 32, guard_ratio=1.15, guard_factor=1.03, guard_iters=30, guard_target=1.05,
-                       band_lo=0.95, band_relax=1.03),
-        OkTopk(32, 64, global_control="ladder", boundaries="measured")),
-    # the paper's: periodic exact re-evaluation only (no guard or band controllers), balancing iff max c_j > 4·avg
-    "paper": OkTopkVariant(
-        ThresholdReuse(1.0, 32, guard_ratio=None, band_relax=1.0, band_tighten=1.0),
-        OkTopk(32, 64, global_relax=1.0, global_tighten=1.0)),
-    "ref_lstm": OkTopkVariant(
-        ThresholdReuse(1.0, 32, select_rule="gt", guard_ratio=1.5, guard_factor=1.03, guard_iters=5,
-                       band_lo=0.75, band_hi=1.25, band_relax=1.012, band_tighten=1.012),
-        OkTopk(32, 64, global_band_lo=0.75, global_band_hi=1.25, global_relax=1.01,
-               global_tighten=1.008, select_rule="gt")),
-    "ref_vgg": OkTopkVariant(
-        ThresholdReuse(1.0, 32, select_rule="gt", guard_ratio=4 / 3, guard_factor=1.03, guard_iters=5,
-                       band_lo=2 / 3, band_hi=1.25, band_relax=1.012, band_tighten=1.012),
-        OkTopk(32, 64, global_band_lo=2 / 3, global_band_hi=4 / 3, global_relax=1.008,
-               global_tighten=1.008, select_rule="gt")),
-    "ref_bert": OkTopkVariant(
-        ThresholdReuse(1.0, 128, select_rule="gt", guard_ratio=None, band_lo=0.8, band_hi=1.25,
-                       band_relax=1.025, band_tighten=1.025),
-        OkTopk(128, 64, global_band_lo=0.8, global_band_hi=1.25, global_relax=1.036,
-               global_tighten=1.025, select_rule="gt")),
-}
-
-
 def _oktopk_pair(args):
-    """The sparsifier and reducer of ``Compression.oktopk(**args)``: the variant's, with the call's options."""
-    variant = args["variant"]
-    if variant not in OKTOPK_PRESETS:
-        raise ValueError(f"hvd_sparse.Compression.oktopk: variant must be one of {sorted(OKTOPK_PRESETS)}, "
-                         f"got {variant!r}")
-    base = OKTOPK_PRESETS[variant]
-    sp = {"density": _density("oktopk", args), "max_select_ratio": args["max_select_ratio"]}
-    rd = {"max_select_ratio": args["max_select_ratio"], "few_collectives_from": args["few_collectives_from"],
-          **({"global_fill": True} if args["global_fill"] else {})}
+    """The sparsifier and reducer of ``Compression.oktopk(**args)``: the variant's, with the call's options
+    (:func:`hvd_sparse.core.oktopk.variants.pair`)."""
     if args["balance"] != "auto":
         raise ValueError(f"hvd_sparse.Compression.oktopk: balance={args['balance']!r} does not apply any more: each "
                          "owner sends a fixed number of pairs in the gather (a message of one shape every step), so "
                          "nothing is left to balance; leave balance at 'auto' (it changes nothing)")
-    knobs = {k: args[k] for k in ("threshold_period", "repartition_period")}
-    if variant == "library":
-        sp["threshold_period"] = knobs["threshold_period"]
-        rd.update(knobs)
-    elif knobs != {"threshold_period": 32, "repartition_period": 64}:
-        raise ValueError(f"hvd_sparse.Compression.oktopk: variant={variant!r} fixes threshold_period and "
-                         f"repartition_period, got {knobs}; leave them at their defaults or use variant='library'")
-    if args["boundaries"] is not None:
-        rd["boundaries"] = args["boundaries"]
-    return dataclasses.replace(base.sparsifier, **sp), dataclasses.replace(base.reducer, **rd)
+    return oktopk_pair(args["variant"], _density("oktopk", args), args["threshold_period"],
+                       args["repartition_period"], args["max_select_ratio"], args["boundaries"],
+                       args["few_collectives_from"], args["global_fill"], "hvd_sparse.Compression.oktopk")
 
 
 class Compression:
@@ -408,7 +355,7 @@ class Compression:
             repartition_period (int): tau, steps between region repartitions (64).
             balance (str): "auto", the only value: the paper's balancing step has nothing to do when every owner
                 sends a fixed number of pairs (kept so that existing calls run).
-            variant (str): the threshold controllers, one of ``OKTOPK_PRESETS``. "library" (default): exact-k
+            variant (str): the threshold controllers, one of ``hvd_sparse.core.oktopk.VARIANTS``. "library" (default): exact-k
                 selection, a guard that brings the local count back to <= k in one step and a ladder that keeps
                 the global count K <= k (see ThresholdReuse.guard_target and OkTopk.global_control); "paper"
                 (no controllers), "ref_lstm", "ref_vgg", "ref_bert" (the authors' code, per model). For the

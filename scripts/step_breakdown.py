@@ -45,8 +45,7 @@ def main():
     from hvd_sparse.bench.shm import SharedGradients, write_gradient_data
     from hvd_sparse import horovod_comm
     from hvd_sparse.core import engine, state
-    from hvd_sparse.core.reducers import oktopk
-    from hvd_sparse.core.sparsifiers import threshold_reuse
+    from hvd_sparse.core.oktopk import OkTopk, ThresholdReuse
     from hvd_sparse.torch import optimizer as torch_optimizer
     from hvd_sparse.torch.comm import allgather_object, wait
 
@@ -86,8 +85,8 @@ def main():
     horovod_comm.HorovodCommunicator._guarded = timed_collectives
     timed(state.ErrorFeedback, "compensate", "residual + grad (the add pass)")
     timed(state.ErrorFeedback, "update", "zero S cap G in the residual")
-    timed(threshold_reuse.ThresholdReuse, "select", "selection")
-    timed(oktopk.OkTopk, "reduce", "reducer (incl. its collectives)")
+    timed(ThresholdReuse, "select", "selection")
+    timed(OkTopk, "reduce", "reducer (incl. its collectives)")
     timed(engine.Engine, "_emit", "write the result into p.grad")
     timed(torch.optim.SGD, "step", "SGD update")
     # the opening every step starts with (hvd_sparse/core/comm.py): the header with the agreement, in front of the

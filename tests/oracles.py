@@ -14,9 +14,9 @@ from scipy.special import ndtri
 
 from hvd_sparse.compression import SparseCompression
 from hvd_sparse.core.context import StepContext
-from hvd_sparse.core.reducers.oktopk import OkTopk
+from hvd_sparse.core.oktopk.exchange import OkTopk
 from hvd_sparse.core.sparsifiers.base import CLIMB
-from hvd_sparse.core.sparsifiers.threshold_reuse import ThresholdReuse
+from hvd_sparse.core.oktopk.selection import ThresholdReuse
 from hvd_sparse.core.xp import backend_of
 from hvd_sparse.testing import RECORDS, simulate
 

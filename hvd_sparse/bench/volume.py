@@ -297,7 +297,7 @@ def main(args):
     densities = _for_each_p(args.density, workers, "density")
     algorithms = list(args.algorithms or presets.names())
     if args.oktopk_boundaries:
-        from ..core.reducers.oktopk import BOUNDARY_POLICIES
+        from ..core.oktopk.exchange import BOUNDARY_POLICIES
         pols = [b.strip() for b in args.oktopk_boundaries.split(",") if b.strip()]
         bad = [b for b in pols if b not in BOUNDARY_POLICIES]
         if bad:

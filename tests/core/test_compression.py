@@ -8,9 +8,10 @@ import inspect
 import pytest
 
 import hvd_sparse
-from hvd_sparse.compression import OKTOPK_PRESETS, REDUCERS, SparseCompression
-from hvd_sparse.core.reducers import OkTopk, SparDL, TopkA
-from hvd_sparse.core.sparsifiers import DCT, ExDyna, GaussianK, ThresholdReuse, TopK
+from hvd_sparse.compression import REDUCERS, SparseCompression
+from hvd_sparse.core.oktopk import OKTOPK_PRESETS, OkTopk, ThresholdReuse
+from hvd_sparse.core.reducers import SparDL, TopkA
+from hvd_sparse.core.sparsifiers import DCT, ExDyna, GaussianK, TopK
 
 C = hvd_sparse.Compression
 SPARSE_PRESETS = ("oktopk", "topka", "topk_dsa", "gtopk", "gaussiank", "exdyna", "dct", "spardl", "sparse")

@@ -23,7 +23,7 @@ from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.core.sparsifiers.base import fit_selection
 from hvd_sparse.core.sparsifiers.exdyna import ExDyna
 from hvd_sparse.core.sparsifiers.gaussiank import GaussianK
-from hvd_sparse.core.sparsifiers.threshold_reuse import ThresholdReuse
+from hvd_sparse.core.oktopk.selection import ThresholdReuse
 from hvd_sparse.core.xp import backend_of
 
 from oracles import grads

@@ -1,7 +1,7 @@
-"""Ok-Topk's reducer (hvd_sparse/core/reducers/oktopk.py) with its sparsifier ThresholdReuse on the simulator: the
+"""Ok-Topk's reducer (hvd_sparse/core/oktopk/exchange.py) with its sparsifier ThresholdReuse on the simulator: the
 invariants of docs/algorithms.md#oktopk (semantics, schedule, thresholds, volume, edge cases), the presets, torch ==
 numpy, and hypothesis properties. ThresholdReuse on its own is tested in test_threshold_reuse.py, the region
-boundaries (hvd_sparse/core/reducers/regions.py) in test_regions.py.
+boundaries (hvd_sparse/core/oktopk/regions.py) in test_regions.py.
 
 The main semantic check compares the distributed library (regions, split-and-reduce, balancing, gathers,
 exact S ∩ G) with ``oktopk_reference``: the step of docs/algorithms.md#oktopk written out centrally with dense
@@ -17,13 +17,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hvd_sparse.compression import SparseCompression
-from hvd_sparse.core.reducers.base import wire_index_dtype
-from hvd_sparse.compression import OKTOPK_PRESETS
-from hvd_sparse.core.reducers.base import pack_pairs, unpack_pairs
-from hvd_sparse.core.reducers.oktopk import OkTopk
-from hvd_sparse.core.reducers.regions import region_split
+from hvd_sparse.core.oktopk import OKTOPK_PRESETS, OkTopk, ThresholdReuse
+from hvd_sparse.core.oktopk.regions import region_split
+from hvd_sparse.core.reducers.base import pack_pairs, unpack_pairs, wire_index_dtype
 from hvd_sparse.core.sim import SimulatedWorld
-from hvd_sparse.core.sparsifiers.threshold_reuse import ThresholdReuse
 from hvd_sparse.core.xp import backend_of
 from hvd_sparse.testing import simulate
 

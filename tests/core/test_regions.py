@@ -1,4 +1,4 @@
-"""Ok-Topk's region boundaries (hvd_sparse/core/reducers/regions.py), docs/algorithms.md#oktopk: the pure boundary
+"""Ok-Topk's region boundaries (hvd_sparse/core/oktopk/regions.py), docs/algorithms.md#oktopk: the pure boundary
 functions (load, smoothed load, histogram), and the boundary policies of OkTopk (periodic, result, load, measured) on
 the simulator: the same bits whatever the boundaries, the same boundaries on every rank, the words they add to the
 step's messages, and the split balance they keep."""
@@ -20,8 +20,8 @@ def test_oktopk_builds_its_two_policies_from_its_options_and_keeps_them_out_of_i
     """``regions`` and ``control`` are built from the flat options (again by ``dataclasses.replace``); the
     configuration the ranks agree on and the checkpoints record (``repr``, ``config_of``) holds the options only."""
     from hvd_sparse.core.comm import config_of
-    from hvd_sparse.core.reducers.oktopk import Band, Ladder, OkTopk
-    from hvd_sparse.core.reducers.regions import Regions
+    from hvd_sparse.core.oktopk.exchange import Band, Ladder, OkTopk
+    from hvd_sparse.core.oktopk.regions import Regions
 
     r = OkTopk(boundaries="load", repartition_period=16, boundary_tolerance=1.2, load_smoothing=0.25,
                global_control="ladder", ladder_factor=1.2, global_fill=True, select_rule="gt")
@@ -36,7 +36,7 @@ def test_oktopk_builds_its_two_policies_from_its_options_and_keeps_them_out_of_i
 
 
 def test_load_boundaries_split_the_measured_load_evenly():
-    from hvd_sparse.core.reducers.regions import load_boundaries
+    from hvd_sparse.core.oktopk.regions import load_boundaries
 
     # uniform inside a region: half of W = 40 is reached 20/30 of the way through region 0
     assert load_boundaries([0, 100, 200], [30, 10]) == [0, 66, 200]
@@ -112,7 +112,7 @@ def test_smoothed_load_boundaries_keep_the_split_balanced_at_ten_entries_per_reg
 
 
 def test_smoothed_load_boundaries_are_an_even_split_of_the_average():
-    from hvd_sparse.core.reducers.regions import smoothed_load_boundaries
+    from hvd_sparse.core.oktopk.regions import smoothed_load_boundaries
 
     out, st = smoothed_load_boundaries([0, 100, 200], [30, 10], [], None, 0.5, 8)
     assert out == [0, 67, 200] and len(st) == 9             # uniform inside regions: 2/3 of region 0
@@ -122,7 +122,7 @@ def test_smoothed_load_boundaries_are_an_even_split_of_the_average():
 
 
 def test_measured_boundaries_split_the_histogram_evenly():
-    from hvd_sparse.core.reducers.regions import histogram_edges, measured_boundaries
+    from hvd_sparse.core.oktopk.regions import histogram_edges, measured_boundaries
 
     edges = histogram_edges(None, 2, 200)
     assert edges == [0, 50, 100, 150, 200]                  # no forecast yet: equal-width bins, 2 per region
@@ -143,7 +143,7 @@ def test_measured_boundaries_and_the_ladder_sum_do_not_change_results(P, tp, con
     here for P = 3 and 5, the smoothed load instead) and the ladder's counts in the gather's header: the same updates
     and residuals, bit for bit, as the paper's boundaries, the same boundaries on every rank, and exactly the words
     they add to the messages, the same on every step."""
-    from hvd_sparse.core.reducers.oktopk import HISTOGRAM_FROM, LADDER_STEPS
+    from hvd_sparse.core.oktopk.exchange import HISTOGRAM_FROM, LADDER_STEPS
 
     g = int_grads(14, P, 300, seed=80 + P)
     runs = {b: run(make(0.05, tp=tp, rp=6, rd={"boundaries": b, "global_control": control}), g)

@@ -19,12 +19,13 @@ tf = pytest.importorskip("tensorflow")
 import hvd_sparse  # noqa: E402
 from hvd_sparse import Compression  # noqa: E402
 from hvd_sparse.bench import presets  # noqa: E402
-from hvd_sparse.core.sparsifiers import GaussianK, ThresholdReuse, TopK  # noqa: E402
+from hvd_sparse.core.oktopk import OKTOPK_PRESETS, OkTopk, ThresholdReuse  # noqa: E402
+from hvd_sparse.core.sparsifiers import GaussianK, TopK  # noqa: E402
 from hvd_sparse.core.sim import SimulatedWorld  # noqa: E402
 from hvd_sparse.core.selection import topk_indices  # noqa: E402
 from hvd_sparse.core.xp import TFBackend, backend_of  # noqa: E402
-from hvd_sparse.core.reducers import OkTopk, SparDL  # noqa: E402
-from hvd_sparse.compression import OKTOPK_PRESETS, SparseCompression  # noqa: E402
+from hvd_sparse.core.reducers import SparDL  # noqa: E402
+from hvd_sparse.compression import SparseCompression  # noqa: E402
 from hvd_sparse.testing import simulate  # noqa: E402
 
 from oracles import int_grads  # noqa: E402

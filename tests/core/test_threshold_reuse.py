@@ -1,4 +1,4 @@
-"""Simulator tests of ThresholdReuse, Ok-Topk's sparsifier (hvd_sparse/core/sparsifiers/threshold_reuse.py),
+"""Simulator tests of ThresholdReuse, Ok-Topk's sparsifier (hvd_sparse/core/oktopk/selection.py),
 docs/algorithms.md#oktopk: the guard and band bookkeeping of the local threshold, the select rules, ThresholdReuse
 with TopkA, its arguments, and the density it reaches on the benchmark data. The reducer and the pair together are in
 test_oktopk.py."""
@@ -9,7 +9,7 @@ import pytest
 from hvd_sparse.compression import SparseCompression
 from hvd_sparse.core.reducers.topka import TopkA
 from hvd_sparse.core.sparsifiers.base import ladder_factors
-from hvd_sparse.core.sparsifiers.threshold_reuse import ThresholdReuse
+from hvd_sparse.core.oktopk.selection import ThresholdReuse
 
 from oracles import (Recording, acc_of, assert_mass_conserved, distinct_grads, drifting_grads, mean_density_ratio,
                      oktopk_reference, rule_mask)

@@ -106,7 +106,7 @@ def test_every_preset_through_horovod_equals_simulator(job, preset):
     sim = simulate(presets.make(preset, 0.05), grads, shapes=[(int(m),) for m in ranks[0]["layout"]],
                    backend="torch")
     if preset == "oktopk":   # the run made every message of the default: at k >= 2P², the histogram in the opening
-        from hvd_sparse.core.reducers.oktopk import HISTOGRAM_FROM
+        from hvd_sparse.core.oktopk.exchange import HISTOGRAM_FROM
 
         ran = {p for step in sim.phases for ph in step for p in ph["calls"]}
         regions = "histogram" if int(0.05 * grads.shape[-1]) >= HISTOGRAM_FROM * P * P else "boundaries"

@@ -49,11 +49,11 @@ import math
 import numpy as np
 
 from ..sparsifiers.base import CLIMB
-from ..sparsifiers.threshold_reuse import band_adjust
 from ..validate import SELECT_RULE_FIX, SELECT_RULES, check_real, choice, flag, integer, options, real
 from ..xp.generic import rule_mask
-from .base import Reducer, SparseSum, pair_blocks, unpack_pair_rows, wire_index_dtype
+from ..reducers.base import Reducer, SparseSum, pair_blocks, unpack_pair_rows, wire_index_dtype
 from .regions import Regions, region_split
+from .selection import band_adjust
 
 BOUNDARY_POLICIES = ("periodic", "result", "load", "measured")
 FEW_COLLECTIVES_FROM = 1024         # k/P from which "measured" regions follow the load instead of a histogram
@@ -119,33 +119,59 @@ class Ladder:
         return used
 
 
-@dataclasses.dataclass
-class _OkStep:
-    """What one step of :meth:`OkTopk.reduce` knows, filled in phase by phase: P, this rank, n, k; the step counter
-    and Γ it starts with; whether it re-evaluates, repartitions, counts a histogram; the regions (and the
-    histogram); the split's load; the owners' counts and loads; G; the Γ used and next."""
+# -- what one step knows, phase by phase (each phase's result, passed on in arguments) ---------------------------
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What a step knows before any data moves: P, this rank, n, k; the step counter t and the Γ it starts with;
+    whether it re-evaluates Γ exactly (``reev``), and whether its regions count no histogram (``few``)."""
 
     P: int
     r: int
     n: int
     k: int
-    offsets: list
     t: int
     gamma: float
-    reev: bool = False
-    own: int = 0
-    few: bool = False
-    repart: bool = False
-    edges: object = None
-    hist: object = None
-    load: int = 0
-    loads: list = None
+    reev: bool
+    few: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The step's regions, from the opening: the boundaries o_0..o_P (``offsets``), whether they were placed from
+    the ranks' proposals (``repart``), the histogram's bins and summed counts (``edges``, ``hist``: None without
+    one), and how many real entries this rank's selection holds (``own``)."""
+
+    offsets: list
+    repart: bool
+    edges: list
+    hist: list
+    own: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Gathered:
+    """The owners' pairs, gathered: (P, c) indexes and values in global index order, every owner's counts at the
+    control's rungs (``counts``, None on re-evaluation steps) and the pairs its region received (``loads``, None
+    unless the regions follow the load)."""
+
+    idx: object
+    val: object
+    counts: list
+    loads: list
+
+
+@dataclasses.dataclass(frozen=True)
+class Chosen:
+    """G and Γ: the pairs kept (``idx``, ``val``: ascending, padded with (n, 0.0)), K = |G|, the Γ used and the Γ
+    of the next step, each owner's share of G (None on re-evaluation steps), and whether the hard cap
+    (``capped``) or the fill (``filled``) acted."""
+
+    idx: object
+    val: object
+    K: int
+    used: float
+    gamma_next: float
     owner_counts: list = None
-    g_idx: object = None
-    g_val: object = None
-    K: int = 0
-    used: float = None
-    gamma_next: float = None
     capped: bool = False
     filled: bool = False
 
@@ -154,7 +180,7 @@ class _OkStep:
 class OkTopk(Reducer):
     """Ok-Topk O(k) sparse allreduce (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep
     Learning", PPoPP'22, Algorithm 1; docs/algorithms.md#oktopk). Pair it with
-    :class:`hvd_sparse.core.sparsifiers.threshold_reuse.ThresholdReuse` (its local selection).
+    :class:`hvd_sparse.core.oktopk.selection.ThresholdReuse` (its local selection).
 
     Args:
         threshold_period (int): τ', re-evaluate the global threshold Γ exactly every τ' sparse steps
@@ -165,7 +191,7 @@ class OkTopk(Reducer):
             (nothing is cut; for studies, at many times the words). Default 1.5 (measured: docs/algorithms.md).
         boundaries (str): how the regions follow the selection: ``"periodic"`` (default, paper), ``"result"``,
             ``"load"`` or ``"measured"`` (the ``Compression.oktopk`` preset); each rule is described in
-            :class:`~hvd_sparse.core.reducers.regions.Regions`, the policy object built from these options.
+            :class:`~hvd_sparse.core.oktopk.regions.Regions`, the policy object built from these options.
         load_smoothing (float): β of ``load`` (and of ``measured``'s bins): the boundaries split β·(average so far)
             + (1-β)·(this step's) of the measured load CDFs evenly. 0: the last step only. Default 0.5.
         boundary_tolerance (float): the recompute trigger of ``result`` and ``load``; 1.0 recomputes on
@@ -243,134 +269,142 @@ class OkTopk(Reducer):
 
     # -- one step ----------------------------------------------------------------------------------------
     def reduce(self, xp, acc, idx, k, comm, state, ctx):
-        """One step of Algorithm 1 (the module docstring), a method per phase:
+        """One step of Algorithm 1 (the module docstring), a method per phase, each handing its result to the next:
 
-        1. :meth:`_start`   re-evaluation or reuse step, a histogram or not;
-        2. :meth:`_open`    the opening: the regions' proposals (and histogram); ``regions.plan``;
+        1. :meth:`_start`   re-evaluation or reuse step, a histogram or not (a :class:`Step`);
+        2. :meth:`_open`    the opening: the regions' proposals (and histogram); the step's regions (a
+                            :class:`Placement`);
         3. :meth:`_split`   region r of the sum of the selections (one alltoall);
-        4. :meth:`_gather`  every owner's largest pairs, their ladder counts and load (one allgather);
-        5. :meth:`_select`  G and Γ: the exact top-k (re-evaluation) or the control's threshold (reuse);
+        4. :meth:`_gather`  every owner's largest pairs, their ladder counts and load (one allgather; a
+                            :class:`Gathered`);
+        5. :meth:`_select`  G and Γ: the exact top-k (re-evaluation) or the control's threshold (reuse; a
+                            :class:`Chosen`);
         6. :meth:`_finish`  I = S ∩ G, the next boundaries (``regions.follow``) and the state.
         """
-        s = self._start(xp, acc, k, comm, state)
-        self._open(xp, idx, state, ctx, s)
-        g_idx, g_val = self._gather(xp, self._split(xp, idx, comm, ctx, s), comm, s)
-        self._select(xp, g_idx, g_val, s)
-        return self._finish(xp, idx, state, s)
+        step, offsets = self._start(xp, acc, k, comm, state)
+        placed = self._open(xp, idx, state, ctx, step, offsets)
+        region, load = self._split(xp, idx, comm, ctx, step, placed)
+        gathered = self._gather(xp, region, load, comm, step)
+        chosen = self._select(xp, gathered, step)
+        return self._finish(xp, idx, state, step, placed, gathered, chosen)
 
     def _start(self, xp, acc, k, comm, state):
-        """The step's plan (a :class:`_OkStep`); a new world size or layout (elastic, a new model) starts over."""
+        """``(step, offsets)``: the step's :class:`Step` and the last step's regions (None: none yet); a new world
+        size or layout (elastic, a new model) starts over."""
         P, n = comm.size, xp.numel(acc)
         offsets = state.get("offsets")
         if state.get("size") != P or (offsets is not None and (len(offsets) != P + 1 or offsets[-1] != n)):
             state.update(t=0, gamma=None, offsets=None, size=P, cdf=None)
             offsets = None
-        s = _OkStep(P=P, r=comm.rank, n=n, k=k, offsets=offsets, t=state["t"], gamma=state["gamma"])
-        s.reev = s.t % self.threshold_period == 0 or s.gamma is None or not math.isfinite(s.gamma)
+        t, gamma = state["t"], state["gamma"]
+        reev = t % self.threshold_period == 0 or gamma is None or not math.isfinite(gamma)
         # many entries per region (k, P: the same on every rank): the last steps' load forecasts the next one well;
         # few entries per rank (k < 2P²): the histogram's 2P(P-1) words would be more than half the split
-        s.few = P > 1 and (self.few_collectives_from is not None and k >= self.few_collectives_from * P
-                           or k < HISTOGRAM_FROM * P * P)
-        return s
+        few = P > 1 and (self.few_collectives_from is not None and k >= self.few_collectives_from * P
+                         or k < HISTOGRAM_FROM * P * P)
+        return Step(P=P, r=comm.rank, n=n, k=k, t=t, gamma=gamma, reev=reev, few=few), offsets
 
-    def _open(self, xp, idx, state, ctx, s):
+    def _open(self, xp, idx, state, ctx, step, offsets):
         """The opening (``ctx.open``): this rank's proposals and histogram for the regions (``regions.opening``),
         read on the host with the agreement's header; ``regions.plan`` places the step's regions from them."""
-        words, parts = self.regions.opening(xp, idx, ctx.selected, state, s)
-        wire = wire_index_dtype(xp, s.n)
-        _, counts, host = ctx.open(xp.astype(words, wire), parts, read=xp.numel(words))
-        s.own = counts[s.r]
-        self.regions.plan(host, state, s)
+        words, parts, edges = self.regions.opening(xp, idx, ctx.selected, state, step, offsets)
+        _, counts, host = ctx.open(xp.astype(words, wire_index_dtype(xp, step.n)), parts, read=xp.numel(words))
+        placed, hist = self.regions.plan(host, state, step, offsets, edges)
+        return Placement(offsets=placed, repart=self.regions.repartitions(step, offsets), edges=edges, hist=hist,
+                         own=counts[step.r])
 
-    def _split(self, xp, idx, comm, ctx, s):
-        """Region r of the sum of the selections (:class:`~hvd_sparse.core.xp.fixed.RegionSums`). One alltoall of the
-        selection's whole capacity as (index, value bits) rows: the pairs of region q to rank q, the padding to this
-        rank itself (so the message has the same shape every step, and no padding crosses the wire); the sources
-        added in rank order."""
-        splits = region_split(xp, idx, s.offsets)               # the step's second host read: the send splits
-        cap, own = xp.numel(idx), s.own
-        lo = sum(splits[:s.r + 1])                              # regions 0..r, the padding, regions r+1..P-1
+    def _split(self, xp, idx, comm, ctx, step, placed):
+        """``(region, load)``: region r of the sum of the selections (:class:`~hvd_sparse.core.xp.fixed.RegionSums`)
+        and the pairs it received. One alltoall of the selection's whole capacity as (index, value bits) rows: the
+        pairs of region q to rank q, the padding to this rank itself (so the message has the same shape every step,
+        and no padding crosses the wire); the sources added in rank order."""
+        r, offsets = step.r, placed.offsets
+        splits = region_split(xp, idx, offsets)                 # the step's second host read: the send splits
+        cap, own = xp.numel(idx), placed.own
+        lo = sum(splits[:r + 1])                                # regions 0..r, the padding, regions r+1..P-1
         order = np.concatenate([np.arange(lo), np.arange(own, cap), np.arange(lo, own)])
         pairs = xp.take(idx, xp.asarray(order, xp.index_dtype, like=idx))
-        packed = xp.stack(pair_blocks(xp, pairs, xp.take(ctx.padded, pairs), wire_index_dtype(xp, s.n)), axis=1)
+        packed = xp.stack(pair_blocks(xp, pairs, xp.take(ctx.padded, pairs), wire_index_dtype(xp, step.n)), axis=1)
         send = list(splits)
-        send[s.r] += cap - own
+        send[r] += cap - own
         recv, recv_splits = packed, send
-        if s.P > 1:
+        if step.P > 1:
             recv, recv_splits = comm.alltoall(packed, send, "split")
-        s.load = sum(recv_splits) - (cap - own)
+        load = sum(recv_splits) - (cap - own)
         pieces = [p for q, m in enumerate(recv_splits)                 # this rank's own run ends in the padding
-                  for p in ([(m, True)] if q != s.r else [(m - (cap - own), True), (cap - own, False)])]
+                  for p in ([(m, True)] if q != r else [(m - (cap - own), True), (cap - own, False)])]
         r_idx, r_bits = xp.unbind(xp.transpose(recv))
         r_val = xp.bitcast(xp.astype(r_bits, xp.int32), xp.float32)
-        return xp.region_sums(r_idx, r_val, pieces, s.offsets[s.r], s.offsets[s.r + 1], s.n)
+        return xp.region_sums(r_idx, r_val, pieces, offsets[r], offsets[r + 1], step.n), load
 
-    def _gather(self, xp, region, comm, s):
+    def _gather(self, xp, region, load, comm, step):
         """Every owner's pairs (ascending index; padding: n, 0.0) with, in the message's header, its counts at the
-        control's rungs and its load: one allgather. A reuse step's owner sends its pairs at the lowest rung, or at
-        the first rung above where at most c pass (``xp.select_capped``: the largest stay); a re-evaluation's, its
-        c largest. Returns the gathered (indices, values), (P, c), sorted by global index in rank order (the owners
-        hold the regions in order), and sets the owners' counts and loads."""
-        c, values = self.owner_capacity(s.k, s.P), region.values
+        control's rungs and its ``load``: one allgather. A reuse step's owner sends its pairs at the lowest rung, or
+        at the first rung above where at most c pass (``xp.select_capped``: the largest stay); a re-evaluation's,
+        its c largest. Returns the :class:`Gathered` pairs, (P, c), sorted by global index in rank order (the
+        owners hold the regions in order), with the owners' counts and loads."""
+        c, values = self.owner_capacity(step.k, step.P), region.values
         m, R = xp.numel(values), len(self.control.rungs(1.0))
-        wire = wire_index_dtype(xp, s.n)
-        if s.reev:
+        wire = wire_index_dtype(xp, step.n)
+        if step.reev:
             pos = xp.topk_padded(values, c)[0]
             counts = xp.zeros(R, wire, like=values)
         else:
-            rungs = self.control.rungs(s.gamma)
+            rungs = self.control.rungs(step.gamma)
             ths = rungs + [rungs[-1] * f for f in CLIMB[1:]]
             pos, _, _, counts = xp.select_capped(values, ths, self.select_rule, c, m, counts=R, tally=False)
         top, vals = region.pairs(xp, pos)
         head = [xp.astype(counts, wire)]
         if self.regions.follows_load:                           # the load the regions follow, after the counts
-            head.append(xp.asarray([s.load], wire, like=values))
+            head.append(xp.asarray([load], wire, like=values))
         H = R + len(head) - 1
         msg = xp.concat(head + pair_blocks(xp, top, vals, wire), like=values)
-        if s.P > 1:
+        if step.P > 1:
             msg = comm.allgather(msg, "gather", parts=(("gather.head", H), ("gather.indices", c), ("gather.values", c)))
-        msg = xp.reshape(msg, (s.P, -1))
+        msg = xp.reshape(msg, (step.P, -1))
         table = xp.to_list(xp.columns(msg, 0, H))                # the step's third host read: the owners' counts
-        s.loads = [row[R] for row in table] if H > R else None
-        s.owner_counts = [row[:R] for row in table]
-        return unpack_pair_rows(xp, msg, H)
+        g_idx, g_val = unpack_pair_rows(xp, msg, H)
+        return Gathered(idx=g_idx, val=g_val, counts=None if step.reev else [row[:R] for row in table],
+                        loads=[row[R] for row in table] if H > R else None)
 
-    def _select(self, xp, g_idx, g_val, s):
-        """G and Γ: the exact top-k of the gathered pairs on re-evaluation steps (Γ its K-th magnitude), else the
-        pairs at the control's threshold, its rung chosen from the summed counts (fill: the exact top-k above the
-        rung below); the hard cap (``max_select_ratio``) takes the exact top-k of G and re-evaluates Γ from it. G
-        keeps the pairs it holds in ascending order, the others replaced by the padding (n, 0.0): compacted on the
-        host, in place on a device (``xp.keep``)."""
-        c = self.owner_capacity(s.k, s.P)
-        if s.reev:
-            s.used = s.gamma_next = self._topk(xp, g_idx, g_val, s)
-            s.owner_counts = None
-            return
-        totals = [sum(col) for col in zip(*s.owner_counts)]
-        j, s.used = self.control.threshold(s.gamma, totals, s.k)
-        s.owner_counts = [min(row[j], c) for row in s.owner_counts]     # what each owner's c pairs hold of it
-        s.K = sum(s.owner_counts)
-        if isinstance(self.control, Ladder) and self.control.fill and 0 < j and totals[j] < s.k < totals[j - 1]:
-            lower = self.control.rungs(s.gamma)[j - 1]
+    def _select(self, xp, gathered, step):
+        """G and Γ (a :class:`Chosen`): the exact top-k of the gathered pairs on re-evaluation steps (Γ its K-th
+        magnitude), else the pairs at the control's threshold, its rung chosen from the summed counts (fill: the
+        exact top-k above the rung below); the hard cap (``max_select_ratio``) takes the exact top-k of G and
+        re-evaluates Γ from it. G keeps the pairs it holds in ascending order, the others replaced by the padding (n,
+        0.0): compacted on the host, in place on a device (``xp.keep``)."""
+        g_idx, g_val, k, n = gathered.idx, gathered.val, step.k, step.n
+        if step.reev:
+            idx, val, K, gamma = self._topk(xp, g_idx, g_val, k, n)
+            return Chosen(idx=idx, val=val, K=K, used=gamma, gamma_next=gamma)
+        c = self.owner_capacity(k, step.P)
+        totals = [sum(col) for col in zip(*gathered.counts)]
+        j, used = self.control.threshold(step.gamma, totals, k)
+        owner_counts = [min(row[j], c) for row in gathered.counts]      # what each owner's c pairs hold of it
+        K, filled = sum(owner_counts), False
+        if isinstance(self.control, Ladder) and self.control.fill and 0 < j and totals[j] < k < totals[j - 1]:
+            lower = self.control.rungs(step.gamma)[j - 1]
             above = xp.masked(g_val, rule_mask(xp, xp.abs(g_val), lower, self.select_rule))
-            self._topk(xp, g_idx, above, s)
-            s.filled = True
+            idx, val, K, _ = self._topk(xp, g_idx, above, k, n)
+            filled = True
         else:
-            s.g_idx, s.g_val = xp.keep(g_idx, g_val, rule_mask(xp, xp.abs(g_val), s.used, self.select_rule), s.n)
-        if self.max_select_ratio is not None and totals[j] > self.max_select_ratio * s.k:
-            s.gamma_next, s.capped = self._topk(xp, s.g_idx, s.g_val, s), True      # hard cap
-        else:
-            s.gamma_next = self.control.next_threshold(s.gamma, s.used, totals[j], s.k)
+            idx, val = xp.keep(g_idx, g_val, rule_mask(xp, xp.abs(g_val), used, self.select_rule), n)
+        if self.max_select_ratio is not None and totals[j] > self.max_select_ratio * k:     # hard cap
+            idx, val, K, gamma_next = self._topk(xp, idx, val, k, n)
+            return Chosen(idx=idx, val=val, K=K, used=used, gamma_next=gamma_next, owner_counts=owner_counts,
+                          capped=True, filled=filled)
+        return Chosen(idx=idx, val=val, K=K, used=used, owner_counts=owner_counts, filled=filled,
+                      gamma_next=self.control.next_threshold(step.gamma, used, totals[j], k))
 
-    def _topk(self, xp, g_idx, g_val, s):
-        """G = the exact top-k of the (index, value) pairs, in index order (ties by ascending index; K = min(k,
-        nonzeros)); returns its K-th magnitude (read on the host with K; inf when G is empty)."""
+    def _topk(self, xp, g_idx, g_val, k, n):
+        """``(idx, val, K, Γ)``: the exact top-k of the (index, value) pairs, in index order (ties by ascending
+        index; K = min(k, nonzeros)), and its K-th magnitude (read on the host with K; inf when it is empty)."""
         g_idx, g_val = xp.reshape(g_idx, (xp.numel(g_idx),)), xp.reshape(g_val, (xp.numel(g_val),))
-        pos = xp.topk_padded(g_val, s.k)[0]
-        s.g_idx, s.g_val = self._take(xp, g_idx, g_val, pos, s.n)
-        K, smallest = xp.read(xp.count_below(s.g_idx, s.n), xp.smallest_magnitude(s.g_val))
-        s.K = int(K[0])
-        return float(smallest[0]) if s.K else math.inf
+        pos = xp.topk_padded(g_val, k)[0]
+        idx, val = self._take(xp, g_idx, g_val, pos, n)
+        K, smallest = xp.read(xp.count_below(idx, n), xp.smallest_magnitude(val))
+        K = int(K[0])
+        return idx, val, K, float(smallest[0]) if K else math.inf
 
     @staticmethod
     def _take(xp, g_idx, g_val, pos, n):
@@ -379,14 +413,17 @@ class OkTopk(Reducer):
         ext_v = xp.concat([g_val, xp.zeros(1, xp.float32, like=g_val)], like=g_val)
         return xp.take(ext_i, pos), xp.take(ext_v, pos)
 
-    def _finish(self, xp, idx, state, s):
+    def _finish(self, xp, idx, state, step, placed, gathered, chosen):
         """The output (the sum is G itself, sorted and unique, then padding: the engine scatters it), the included
         set I = S ∩ G (exact; the rest of S padded with n), the next boundaries and the state."""
-        u = SparseSum(s.g_idx, s.g_val)
-        included = xp.members(idx, s.g_idx, s.n)
-        nxt = self.regions.follow(xp, state, s)
-        state.update(t=s.t + 1, gamma=s.gamma_next, offsets=list(s.offsets if nxt is None else nxt), size=s.P)
-        info = {"K": s.K, "threshold": s.used, "next_threshold": s.gamma_next, "reeval": bool(s.reev),
-                "repartition": bool(s.repart), "capped": s.capped, "filled": s.filled, "offsets": list(s.offsets),
-                "owner_counts": s.owner_counts, "t": s.t, "rebalanced": nxt is not None or s.hist is not None}
+        u = SparseSum(chosen.idx, chosen.val)
+        included = xp.members(idx, chosen.idx, step.n)
+        measured = None if placed.hist is None else (placed.edges, placed.hist)
+        nxt = self.regions.follow(xp, state, step, placed.offsets, gathered.loads, chosen.idx, measured)
+        state.update(t=step.t + 1, gamma=chosen.gamma_next, offsets=list(placed.offsets if nxt is None else nxt),
+                     size=step.P)
+        info = {"K": chosen.K, "threshold": chosen.used, "next_threshold": chosen.gamma_next,
+                "reeval": bool(step.reev), "repartition": bool(placed.repart), "capped": chosen.capped,
+                "filled": chosen.filled, "offsets": list(placed.offsets), "owner_counts": chosen.owner_counts,
+                "t": step.t, "rebalanced": nxt is not None or placed.hist is not None}
         return u, included, info

@@ -28,7 +28,7 @@ the scan is the fused select-and-compact kernel (one read pass, no |a| copy, no 
 are counted over ``a`` in one pass and the selection written padded to its capacity (``xp.select_capped``): no read
 before the opening. The same indices and thresholds either way. Re-evaluation steps take the exact top-k.
 
-This sparsifier is Ok-Topk's (pair it with :class:`hvd_sparse.core.reducers.oktopk.OkTopk`), but it is a
+This sparsifier is Ok-Topk's (pair it with :class:`hvd_sparse.core.oktopk.exchange.OkTopk`), but it is a
 standalone sparsifier too: with the TopkA reducer it gives "TopkA with a reused threshold".
 """
 
@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..sparsifiers.base import CLIMB, Sparsifier, ladder_factors
 from ..validate import SELECT_RULE_FIX, SELECT_RULES, check_real, choice, integer, options, real
-from .base import CLIMB, Sparsifier, ladder_factors
 
 
 def band_adjust(th, cnt, k, lo, hi, relax, tighten, xp=None):

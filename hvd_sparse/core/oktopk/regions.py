@@ -240,7 +240,7 @@ def next_boundaries(policy, g, offsets, loads, n, state, tolerance, beta, measur
 
 @dataclasses.dataclass(frozen=True)
 class Regions:
-    """Ok-Topk's region policy, built from :class:`~hvd_sparse.core.reducers.oktopk.OkTopk`'s options: ``rule`` its
+    """Ok-Topk's region policy, built from :class:`~hvd_sparse.core.oktopk.exchange.OkTopk`'s options: ``rule`` its
     ``boundaries``, ``period`` its ``repartition_period``, ``tolerance`` its ``boundary_tolerance``, ``smoothing``
     its ``load_smoothing``. The rules:
 
@@ -262,9 +262,10 @@ class Regions:
     forecasts the next poorly). With all three the repartition runs only on the first step (and after a change of
     P or n).
 
-    Three calls per step, on a step record ``s`` (P, n, t, the few-collectives flag; the regions and what follows
-    them are written into it): :meth:`opening` for the opening's words, :meth:`plan` before the split,
-    :meth:`follow` once the result G is known (G read on the host)."""
+    Three calls per step: :meth:`opening` for the opening's words, :meth:`plan` for the step's regions before the
+    split, :meth:`follow` for the next step's once the result G is known (G read on the host). What they need of the
+    step comes in arguments (``step``: P, n, t and the few-collectives flag), what they find goes out in return
+    values."""
 
     rule: str
     period: int
@@ -277,35 +278,44 @@ class Regions:
         ``measured`` on steps without a histogram."""
         return self.rule in ("load", "measured")
 
-    def opening(self, xp, idx, count, state, s):
-        """``(words, parts)``: what this rank's regions put in the step's opening, and their meter phases. With
-        ``measured`` regions that count a histogram (``s.few`` false), its :func:`histogram` in the bins of the
-        forecast (2P words, every step: the opening keeps one shape); else on repartition steps its
-        :func:`proposals` (P-1 words: the opening changes shape on those steps only), nothing on the others."""
-        s.repart = s.offsets is None or (self.rule == "periodic" and s.t % self.period == 0)
-        if self.rule == "measured" and not s.few and s.P > 1:
-            s.edges = histogram_edges(state.get("cdf"), s.P, s.n)
-            return histogram(xp, idx, s.edges), [("histogram", len(s.edges) - 1)]
-        if s.repart and s.P > 1:
-            return proposals(xp, idx, count, s.n, s.P), [("boundaries", s.P - 1)]
-        return xp.zeros(0, xp.index_dtype, like=idx), []
+    def repartitions(self, step, offsets):
+        """Whether this step places its regions from the ranks' proposals: the first step (no ``offsets`` yet) and,
+        for ``periodic``, every ``period`` steps."""
+        return offsets is None or (self.rule == "periodic" and step.t % self.period == 0)
 
-    def plan(self, rows, state, s):
-        """The regions of this step (``s.offsets``) from every rank's opening words (``rows``: host lists): the even
-        split of the summed histogram (``measured``; on its first step in even bins), else on repartition steps the
-        mean of the proposals (``periodic`` every ``period`` steps; ``result`` and ``load`` to start)."""
-        if s.edges is not None:
-            s.hist = [sum(col) for col in zip(*rows)]
-            s.offsets = measured_boundaries(s.edges, s.hist, state.get("cdf"), s.n, s.P) or s.offsets or \
-                [(j * s.n) // s.P for j in range(s.P)] + [s.n]
-        elif s.repart:
-            s.offsets = repartition(rows, s.n) if s.P > 1 else [0, s.n]
+    def opening(self, xp, idx, count, state, step, offsets):
+        """``(words, parts, edges)``: what this rank's regions put in the step's opening, their meter phases, and the
+        histogram's bins (None without one). With ``measured`` regions that count a histogram (``step.few`` false),
+        its :func:`histogram` in the bins of the forecast (2P words, every step: the opening keeps one shape); else
+        on repartition steps its :func:`proposals` (P-1 words: the opening changes shape on those steps only),
+        nothing on the others."""
+        if self.rule == "measured" and not step.few and step.P > 1:
+            edges = histogram_edges(state.get("cdf"), step.P, step.n)
+            return histogram(xp, idx, edges), [("histogram", len(edges) - 1)], edges
+        if self.repartitions(step, offsets) and step.P > 1:
+            return proposals(xp, idx, count, step.n, step.P), [("boundaries", step.P - 1)], None
+        return xp.zeros(0, xp.index_dtype, like=idx), [], None
 
-    def follow(self, xp, state, s):
-        """The next step's boundaries from this step's (:func:`next_boundaries`, G read on the host), or None to keep
-        ``s.offsets`` (``periodic``, P = 1, or an imbalance within ``tolerance``)."""
-        if self.rule == "periodic" or s.P == 1:
+    def plan(self, rows, state, step, offsets, edges):
+        """``(offsets, hist)``: the regions of this step from every rank's opening words (``rows``: host lists) --
+        the even split of the summed histogram ``hist`` (``measured``; on its first step in even bins), else on
+        repartition steps the mean of the proposals (``periodic`` every ``period`` steps; ``result`` and ``load``
+        to start), else the last step's ``offsets``. ``hist`` is None without a histogram."""
+        P, n = step.P, step.n
+        if edges is not None:
+            hist = [sum(col) for col in zip(*rows)]
+            return (measured_boundaries(edges, hist, state.get("cdf"), n, P) or offsets or
+                    [(j * n) // P for j in range(P)] + [n]), hist
+        if self.repartitions(step, offsets):
+            return (repartition(rows, n) if P > 1 else [0, n]), None
+        return offsets, None
+
+    def follow(self, xp, state, step, offsets, loads, g_idx, measured):
+        """The next step's boundaries from this step's (:func:`next_boundaries`; ``g_idx``: G's indexes, read on the
+        host; ``loads``: what every owner received; ``measured``: ``(edges, hist)`` or None), or None to keep
+        ``offsets`` (``periodic``, P = 1, or an imbalance within ``tolerance``)."""
+        if self.rule == "periodic" or step.P == 1:
             return None
-        g = xp.to_numpy(s.g_idx)
-        return next_boundaries(self.rule, g[g < s.n], s.offsets, s.loads, s.n, state, self.tolerance,
-                               self.smoothing, s.hist and (s.edges, s.hist))
+        g = xp.to_numpy(g_idx)
+        return next_boundaries(self.rule, g[g < step.n], offsets, loads, step.n, state, self.tolerance,
+                               self.smoothing, measured)
