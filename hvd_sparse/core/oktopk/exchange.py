@@ -48,12 +48,12 @@ import math
 
 import numpy as np
 
-from ..sparsifiers.base import CLIMB
-from ..validate import SELECT_RULE_FIX, SELECT_RULES, check_real, choice, flag, integer, options, real
-from ..xp.generic import rule_mask
 from ..reducers.base import Reducer, SparseSum, pair_blocks, unpack_pair_rows, wire_index_dtype
+from ..sparsifiers.base import CLIMB
+from ..validate import check_real, choice, flag, integer, options, real
+from ..xp.generic import rule_mask
 from .regions import Regions, region_split
-from .selection import band_adjust
+from .selection import band_adjust, max_select_ratio_option, select_rule_option, threshold_period_option
 
 BOUNDARY_POLICIES = ("periodic", "result", "load", "measured")
 FEW_COLLECTIVES_FROM = 1024         # k/P from which "measured" regions follow the load instead of a histogram
@@ -223,7 +223,7 @@ class OkTopk(Reducer):
     sparse_result = True
     opens = True
 
-    threshold_period: int = integer(32)
+    threshold_period: int = threshold_period_option()
     repartition_period: int = integer(64)
     _: dataclasses.KW_ONLY
     gather_capacity: float = real(1.5, 0.0, low_incl=False, allow_none=True,
@@ -232,8 +232,8 @@ class OkTopk(Reducer):
     global_band_hi: float = real(1.25, 0.0, fix="e.g. 1.25")
     global_relax: float = real(1.01, 1.0, fix="e.g. 1.01 (1.0 disables)")
     global_tighten: float = real(1.008, 1.0, fix="e.g. 1.008 (1.0 disables)")
-    select_rule: str = choice("ge_nonzero", SELECT_RULES, fix=SELECT_RULE_FIX)
-    max_select_ratio: float = real(None, 1.0, allow_none=True, fix="e.g. 4 (or None for no cap)")
+    select_rule: str = select_rule_option()
+    max_select_ratio: float = max_select_ratio_option()
     global_control: str = choice("band", ("ladder", "band"))
     ladder_factor: float = real(1.1, 1.0, low_incl=False, fix="e.g. 1.1")
     boundaries: str = choice("periodic", BOUNDARY_POLICIES)

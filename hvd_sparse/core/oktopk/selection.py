@@ -40,6 +40,22 @@ from ..sparsifiers.base import CLIMB, Sparsifier, ladder_factors
 from ..validate import SELECT_RULE_FIX, SELECT_RULES, check_real, choice, integer, options, real
 
 
+# -- the options both halves of Ok-Topk take (ThresholdReuse and exchange.OkTopk), each defined here once ----------
+def threshold_period_option():
+    """τ': the local and the global threshold are re-evaluated exactly every τ' sparse steps."""
+    return integer(32)
+
+
+def select_rule_option():
+    """Which magnitudes a threshold selects: ``"ge_nonzero"`` (|x| >= th and x != 0) or ``"gt"`` (|x| > th)."""
+    return choice("ge_nonzero", SELECT_RULES, fix=SELECT_RULE_FIX)
+
+
+def max_select_ratio_option():
+    """An optional hard cap on a count, in units of k (None: off)."""
+    return real(None, 1.0, allow_none=True, fix="e.g. 4 (or None for no cap)")
+
+
 def band_adjust(th, cnt, k, lo, hi, relax, tighten, xp=None):
     """The post-hoc band controller of the authors' code: ``th/relax`` below ``lo·k``, ``th·tighten`` above
     ``hi·k``, else ``th``. Python floats (fp64, as ref), or with ``xp`` values that may live on a device."""
@@ -83,9 +99,9 @@ class ThresholdReuse(Sparsifier):
     name = "threshold_reuse"
     exact_k = False
 
-    threshold_period: int = integer(32)
+    threshold_period: int = threshold_period_option()
     _: dataclasses.KW_ONLY
-    select_rule: str = choice("ge_nonzero", SELECT_RULES, fix=SELECT_RULE_FIX)
+    select_rule: str = select_rule_option()
     guard_ratio: float = real(1.5, 0.0, low_incl=False, allow_none=True,
                               fix="e.g. 1.5 (ref:LSTM), 4/3 (ref:VGG) or None (no guard)")
     guard_factor: float = real(1.03, 1.0, low_incl=False, fix="e.g. 1.03")
@@ -94,7 +110,7 @@ class ThresholdReuse(Sparsifier):
     band_hi: float = real(1.25, 0.0, fix="e.g. 1.25")
     band_relax: float = real(1.012, 1.0, fix="e.g. 1.012 (1.0 disables)")
     band_tighten: float = real(1.012, 1.0, fix="e.g. 1.012 (1.0 disables)")
-    max_select_ratio: float = real(None, 1.0, allow_none=True, fix="e.g. 4 (or None for no cap)")
+    max_select_ratio: float = max_select_ratio_option()
     guard_target: float = real(None, 0.0, low_incl=False, allow_none=True,
                                fix="e.g. 1.0 (or None: the same as guard_ratio)")
 
