@@ -48,9 +48,9 @@ def sparse_target(obj, process_set, api):
                         + (" (it reduces densely: there is no sparse state to save)" if reduction is not None
                            else ""))
     if reduction is None and compression.reified_elsewhere():
-        raise TypeError(f"{api}: {compression!r} is used by a Keras DistributedOptimizer, which keeps its own sparse "
-                        "state (one preset may serve several optimizers): pass the optimizer, e.g. "
-                        "SparseState(optimizer)")
+        raise TypeError(f"{api}: {compression!r} is used by an optimizer of hvd_sparse, which keeps its own sparse "
+                        "state (one preset may serve several optimizers), and by no tape or sparse_allreduce yet: pass "
+                        "the optimizer, e.g. SparseState(optimizer)")
     states = compression.shared_state() if reduction is None else reduction.states
     return states, process_set or global_process_set
 
