@@ -15,13 +15,13 @@ from ..compression import SparseCompression
 _Trackable = tf.__internal__.tracking.Trackable
 
 
-def sparse_state_dict(compression, process_set=global_process_set):
+def sparse_state_dict(compression, process_set=global_process_set, api="hvd_sparse.tensorflow.sparse_state_dict"):
     """This rank's sparsification state of every unit of the job ``compression`` names (a preset, handed to a tape
     or to ``sparse_allreduce``; or a tape or Keras optimizer of hvd_sparse) in numpy arrays and Python values:
     ``{"version", "rank", "size", "compression", "units": {unit: Engine.state_dict()}}`` (see
     :meth:`hvd_sparse.core.state.UnitStates.state_dict`); a state restored but not yet used by a step is included
     as it was restored."""
-    states, ps = sparse_target(compression, process_set, "hvd_sparse.tensorflow.sparse_state_dict")
+    states, ps = sparse_target(compression, process_set, api)
     return states.state_dict(ps.rank(), ps.size())
 
 

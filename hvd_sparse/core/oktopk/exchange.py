@@ -307,11 +307,11 @@ class OkTopk(Reducer):
     def _open(self, xp, idx, state, ctx, step, offsets):
         """The opening (``ctx.open``): this rank's proposals and histogram for the regions (``regions.opening``),
         read on the host with the agreement's header; ``regions.plan`` places the step's regions from them."""
-        words, parts, edges = self.regions.opening(xp, idx, ctx.selected, state, step, offsets)
+        repart = self.regions.repartitions(step, offsets)
+        words, parts, edges = self.regions.opening(xp, idx, ctx.selected, state, step, repart)
         _, counts, host = ctx.open(xp.astype(words, wire_index_dtype(xp, step.n)), parts, read=xp.numel(words))
-        placed, hist = self.regions.plan(host, state, step, offsets, edges)
-        return Placement(offsets=placed, repart=self.regions.repartitions(step, offsets), edges=edges, hist=hist,
-                         own=counts[step.r])
+        placed, hist = self.regions.plan(host, state, step, offsets, repart, edges)
+        return Placement(offsets=placed, repart=repart, edges=edges, hist=hist, own=counts[step.r])
 
     def _split(self, xp, idx, comm, ctx, step, placed):
         """``(region, load)``: region r of the sum of the selections (:class:`~hvd_sparse.core.xp.fixed.RegionSums`)

@@ -283,20 +283,20 @@ class Regions:
         for ``periodic``, every ``period`` steps."""
         return offsets is None or (self.rule == "periodic" and step.t % self.period == 0)
 
-    def opening(self, xp, idx, count, state, step, offsets):
+    def opening(self, xp, idx, count, state, step, repart):
         """``(words, parts, edges)``: what this rank's regions put in the step's opening, their meter phases, and the
         histogram's bins (None without one). With ``measured`` regions that count a histogram (``step.few`` false),
         its :func:`histogram` in the bins of the forecast (2P words, every step: the opening keeps one shape); else
-        on repartition steps its :func:`proposals` (P-1 words: the opening changes shape on those steps only),
-        nothing on the others."""
+        on repartition steps (``repart``: :meth:`repartitions`) its :func:`proposals` (P-1 words: the opening changes
+        shape on those steps only), nothing on the others."""
         if self.rule == "measured" and not step.few and step.P > 1:
             edges = histogram_edges(state.get("cdf"), step.P, step.n)
             return histogram(xp, idx, edges), [("histogram", len(edges) - 1)], edges
-        if self.repartitions(step, offsets) and step.P > 1:
+        if repart and step.P > 1:
             return proposals(xp, idx, count, step.n, step.P), [("boundaries", step.P - 1)], None
         return xp.zeros(0, xp.index_dtype, like=idx), [], None
 
-    def plan(self, rows, state, step, offsets, edges):
+    def plan(self, rows, state, step, offsets, repart, edges):
         """``(offsets, hist)``: the regions of this step from every rank's opening words (``rows``: host lists) --
         the even split of the summed histogram ``hist`` (``measured``; on its first step in even bins), else on
         repartition steps the mean of the proposals (``periodic`` every ``period`` steps; ``result`` and ``load``
@@ -306,7 +306,7 @@ class Regions:
             hist = [sum(col) for col in zip(*rows)]
             return (measured_boundaries(edges, hist, state.get("cdf"), n, P) or offsets or
                     [(j * n) // P for j in range(P)] + [n]), hist
-        if self.repartitions(step, offsets):
+        if repart:
             return (repartition(rows, n) if P > 1 else [0, n]), None
         return offsets, None
 

@@ -36,7 +36,7 @@ from ...compression import SparseCompression, check_compression, check_momentum,
 from ...core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int
 from .._consistency import check_now, run_check, variable_name
 from .._variables import keras_flavour, same_variable
-from ..checkpoint import SparseState, sparse_target
+from ..checkpoint import SparseState, load_sparse_state_dict, sparse_state_dict
 from ..compression import Compression
 from ..reduction import Reduction
 from ._aggregation import LocalAggregation, reduce_with_locals
@@ -309,15 +309,13 @@ class _CommonMethods:
         among the optimizer's variables (``BroadcastGlobalVariablesCallback`` would overwrite it with rank 0's);
         :class:`hvd_sparse.tensorflow.SparseState` (``SparseState(optimizer)``) puts it into a
         ``tf.train.Checkpoint``. Raises TypeError with a dense compression (nothing to save)."""
-        states, ps = sparse_target(self, None, f"{_API}.sparse_state_dict")
-        return states.state_dict(ps.rank(), ps.size())
+        return sparse_state_dict(self, None, f"{_API}.sparse_state_dict")
 
     def load_sparse_state_dict(self, state):
         """Restore :meth:`sparse_state_dict` (of this rank); the run then continues bit for bit as if never
         interrupted. Works before the first step too (the state is applied at that step). Raises ValueError for
         a state of another rank, another number of ranks or another compression."""
-        states, ps = sparse_target(self, None, f"{_API}.load_sparse_state_dict")
-        states.load_state_dict(state, ps.rank(), ps.size(), f"{_API}.load_sparse_state_dict")
+        load_sparse_state_dict(self, state, None, f"{_API}.load_sparse_state_dict")
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,
