@@ -196,6 +196,15 @@ def test_a_preset_whose_state_a_keras_optimizer_keeps_points_the_checkpoint_to_t
     assert hvds.SparseState(opt).state_dict()["units"] == {}
     with pytest.raises(AttributeError, match="frozen"):
         comp.momentum_correction = 0.9
+    v = tf.Variable([1.0, -2.0, 3.0, -4.0])
+    opt.apply_gradients([(tf.constant([0.5, -1.0, 0.25, 2.0]), v)])
+    saved = opt.sparse_state_dict()                      # the optimizer's own job, not the preset's
+    assert saved["units"]["model"]["steps"] == 1 and comp.shared_state().empty()
+    again = hvdk.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), compression=comp)
+    again.load_sparse_state_dict(saved)
+    assert again.residual_norm() == opt.residual_norm() > 0
+    with pytest.raises(ValueError, match="saved by rank 1 of 2"):
+        again.load_sparse_state_dict({**saved, "rank": 1, "size": 2})
 
 
 def test_keras_imports_no_private_name_of_the_tensorflow_package():
