@@ -128,13 +128,14 @@ unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
         sizes[(self.rank + 1) % self.size] += backend_of(out).numel(out) - mine
         meter_allgather(self.meter, self.rank, sizes, xp.itemsize(x), phase, calls)
 
-    def alltoall(self, x, splits, phase):
+    def alltoall(self, x, splits, phase, parts=None):
         xp = backend_of(x)
         splits = [int(s) for s in splits]
         out, recv_splits = self._guarded(phase, self._alltoall, x, splits, self._kw(phase))
         n = xp.numel(x)
         row_words = n // x.shape[0] if n else 1
-        meter_alltoall(self.meter, self.rank, splits, recv_splits, xp.itemsize(x), phase, row_words=row_words)
+        meter_alltoall(self.meter, self.rank, splits, recv_splits, xp.itemsize(x), phase, row_words=row_words,
+                       parts=parts)
         return out, recv_splits
 
     def broadcast(self, x, root, phase):

@@ -407,9 +407,14 @@ def make_oktopk(density, tp=32, rp=64, sp=None, rd=None, record=True):
                                     **{"gather_capacity": None, **(rd or {})}))
 
 
-def run_oktopk(comp, g, average=False, torch_backend=False, before_step=None):
+def run_oktopk(comp, g, average=False, torch_backend=False, before_step=None, device=False):
     """``simulate`` ``comp`` on g (steps, P, n) with every record, as a dict of per-step, per-rank tables: the
-    sparsifier's state ("sp"), its selection ("sel", left there by ``Recording``) and the reducer's state ("rd")."""
+    sparsifier's state ("sp"), its selection ("sel", left there by ``Recording``) and the reducer's state ("rd").
+    ``device``: on torch tensors that take the device paths (as on a GPU; ``bench.syncs.as_if_on_a_device``)."""
+    if device:
+        from hvd_sparse.bench.syncs import as_if_on_a_device
+        with as_if_on_a_device():
+            return run_oktopk(comp, g, average, True, before_step)
     res = simulate(comp, g, average=average, backend="torch" if torch_backend else "numpy", record=RECORDS,
                    before_step=before_step)
     sel = [[sp.pop("_sel", None) for sp in row] for row in res.sparsifier_states]

@@ -158,10 +158,12 @@ class Communicator(Protocol):
         """``[allgather(x, phase) for x, phase in zip(xs, phases)]`` in one negotiated collective (the arrays may
         differ in dtype and length; the meter keeps one phase per array)."""
 
-    def alltoall(self, x, splits, phase):
+    def alltoall(self, x, splits, phase, parts=None):
         """Send ``splits[q]`` consecutive rows of ``x`` to rank ``q``; returns ``(received, recv_splits)``.
 
-        ``splits`` is a Python list of ``size`` ints; ``received`` is ordered by source rank.
+        ``splits`` is a Python list of ``size`` ints; ``received`` is ordered by source rank. ``parts``: None, or a
+        function of a message's rows that returns its (phase, rows) parts (a message of several parts: Ok-Topk's
+        gather, a header and pairs), each metered apart.
         """
 
     def broadcast(self, x, root, phase):
@@ -175,10 +177,20 @@ def meter_allgather(meter, rank, sizes, itemsize, phase, calls=1):
     meter.add(phase, mine * (P - 1), sum(sizes) - mine, itemsize, calls)
 
 
-def meter_alltoall(meter, rank, splits, recv_splits, itemsize, phase, row_words=1):
-    sent = (sum(splits) - splits[rank]) * row_words
-    recv = (sum(recv_splits) - recv_splits[rank]) * row_words
-    meter.add(phase, sent, recv, itemsize)
+def meter_alltoall(meter, rank, splits, recv_splits, itemsize, phase, row_words=1, parts=None):
+    """Record one alltoall: what it sends to and receives from the other ranks (the rows a rank sends itself stay
+    in its memory). ``parts``: :meth:`Communicator.alltoall`'s; the collective counts once, in the first part."""
+    if parts is None:
+        sent = (sum(splits) - splits[rank]) * row_words
+        recv = (sum(recv_splits) - recv_splits[rank]) * row_words
+        meter.add(phase, sent, recv, itemsize)
+        return
+    calls = 1
+    for q, (out, got) in enumerate(zip(splits, recv_splits)):
+        if q != rank:
+            for (part, sent), (_, recv) in zip(parts(out), parts(got)):
+                meter.add(part, sent * row_words, recv * row_words, itemsize, calls)
+                calls = 0
 
 
 def meter_allreduce(meter, P, n, itemsize, phase):

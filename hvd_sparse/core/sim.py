@@ -163,7 +163,7 @@ class SimulatedCommunicator:
         """The allgathers of ``xs``, metered as one negotiated collective (as Horovod's grouped allgather)."""
         return [self.allgather(x, phase, calls=int(i == 0)) for i, (x, phase) in enumerate(zip(xs, phases))]
 
-    def alltoall(self, x, splits, phase):
+    def alltoall(self, x, splits, phase, parts=None):
         xp = backend_of(x)
         splits = [int(s) for s in splits]
         if len(splits) != self.size or sum(splits) > xp.numel(x) or min(splits) < 0:
@@ -180,9 +180,10 @@ class SimulatedCommunicator:
         recv_splits = table[:, self.rank].tolist()
         rows = xp.numel(x) and x.shape[0]
         row_words = xp.numel(x) // rows if rows else 1
-        parts = [items[s][0][int(starts[s]):int(starts[s]) + recv_splits[s]] for s in range(self.size)]
-        meter_alltoall(self.meter, self.rank, splits, recv_splits, xp.itemsize(x), phase, row_words=row_words)
-        return xp.concat(parts, like=x), recv_splits
+        pieces = [items[s][0][int(starts[s]):int(starts[s]) + recv_splits[s]] for s in range(self.size)]
+        meter_alltoall(self.meter, self.rank, splits, recv_splits, xp.itemsize(x), phase, row_words=row_words,
+                       parts=parts)
+        return xp.concat(pieces, like=x), recv_splits
 
     def broadcast(self, x, root, phase):
         xp = backend_of(x)

@@ -251,20 +251,24 @@ def test_reeval_and_repartition_schedule(P):
             assert calls["split"] == calls["gather.head"] == 1 and sum(calls.values()) == 3
 
 
-# -- the gather: c pairs per owner ---------------------------------------------------------------------------------
+# -- the gather: at most c pairs per owner -------------------------------------------------------------------------
+@pytest.mark.parametrize("device", [False, True])
 @pytest.mark.parametrize("P", [2, 3, 5, 8])
-def test_an_owner_above_its_capacity_keeps_its_largest_pairs_in_g(P):
+def test_an_owner_above_its_capacity_keeps_its_largest_pairs_in_g(P, device):
     """Every rank selects its k values in region 0 (the regions of step 0 are blocks): owner 0 holds all K = k sums
     at step 1, more than the c = 1.5·k/P pairs it may send; G is its c largest sums, the senders keep the rest in
-    their residuals (mass conserved), and every owner sends exactly c pairs (a gather of one shape)."""
+    their residuals (mass conserved). On a device every owner sends exactly c pairs (an allgather of one shape); on
+    the host only its real ones (owner 0: c, the others none), with the same bits."""
     g, k, n = structured_grads(P, "all_in_region0")
-    res = run(make(1 / 8, tp=32, rd={"gather_capacity": 1.5}), g)
+    res = run(make(1 / 8, tp=32, rd={"gather_capacity": 1.5}), g, device=device)
     c = math.ceil(1.5 * k / P)
     rho = acc_of(g, res, 1).sum(axis=0)
     top = np.sort(np.argsort(-np.abs(rho), kind="stable")[:c])
     for r in range(P):
         np.testing.assert_array_equal(np.flatnonzero(res["updates"][1, r]), top)
-        assert res["phases"][1][r]["sent_words"]["gather.indices"] == c * (P - 1)
+        sent = c if device or r == 0 else 0
+        assert res["phases"][1][r]["sent_words"]["gather.indices"] == sent * (P - 1)
+        assert res["phases"][1][r]["calls"]["gather.head"] == 1
     assert res["info"][1][0]["K"] == c and res["info"][1][0]["owner_counts"] == [c] + [0] * (P - 1)
     assert_mass_conserved(g, res)
 
@@ -308,13 +312,15 @@ def structured_grads(P, case):
     return g, 8 * P, n
 
 
+@pytest.mark.parametrize("device", [False, True])
 @pytest.mark.parametrize("P", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("case", ["spread", "one_owner"])
-def test_balanced_input_stays_within_the_6k_volume_bound(P, case):
-    """The paper's bound on the data words (indices and values): 2k(P-1)/P in the split and 2c(P-1) in the gather,
-    c = 1.5·k/P: 5k(P-1)/P <= 6k(P-1)/P; the band's one count a rank in the gather's header besides."""
+def test_balanced_input_stays_within_the_6k_volume_bound(P, case, device):
+    """The paper's bound on the data words (indices and values): 2k(P-1)/P in the split and at most 2c(P-1) in the
+    gather, c = 1.5·k/P: 5k(P-1)/P <= 6k(P-1)/P; the band's one count a rank in the gather's header besides. On a
+    device the gather moves exactly c pairs per owner; on the host the owners' real pairs (their counts at Γ)."""
     g, k, n = structured_grads(P, case)
-    res = run(make(1 / 8, tp=32, rd={"gather_capacity": 1.5}), g)
+    res = run(make(1 / 8, tp=32, rd={"gather_capacity": 1.5}), g, device=device)
     assert res["info"][0][0]["offsets"] == [j * 64 for j in range(P)] + [n]
     assert not res["info"][1][0]["reeval"]
     K = res["info"][1][0]["K"]
@@ -324,7 +330,8 @@ def test_balanced_input_stays_within_the_6k_volume_bound(P, case):
         assert res["sel"][1][r].size == k
         rw = res["phases"][1][r]["recv_words"]
         assert rw["split"] == 2 * k * (P - 1) // P                      # exactly 2k(P-1)/P
-        assert rw["gather.indices"] + rw["gather.values"] == 2 * c * (P - 1)
+        owners = res["info"][1][r]["owner_counts"]
+        assert rw["gather.indices"] == rw["gather.values"] == (c * (P - 1) if device else sum(owners) - owners[r])
         assert rw["split"] + rw["gather.indices"] + rw["gather.values"] <= 6 * k * (P - 1) / P
         assert rw["gather.head"] == P - 1 and set(rw) == {"agree", "split", "gather.head", "gather.indices",
                                                            "gather.values"}
@@ -333,16 +340,22 @@ def test_balanced_input_stays_within_the_6k_volume_bound(P, case):
 @pytest.mark.parametrize("P", [2, 3, 5, 8])
 def test_a_reevaluation_makes_the_same_collectives_as_a_reuse_step(P):
     """The re-evaluation gathers every owner's c largest sums in the same gather as a reuse step (no count
-    collective, no second gather): the same phases and words on every step."""
+    collective, no second gather): the same phases on every step, and on a device the same words; the host's gather
+    (its real pairs only) gives the same bits."""
     g = drifting_grads(9, P, 400, seed=21)
-    res = run(make(0.05, tp=4, rp=4, rd={"gather_capacity": 1.5}), g)
+    comp = make(0.05, tp=4, rp=4, rd={"gather_capacity": 1.5})
+    host, res = run(comp, g), run(comp, g, device=True)
     c = math.ceil(1.5 * 20 / P)
     for t in range(9):
         for r in range(P):
-            rw = res["phases"][t][r]["recv_words"]
+            rw, on_host = res["phases"][t][r]["recv_words"], host["phases"][t][r]["recv_words"]
             assert rw["gather.indices"] == rw["gather.values"] == c * (P - 1)
-            assert rw["gather.head"] == P - 1
+            assert on_host["gather.indices"] == on_host["gather.values"] <= c * (P - 1)
+            assert rw["gather.head"] == on_host["gather.head"] == P - 1
         assert res["info"][t][0]["reeval"] == (t % 4 == 0)
+    assert res["updates"].tobytes() == host["updates"].tobytes()
+    assert res["residuals"].tobytes() == host["residuals"].tobytes()
+    assert sum(host["phases"][t][0]["recv_words"]["gather.indices"] for t in range(9)) < 9 * c * (P - 1)
 
 
 # -- P = 1, all-zero gradients ---------------------------------------------------------------------------------------

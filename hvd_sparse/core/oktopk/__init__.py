@@ -13,8 +13,8 @@ threshold period, τ the repartition period; t counts this unit's sparse steps f
                                                 ride in the step's opening; every rank places the same regions
     ρ = region r of Σ_p S_p  (split-reduce)     exchange.OkTopk._split: one alltoall of S's pairs, added in rank
                                                 order
-    reev: G = top-k of allgather(ρ), Γ = its    exchange.OkTopk._gather: one allgather of c = 1.5k/P pairs per
-          k-th magnitude                        owner (its counts at Γ's rungs in the header);
+    reev: G = top-k of allgather(ρ), Γ = its    exchange.OkTopk._gather: one collective of at most c = 1.5k/P
+          k-th magnitude                        pairs per owner (its counts at Γ's rungs in the header);
     else: G = allgatherv({|ρ| >= Γ}), Γ moves   exchange.OkTopk._select: the top-k (reev) or the pairs at Γ's rung
     ε = a; ε[S ∩ G] = 0                         exchange.OkTopk._finish: I = S ∩ G (the engine zeroes I in ε)
     L, Γ follow |S| and K (the authors' code)   selection.ThresholdReuse.update (L), exchange.Band / Ladder (Γ)

@@ -12,8 +12,9 @@ fixed-shape collectives per step (docs/algorithms.md#the-wire).
                          selection's capacity every step; the unused slots go to this rank itself), the sources
                          added in rank order on the received support (xp.merge_add_padded)
       3 _gather          every owner sends its pairs at the ladder's lowest rung, or its c largest (c =
-                         gather_capacity·k/P, the same every step), with its counts at Γ·f^j (the ladder; the band:
-                         Γ) and its load (regions that follow it) in the message's header: one allgather
+                         gather_capacity·k/P), with its counts at Γ·f^j (the ladder; the band: Γ) and its load
+                         (regions that follow it) in the message's header: one collective of one shape (a device:
+                         an allgather of c pairs an owner; the host: an alltoall of the real pairs, _gather_real)
         _select          reev: G = exact top-k of the gathered pairs, Γ = its K-th magnitude
                          else: control.threshold: Γ (Ladder: the smallest Γ·f^j whose summed count <= k;
                                Band: the stored Γ); G = the gathered pairs at it (fill: top-k above the rung
@@ -25,14 +26,17 @@ fixed-shape collectives per step (docs/algorithms.md#the-wire).
 Collectives (phase names; none at all when P = 1), each of one shape on every step of a run:
     agree (opening)  allgather: header + proposals (+ histogram)        every step
     split            alltoall (global index, value) pairs               every step
-    gather           allgather: 1-10 header words + c (index, value)    every step
+    gather           allgather: 1-10 header words + c (index, value)    every step  (on the host an alltoall of
+                                                                                     the real pairs, at most c)
 
 Departures from the paper, for fixed shapes (docs/algorithms.md#oktopk):
-  * the owners' candidates travel in a gather of a fixed capacity c per owner, its largest pairs by magnitude:
-    no count collective, no balancing alltoall (each owner sends c pairs whatever its count, so nothing is
-    unbalanced); an owner with more than c pairs at the threshold keeps the rest out of G (their senders keep them
-    in their residuals, I = S ∩ G). Volume: 2|S|(P-1)/P + 2c(P-1) data words, <= 6k(P-1)/P while |S| <= k and
-    c <= 2k/P; gather_capacity is 1.5 (measured: the owners' share of G, docs/algorithms.md#the-wire);
+  * the owners' candidates travel in a gather of a capacity c per owner, its largest pairs by magnitude: no count
+    collective, no balancing alltoall (an owner sends at most c pairs, so nothing is unbalanced); an owner with more
+    than c pairs at the threshold keeps the rest out of G (their senders keep them in their residuals, I = S ∩ G).
+    On a device every owner sends c pairs, padding included (counting them would make the host wait); on the host,
+    where the count is free, only its real ones, in an alltoall whose shape is fixed all the same (the rest of the
+    message goes to the owner itself). Volume: 2|S|(P-1)/P + at most 2c(P-1) data words, <= 6k(P-1)/P while
+    |S| <= k and c <= 2k/P; gather_capacity is 1.5 (measured: the owners' share of G, docs/algorithms.md#the-wire);
   * the re-evaluation takes the exact top-k of the gathered candidates (the owners' top-c), the reuse step
     decides its rung from the counts in the gather's header: the same two collectives on every step;
   * the "measured" regions count the step's load in the opening (no refinement of heavy bins).
@@ -186,9 +190,10 @@ class OkTopk(Reducer):
         threshold_period (int): τ', re-evaluate the global threshold Γ exactly every τ' sparse steps
             (t % τ' == 0, t = this reducer's own step counter from 0). Default 32.
         repartition_period (int): τ, recompute the region boundaries every τ steps (``periodic``). Default 64.
-        gather_capacity (float or None): c, the pairs each owner sends in the gather, in units of k/P (at most k):
-            an owner with more pairs at the threshold keeps its c largest in G. None: more than an owner ever holds
-            (nothing is cut; for studies, at many times the words). Default 1.5 (measured: docs/algorithms.md).
+        gather_capacity (float or None): c, the most pairs each owner sends in the gather, in units of k/P (at most
+            k): an owner with more pairs at the threshold keeps its c largest in G. On a device every owner sends c
+            (the padding crosses); on the host its real ones. None: more than an owner ever holds (nothing is cut;
+            for studies, at many times the words on a device). Default 1.5 (measured: docs/algorithms.md).
         boundaries (str): how the regions follow the selection: ``"periodic"`` (default, paper), ``"result"``,
             ``"load"`` or ``"measured"`` (the ``Compression.oktopk`` preset); each rule is described in
             :class:`~hvd_sparse.core.oktopk.regions.Regions`, the policy object built from these options.
@@ -339,31 +344,62 @@ class OkTopk(Reducer):
 
     def _gather(self, xp, region, load, comm, step):
         """Every owner's pairs (ascending index; padding: n, 0.0) with, in the message's header, its counts at the
-        control's rungs and its ``load``: one allgather. A reuse step's owner sends its pairs at the lowest rung, or
+        control's rungs and its ``load``: one collective. A reuse step's owner sends its pairs at the lowest rung, or
         at the first rung above where at most c pass (``xp.select_capped``: the largest stay); a re-evaluation's,
-        its c largest. Returns the :class:`Gathered` pairs, (P, c), sorted by global index in rank order (the
-        owners hold the regions in order), with the owners' counts and loads."""
+        its c largest. Returns the :class:`Gathered` pairs in global index order (the owners hold the regions in
+        order), with the owners' counts and loads: on a device the (P, c) rows of one allgather, padding included;
+        on the host, where an owner's count costs no read, only the real pairs (:meth:`_gather_real`)."""
         c, values = self.owner_capacity(step.k, step.P), region.values
         m, R = xp.numel(values), len(self.control.rungs(1.0))
-        wire = wire_index_dtype(xp, step.n)
+        wire, host = wire_index_dtype(xp, step.n), not xp.on_device(values)
         if step.reev:
-            pos = xp.topk_padded(values, c)[0]
+            pos, _, real = xp.topk_padded(values, c)
             counts = xp.zeros(R, wire, like=values)
         else:
             rungs = self.control.rungs(step.gamma)
             ths = rungs + [rungs[-1] * f for f in CLIMB[1:]]
-            pos, _, _, counts = xp.select_capped(values, ths, self.select_rule, c, m, counts=R, tally=False)
+            pos, real, _, counts = xp.select_capped(values, ths, self.select_rule, c, m, counts=R, tally=host)
         top, vals = region.pairs(xp, pos)
         head = [xp.astype(counts, wire)]
         if self.regions.follows_load:                           # the load the regions follow, after the counts
             head.append(xp.asarray([load], wire, like=values))
         H = R + len(head) - 1
+        if host and step.P > 1:
+            return self._gather_real(xp, head, pair_blocks(xp, top, vals, wire), real, c, R, comm, step)
         msg = xp.concat(head + pair_blocks(xp, top, vals, wire), like=values)
         if step.P > 1:
             msg = comm.allgather(msg, "gather", parts=(("gather.head", H), ("gather.indices", c), ("gather.values", c)))
         msg = xp.reshape(msg, (step.P, -1))
         table = xp.to_list(xp.columns(msg, 0, H))                # the step's third host read: the owners' counts
         g_idx, g_val = unpack_pair_rows(xp, msg, H)
+        return self._gathered(step, table, R, H, g_idx, g_val)
+
+    def _gather_real(self, xp, head, blocks, real, c, R, comm, step):
+        """The gather as an allgatherv of the real pairs in a message of one shape: each owner sends its header and
+        its ``real`` pairs (indices, then value bits) to every other rank, in one alltoall of (P-1)·(H + 2c) words
+        whose rest, the spare, goes to the owner itself. The shape is the same every step (Horovod's response cache
+        serves it) and no padding crosses the wire. The same pairs as the allgather's without its padding, so the
+        same bits: ``Gathered.idx`` and ``val`` hold the owners' real pairs in rank order (ascending)."""
+        P, r, H = step.P, step.r, sum(xp.numel(h) for h in head)
+        idx, bits = blocks
+        msg = xp.concat(head + [idx[:real], bits[:real]], like=idx)
+        L = xp.numel(msg)
+        spare = xp.zeros((P - 1) * (H + 2 * c - L), xp.dtype_of(msg), like=msg)
+        splits = [L] * P
+        splits[r] = xp.numel(spare)
+        recv, got = comm.alltoall(xp.concat([msg] * r + [spare] + [msg] * (P - 1 - r), like=msg), splits, "gather",
+                                  parts=lambda w: (("gather.head", H), ("gather.indices", (w - H) // 2),
+                                                   ("gather.values", (w - H) // 2)))
+        starts = np.cumsum([0] + got[:-1])
+        owners = [msg if q == r else recv[s:s + w] for q, (s, w) in enumerate(zip(starts, got))]
+        table = xp.to_list(xp.reshape(xp.concat([o[:H] for o in owners], like=msg), (P, H)))
+        half = [(xp.numel(o) - H) // 2 for o in owners]                             # each owner's real pairs
+        g_idx = xp.concat([o[H:H + m] for o, m in zip(owners, half)], like=msg)
+        g_bits = xp.concat([o[H + m:] for o, m in zip(owners, half)], like=msg)
+        return self._gathered(step, table, R, H, g_idx, xp.bitcast(xp.astype(g_bits, xp.int32), xp.float32))
+
+    def _gathered(self, step, table, R, H, g_idx, g_val):
+        """The :class:`Gathered` of the pairs and the owners' header rows (``table``: R counts, then the load)."""
         return Gathered(idx=g_idx, val=g_val, counts=None if step.reev else [row[:R] for row in table],
                         loads=[row[R] for row in table] if H > R else None)
 
