@@ -46,8 +46,10 @@ def test_fixed_shape_is_cached_and_a_changing_shape_is_negotiated_every_call(tra
 @pytest.mark.parametrize("preset", sorted(STEADY))
 def test_every_collective_of_a_steady_step_is_served_by_the_response_cache(traces, preset):
     """After the first steps (the optimizer's gather, the first step, ExDyna's start-up threshold), each step makes
-    exactly the preset's documented collectives, once each, and Horovod negotiates none of them."""
-    report = timeline.cache_report(traces[preset], skip_first=3)
+    exactly the preset's documented collectives, once each, and Horovod negotiates none of them. One span more is
+    left out: Horovod writes the timeline from a thread of its own, so on a loaded machine the shared opening of the
+    previous preset's last step can land at the start of this preset's file."""
+    report = timeline.cache_report(traces[preset], skip_first=4)
     steady = {re.sub(r"\.model\.\d+\.", ".model.", name): row for name, row in report.items() if row["calls"]}
     assert set(steady) == STEADY[preset], steady
     assert all(row["negotiated"] == 0 and row["calls"] >= 8 for row in steady.values()), steady
