@@ -154,9 +154,10 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class Gathered:
-    """The owners' pairs, gathered: (P, c) indexes and values in global index order, every owner's counts at the
-    control's rungs (``counts``, None on re-evaluation steps) and the pairs its region received (``loads``, None
-    unless the regions follow the load)."""
+    """The owners' pairs, gathered: indexes and values in global index order ((P, c), padding included, on a device;
+    on the host the real pairs alone, one flat run), every owner's counts at the control's rungs (``counts``, None
+    on re-evaluation steps) and the pairs its region received (``loads``, None unless the regions follow the
+    load)."""
 
     idx: object
     val: object
