@@ -185,9 +185,9 @@ def test_simulate_hooks_run_on_every_rank_around_every_step_over_the_given_commu
             self.calls += 1
             return self.comm.grouped_allgather(xs, phases)
 
-        def alltoall(self, x, splits, phase):
+        def alltoall(self, x, splits, phase, parts=None):
             self.calls += 1
-            return self.comm.alltoall(x, splits, phase)
+            return self.comm.alltoall(x, splits, phase, parts=parts)
 
         def broadcast(self, x, root, phase):
             self.calls += 1

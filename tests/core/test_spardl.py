@@ -208,8 +208,8 @@ class Spy:
     def __init__(self, comm):
         self.comm, self.rank, self.size, self.meter, self.log = comm, comm.rank, comm.size, comm.meter, []
 
-    def alltoall(self, x, splits, phase):
-        y, rs = self.comm.alltoall(x, splits, phase)
+    def alltoall(self, x, splits, phase, parts=None):
+        y, rs = self.comm.alltoall(x, splits, phase, parts=parts)
         self.log.append(("alltoall", phase, list(splits), list(rs)))
         return y, rs
 

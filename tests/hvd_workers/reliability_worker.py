@@ -234,9 +234,9 @@ class _DieMidStep:
         self._maybe_die()
         return self._comm.grouped_allgather(*a, **kw)
 
-    def alltoall(self, *a):
+    def alltoall(self, *a, **kw):
         self._maybe_die()
-        return self._comm.alltoall(*a)
+        return self._comm.alltoall(*a, **kw)
 
     def broadcast(self, *a):
         self._maybe_die()
