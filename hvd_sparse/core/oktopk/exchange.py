@@ -364,24 +364,28 @@ class OkTopk(Reducer):
         head = [xp.astype(counts, wire)]
         if self.regions.follows_load:                           # the load the regions follow, after the counts
             head.append(xp.asarray([load], wire, like=values))
-        H = R + len(head) - 1
+        H, blocks = R + len(head) - 1, pair_blocks(xp, top, vals, wire)
         if host and step.P > 1:
-            return self._gather_real(xp, head, pair_blocks(xp, top, vals, wire), real, c, R, comm, step)
-        msg = xp.concat(head + pair_blocks(xp, top, vals, wire), like=values)
-        if step.P > 1:
-            msg = comm.allgather(msg, "gather", parts=(("gather.head", H), ("gather.indices", c), ("gather.values", c)))
-        msg = xp.reshape(msg, (step.P, -1))
-        table = xp.to_list(xp.columns(msg, 0, H))                # the step's third host read: the owners' counts
-        g_idx, g_val = unpack_pair_rows(xp, msg, H)
-        return self._gathered(step, table, R, H, g_idx, g_val)
+            table, g_idx, g_val = self._gather_real(xp, head, blocks, real, c, H, comm, step)
+        else:
+            msg = xp.concat(head + blocks, like=values)
+            if step.P > 1:
+                msg = comm.allgather(msg, "gather",
+                                     parts=(("gather.head", H), ("gather.indices", c), ("gather.values", c)))
+            msg = xp.reshape(msg, (step.P, -1))
+            table = xp.to_list(xp.columns(msg, 0, H))            # the step's third host read: the owners' counts
+            g_idx, g_val = unpack_pair_rows(xp, msg, H)
+        return Gathered(idx=g_idx, val=g_val, counts=None if step.reev else [row[:R] for row in table],
+                        loads=[row[R] for row in table] if H > R else None)
 
-    def _gather_real(self, xp, head, blocks, real, c, R, comm, step):
+    def _gather_real(self, xp, head, blocks, real, c, H, comm, step):
         """The gather as an allgatherv of the real pairs in a message of one shape: each owner sends its header and
         its ``real`` pairs (indices, then value bits) to every other rank, in one alltoall of (P-1)·(H + 2c) words
         whose rest, the spare, goes to the owner itself. The shape is the same every step (Horovod's response cache
         serves it) and no padding crosses the wire. The same pairs as the allgather's without its padding, so the
-        same bits: ``Gathered.idx`` and ``val`` hold the owners' real pairs in rank order (ascending)."""
-        P, r, H = step.P, step.r, sum(xp.numel(h) for h in head)
+        same bits. Returns every owner's H header words (host lists) and the owners' real pairs in rank order
+        (ascending)."""
+        P, r = step.P, step.r
         idx, bits = blocks
         msg = xp.concat(head + [idx[:real], bits[:real]], like=idx)
         L = xp.numel(msg)
@@ -397,12 +401,7 @@ class OkTopk(Reducer):
         half = [(xp.numel(o) - H) // 2 for o in owners]                             # each owner's real pairs
         g_idx = xp.concat([o[H:H + m] for o, m in zip(owners, half)], like=msg)
         g_bits = xp.concat([o[H + m:] for o, m in zip(owners, half)], like=msg)
-        return self._gathered(step, table, R, H, g_idx, xp.bitcast(xp.astype(g_bits, xp.int32), xp.float32))
-
-    def _gathered(self, step, table, R, H, g_idx, g_val):
-        """The :class:`Gathered` of the pairs and the owners' header rows (``table``: R counts, then the load)."""
-        return Gathered(idx=g_idx, val=g_val, counts=None if step.reev else [row[:R] for row in table],
-                        loads=[row[R] for row in table] if H > R else None)
+        return table, g_idx, xp.bitcast(xp.astype(g_bits, xp.int32), xp.float32)
 
     def _select(self, xp, gathered, step):
         """G and Γ (a :class:`Chosen`): the exact top-k of the gathered pairs on re-evaluation steps (Γ its K-th
