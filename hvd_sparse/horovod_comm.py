@@ -71,15 +71,17 @@ unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
         self.size = process_set.size()
         self.meter = VolumeMeter()
 
-    def _kw(self, phase):
-        return {"name": self.name(phase), "process_set": self.process_set}
+    def _kw(self, phase, bucket=None):
+        return {"name": self.name(phase, bucket), "process_set": self.process_set}
 
-    def name(self, phase):
+    def name(self, phase, bucket=None):
         """The Horovod name of ``phase``'s collective: ``hvd_sparse.<unit>.<phase>``, unique per unit, except for
         the agreement step's phases, which every unit of the process set shares (``hvd_sparse.agree``, ...: see
-        the agreement below)."""
+        the agreement below); a collective of one of a ladder of sizes adds its rung (``.<bucket>``), since
+        Horovod's response cache holds one shape per name."""
         shared = SHARED_NAMES.get(phase)
-        return f"hvd_sparse.{shared}" if shared else f"hvd_sparse.{self.unit}.{phase}"
+        name = f"hvd_sparse.{shared}" if shared else f"hvd_sparse.{self.unit}.{phase}"
+        return name if bucket is None else f"{name}.{bucket}"
 
     def _guarded(self, phase, fn, *args):
         try:
@@ -96,10 +98,10 @@ unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
                 "shut down because another rank failed or was killed (its own error comes first in the log, and "
                 f"horovodrun names it); this rank stops too. Horovod said: {e}") from e
 
-    def allreduce(self, x, op, phase):
+    def allreduce(self, x, op, phase, bucket=None):
         xp = backend_of(x)
         out = self._guarded(phase, self._allreduce, x, {SUM: self._hvd.Sum, MAX: self._hvd.Max}[op],
-                            self._kw(phase))
+                            self._kw(phase, bucket))
         meter_allreduce(self.meter, self.size, xp.numel(x), xp.itemsize(x), phase)
         return out
 

@@ -38,7 +38,8 @@ oktopk     3 + 2·g                its |S| ≈ k pairs in the split (2k(P−1)/P
                                   real pairs, fewer), and about k(P−1)/P of control words (the histogram,
                                   proposals and the gather's header)
 exdyna     3P                     per slot of its capacity (c = 2·k/P): the index to P−1 ranks and the allreduce
-                                  of the values at all P·c slots
+                                  of the values at all P·c slots (on the host at the union's real entries, about
+                                  k, in one of a ladder of sizes: fewer)
 spardl     (4(Q−1) + 2(g−1))/Q    g = groups teams of Q = P/g ranks: 2⌊k/Q⌋ words per hop of the reduce-scatter and
            · P/(P−1)              of the all-gather, at most as many per other team (4k(P−1)/P for g = 1)
 =========  =====================  ==============================================================================
@@ -57,7 +58,9 @@ oktopk     0.682   0.710   0.833   1.157   the split carries |S| ≈ 0.9k, the h
                                            pairs (a device's, c = ⌈1.5k/P⌉ each: 0.812, 0.829, 0.895, 1.24); at
                                            P = 256 (k/P = 6.5) the gather's header (10 words an owner) exceeds the
                                            model's allowance
-exdyna     1.00    0.998   0.999   0.999   its capacity is sent whatever it selects
+exdyna     0.775   0.765   0.748   0.749   its indices' capacity is sent whatever it selects; the host's values at
+                                           the union's real entries (a device's at all P·c slots: 1.00, 0.998,
+                                           0.999, 0.999)
 spardl     1.00    0.998   0.998   0.922   exact but for ⌊k/Q⌋ per block
 gaussiank  1.00    0.998   0.998   0.922   its capacity is sent (k = ⌊d·n⌋ rounds down)
 dct        1.00    0.998   0.998   0.922   its capacity is sent

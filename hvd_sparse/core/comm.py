@@ -147,8 +147,10 @@ class Communicator(Protocol):
     size: int
     meter: VolumeMeter
 
-    def allreduce(self, x, op, phase):
-        """Elementwise ``op`` (``"sum"`` or ``"max"``) of ``x`` over all ranks; same shape everywhere."""
+    def allreduce(self, x, op, phase, bucket=None):
+        """Elementwise ``op`` (``"sum"`` or ``"max"``) of ``x`` over all ranks; same shape everywhere. ``bucket``:
+        None, or the rung of ``x``'s size in a ladder of sizes (``reducers.base.size_bucket``): it goes into the
+        collective's name, so that each size has a name of its own (the meter keeps ``phase``)."""
 
     def allgather(self, x, phase, parts=None):
         """Concatenation along dim 0 of every rank's ``x`` in rank order (first dims may differ). ``parts``: None, or

@@ -122,8 +122,9 @@ class SimulatedCommunicator:
             return checked(self.world.exchange(self.rank, (kind, phase, payload)))
         return self.world.exchange(self.rank, (kind, phase, payload), combine=checked)
 
-    def allreduce(self, x, op, phase):
+    def allreduce(self, x, op, phase, bucket=None):
         xp = backend_of(x)
+        name = phase if bucket is None else f"{phase}.{bucket}"     # ranks must meet under one name, as in Horovod
         if op not in (SUM, MAX):
             raise ValueError(f"allreduce: op must be 'sum' or 'max', got {op!r}")
 
@@ -136,9 +137,9 @@ class SimulatedCommunicator:
             return xp.freeze(out)
 
         if xp.freezable:   # identical on every rank: computed once, shared read-only
-            out = self._gather("allreduce", phase, x, combine=combine)
+            out = self._gather("allreduce", name, x, combine=combine)
         else:
-            out = combine(self._gather("allreduce", phase, x))
+            out = combine(self._gather("allreduce", name, x))
         meter_allreduce(self.meter, self.size, xp.numel(x), xp.itemsize(x), phase)
         return out
 

@@ -21,8 +21,8 @@ class HorovodTFCommunicator(HorovodCommunicator):
 
         super().__init__(hvd, process_set, unit)
 
-    def _kw(self, phase):
-        return dict(super()._kw(phase), ignore_name_scope=True)
+    def _kw(self, phase, bucket=None):
+        return dict(super()._kw(phase, bucket), ignore_name_scope=True)
 
     def _allreduce(self, x, op, kw):
         return self._hvd.allreduce(x, op=op, **kw)

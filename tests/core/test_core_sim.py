@@ -173,9 +173,9 @@ def test_simulate_hooks_run_on_every_rank_around_every_step_over_the_given_commu
         def __init__(self, comm):
             self.comm, self.rank, self.size, self.meter, self.calls = comm, comm.rank, comm.size, comm.meter, 0
 
-        def allreduce(self, x, op, phase):
+        def allreduce(self, x, op, phase, bucket=None):
             self.calls += 1
-            return self.comm.allreduce(x, op, phase)
+            return self.comm.allreduce(x, op, phase, bucket=bucket)
 
         def allgather(self, x, phase, parts=None):
             self.calls += 1

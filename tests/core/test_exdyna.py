@@ -262,29 +262,51 @@ def test_exdyna_default_geometry_and_threshold_rules_match_reference(P, rule):
     assert recs[0][0]["state"]["sz_blk"] == 32 and recs[0][0]["state"]["num_blk_eff"] == 1024
 
 
+@pytest.mark.parametrize("device", [False, True])
 @pytest.mark.parametrize("P", PS)
-def test_exdyna_exact_volume_per_phase(P):
+def test_exdyna_exact_volume_per_phase(P, device):
     """Fixed shapes: every rank sends its capacity c = 2·k/P of indices (the step's opening, its count in the
-    header) and the allreduce carries P·c values, whatever each rank selected."""
+    header), whatever it selected. The values' allreduce carries P·c values on a device; on the host the union's K
+    real ones, padded to the smallest size of the ladder P·c, ⌈7/8 of it⌉, ... that holds them (its rung in the
+    collective's name), and the same update."""
     n, steps = 2000, 4
     g = imbalanced_int_grads(steps, P, n, seed=40 + P)
-    recs = run_world(SparseCompression(ExDyna(0.05, num_blk=32, align=1, init_threshold=2000.0),
-                                       ExDynaReducer()), g)
+    comp = SparseCompression(ExDyna(0.05, num_blk=32, align=1, init_threshold=2000.0), ExDynaReducer())
+    if device:
+        from hvd_sparse.bench.syncs import as_if_on_a_device
+        with as_if_on_a_device():
+            recs = run_world(comp, g, backend="torch")
+    else:
+        recs = run_world(comp, g)
     c = int(2 * 100 / P)                                              # k = 100
+    sizes = [P * c]
+    while -(-7 * sizes[-1] // 8) < sizes[-1]:
+        sizes.append(-(-7 * sizes[-1] // 8))
+    host_sizes = set()
     for t in range(steps):
         ks = recs[t][0]["state"]["ks"]
         assert recs[t][0]["info"] == {"counts": ks, "K": sum(ks)} and max(ks) <= c
+        size = P * c if device else min(s for s in sizes if s >= sum(ks))
+        host_sizes.add(size)
         for r in range(P):
             ph = recs[t][r]["phases"]
             if P == 1:
                 assert recs[t][r]["collectives"] == 0 and ph["calls"] == {}
                 continue
             assert ph["calls"] == {"agree": 0, "indices": 1, "values": 1}     # the indices open the step
-            values = 2 * P * c * (P - 1) // P
+            values = 2 * size * (P - 1) // P
             assert ph["sent_words"] == {"agree": 9 * (P - 1), "indices": c * (P - 1), "values": values}
             assert ph["recv_words"] == ph["sent_words"]
             assert ph["sent_bytes"]["indices"] == 4 * c * (P - 1)             # int32 on the wire
             assert ph["sent_bytes"]["values"] == 4 * values
+    if P > 1 and not device:                                          # non-vacuous: the sizes change
+        assert len(host_sizes) > 1 and min(host_sizes) < P * c
+    other = run_world(comp, g, backend="torch") if device else None
+    if other is not None:                                             # the same update on both paths
+        for t in range(steps):
+            for r in range(P):
+                np.testing.assert_array_equal(recs[t][r]["u"], other[t][r]["u"])
+                np.testing.assert_array_equal(recs[t][r]["res"], other[t][r]["res"])
 
 
 def test_exdyna_single_rank_issues_no_collective_and_keeps_semantics():

@@ -218,9 +218,9 @@ class Spy:
             self.log.append(("allgather", phase, None, None))
         return self.comm.allgather(x, phase, parts=parts)
 
-    def allreduce(self, x, op, phase):
+    def allreduce(self, x, op, phase, bucket=None):
         self.log.append(("allreduce", phase, None, None))
-        return self.comm.allreduce(x, op, phase)
+        return self.comm.allreduce(x, op, phase, bucket=bucket)
 
     def broadcast(self, x, root, phase):
         self.log.append(("broadcast", phase, None, None))

@@ -48,6 +48,26 @@ def wire_index_dtype(xp, n):
     return xp.int32 if n <= INT32_INDEX_LIMIT else xp.index_dtype
 
 
+#: the sizes of a collective whose useful length changes every step: its capacity, then each size 7/8 of the one
+#: above (rounded up); a step sends the smallest that holds what it has (its padding under 1/8 of the message)
+SIZE_STEP = (7, 8)
+
+
+def size_bucket(capacity, need):
+    """``(rung, size)``: the smallest size of the ladder ``capacity``, ⌈7/8 of it⌉, ... that holds ``need`` (<=
+    ``capacity``) entries, and its rung (0: the capacity): below 8/7 of ``need``, or at most 7. A message whose length
+    changes every step travels in one of these few sizes, each under a name of its own (``Communicator.allreduce``'s
+    ``bucket``): Horovod's response cache then serves every size after its first step. Integer arithmetic: the same
+    on every rank."""
+    num, den = SIZE_STEP
+    rung, size = 0, capacity
+    while True:
+        below = (num * size + den - 1) // den
+        if below < need or below == size:
+            return rung, size
+        rung, size = rung + 1, below
+
+
 # -- (index, value) pairs on the wire: an index and the float32 value's bits, in words of one integer dtype ---------
 # Two layouts. Fixed-size messages, whose gathered (P, L) rows split into columns (the opening's payload, Ok-Topk's
 # gather): two blocks, [idx_0 .. idx_{m-1}, bits_0 .. bits_{m-1}] (pair_blocks). Messages concatenated across
