@@ -282,12 +282,12 @@ def test_exdyna_exact_volume_per_phase(P, device):
     sizes = [P * c]
     while -(-7 * sizes[-1] // 8) < sizes[-1]:
         sizes.append(-(-7 * sizes[-1] // 8))
-    host_sizes = set()
+    used = set()
     for t in range(steps):
         ks = recs[t][0]["state"]["ks"]
         assert recs[t][0]["info"] == {"counts": ks, "K": sum(ks)} and max(ks) <= c
         size = P * c if device else min(s for s in sizes if s >= sum(ks))
-        host_sizes.add(size)
+        used.add(size)
         for r in range(P):
             ph = recs[t][r]["phases"]
             if P == 1:
@@ -300,7 +300,7 @@ def test_exdyna_exact_volume_per_phase(P, device):
             assert ph["sent_bytes"]["indices"] == 4 * c * (P - 1)             # int32 on the wire
             assert ph["sent_bytes"]["values"] == 4 * values
     if P > 1 and not device:                                          # non-vacuous: the sizes change
-        assert len(host_sizes) > 1 and min(host_sizes) < P * c
+        assert len(used) > 1 and min(used) < P * c
     other = run_world(comp, g, backend="torch") if device else None
     if other is not None:                                             # the same update on both paths
         for t in range(steps):
