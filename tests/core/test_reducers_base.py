@@ -5,7 +5,7 @@ exactly, on numpy and torch."""
 import numpy as np
 import pytest
 
-from hvd_sparse.core.reducers.base import pack_pairs, unpack_pairs, wire_index_dtype
+from hvd_sparse.core.reducers.base import pack_pairs, size_bucket, unpack_pairs, wire_index_dtype
 from hvd_sparse.core.xp import backend_of
 
 from oracles import NP, on_backend
@@ -36,3 +36,18 @@ def test_region_relative_index_2_24_plus_1_survives(backend):
     i2, v2 = unpack_pairs(xp, pack_pairs(xp, rel_x, vals_x, wire, vals_x))
     assert xp.to_numpy(i2).tolist() == rel.tolist()
     assert xp.to_numpy(v2).tolist() == vals.tolist()
+
+
+@pytest.mark.parametrize("capacity", [1, 7, 8, 100, 2000, 123457])
+def test_a_size_bucket_holds_the_need_with_under_an_eighth_of_padding_and_one_size_per_rung(capacity):
+    """The smallest size of the ladder capacity, ⌈7/8 of it⌉, ... that holds ``need``: under 8/7 of the need (or at
+    most 7), and a rung names one size for a given capacity, so ranks that agree on the need agree on the name."""
+    sizes = {}
+    for need in sorted({1, 2, 6, 7, 8, 9, capacity // 3, capacity // 2, capacity - 1, capacity} - {0}):
+        if need > capacity:
+            continue
+        rung, size = size_bucket(capacity, need)
+        assert need <= size <= capacity and (size * 7 < need * 8 or size <= 7), (need, rung, size)
+        assert sizes.setdefault(rung, size) == size
+    assert size_bucket(capacity, capacity) == (0, capacity)
+    assert len(set(sizes.values())) == len(sizes)
