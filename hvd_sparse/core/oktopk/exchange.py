@@ -52,7 +52,7 @@ import math
 
 import numpy as np
 
-from ..reducers.base import Reducer, SparseSum, pair_blocks, unpack_pair_rows, wire_index_dtype
+from ..reducers.base import Reducer, SparseSum, pair_blocks, unpack_pair_rows, values_of_bits, wire_index_dtype
 from ..sparsifiers.base import CLIMB
 from ..validate import check_real, choice, flag, integer, options, real
 from ..xp.generic import rule_mask
@@ -340,7 +340,7 @@ class OkTopk(Reducer):
         pieces = [p for q, m in enumerate(recv_splits)                 # this rank's own run ends in the padding
                   for p in ([(m, True)] if q != r else [(m - (cap - own), True), (cap - own, False)])]
         r_idx, r_bits = xp.unbind(xp.transpose(recv))
-        r_val = xp.bitcast(xp.astype(r_bits, xp.int32), xp.float32)
+        r_val = values_of_bits(xp, r_bits)
         return xp.region_sums(r_idx, r_val, pieces, offsets[r], offsets[r + 1], step.n), load
 
     def _gather(self, xp, region, load, comm, step):
@@ -401,7 +401,7 @@ class OkTopk(Reducer):
         half = [(xp.numel(o) - H) // 2 for o in owners]                             # each owner's real pairs
         g_idx = xp.concat([o[H:H + m] for o, m in zip(owners, half)], like=msg)
         g_bits = xp.concat([o[H + m:] for o, m in zip(owners, half)], like=msg)
-        return table, g_idx, xp.bitcast(xp.astype(g_bits, xp.int32), xp.float32)
+        return table, g_idx, values_of_bits(xp, g_bits)
 
     def _select(self, xp, gathered, step):
         """G and Γ (a :class:`Chosen`): the exact top-k of the gathered pairs on re-evaluation steps (Γ its K-th

@@ -100,12 +100,16 @@ def pair_blocks(xp, idx, vals, wire):
     return [xp.astype(idx, wire), bits if wire == xp.int32 else xp.astype(bits, wire)]
 
 
+def values_of_bits(xp, bits):
+    """The float32 values whose bits :func:`pair_blocks` sent (words of the wire dtype)."""
+    return xp.bitcast(xp.astype(bits, xp.int32), xp.float32)
+
+
 def unpack_pair_rows(xp, rows, at=0):
     """The inverse of :func:`pair_blocks` on the (P, L) rows of a gathered message whose pairs start at word ``at``
     and fill the rest: ``(idx, vals)``, (P, m) each (indices in the wire dtype, float32 values)."""
     m = (rows.shape[1] - at) // 2
-    bits = xp.columns(rows, at + m, m)
-    return xp.columns(rows, at, m), xp.bitcast(xp.astype(bits, xp.int32), xp.float32)
+    return xp.columns(rows, at, m), values_of_bits(xp, xp.columns(rows, at + m, m))
 
 
 def allgather_count(xp, m, comm, phase, like):
