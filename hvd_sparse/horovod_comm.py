@@ -49,10 +49,10 @@ def in_process_set(process_set, rank):
 class HorovodCommunicator:
     """The ``Communicator`` over Horovod's collectives, shared by the framework adapters.
 
-    It names every collective ``hvd_sparse.<unit>.<phase>`` (the same on every rank, stable across steps, unique per
-unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
-    passes the process set, and meters what moved. A framework subclass only runs the five Horovod calls on its
-    own tensors: ``_allreduce(x, hvd_op, kw)``, ``_allgather(x, kw)``, ``_grouped_allgather(xs, kw) -> outs``,
+    It names every collective ``hvd_sparse.<unit>.<phase>`` (the same on every rank, stable across steps, unique
+    per unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit), passes the process set, and
+    meters what moved. A framework subclass only runs the five Horovod calls on its own tensors:
+    ``_allreduce(x, hvd_op, kw)``, ``_allgather(x, kw)``, ``_grouped_allgather(xs, kw) -> outs``,
     ``_alltoall(x, splits, kw) -> (out, recv_splits)``, ``_broadcast(x, root, kw)``, where ``kw`` holds ``name`` and
     ``process_set``.
 
@@ -83,7 +83,9 @@ unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
         name = f"hvd_sparse.{shared}" if shared else f"hvd_sparse.{self.unit}.{phase}"
         return name if bucket is None else f"{name}.{bucket}"
 
-    def _guarded(self, phase, fn, *args):
+    def _guarded(self, fn, *args):
+        """``fn(*args)``, whose last argument is the collective's ``kw``; Horovod's shutdown becomes
+        ``PeerFailureError`` naming the collective as Horovod knows it."""
         try:
             return fn(*args)
         except Exception as e:      # noqa: BLE001 - only Horovod's shutdown is translated, the rest re-raised
@@ -94,19 +96,19 @@ unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
             if os.environ.get("HOROVOD_ELASTIC") != "1":
                 time.sleep(PEER_FAILURE_GRACE)
             raise _peer_failure_type()(
-                f"hvd_sparse: collective '{self.name(phase)}' failed on rank {self.rank}: Horovod "
+                f"hvd_sparse: collective '{args[-1]['name']}' failed on rank {self.rank}: Horovod "
                 "shut down because another rank failed or was killed (its own error comes first in the log, and "
                 f"horovodrun names it); this rank stops too. Horovod said: {e}") from e
 
     def allreduce(self, x, op, phase, bucket=None):
         xp = backend_of(x)
-        out = self._guarded(phase, self._allreduce, x, {SUM: self._hvd.Sum, MAX: self._hvd.Max}[op],
+        out = self._guarded(self._allreduce, x, {SUM: self._hvd.Sum, MAX: self._hvd.Max}[op],
                             self._kw(phase, bucket))
         meter_allreduce(self.meter, self.size, xp.numel(x), xp.itemsize(x), phase)
         return out
 
     def allgather(self, x, phase, parts=None):
-        out = self._guarded(phase, self._allgather, x, self._kw(phase))
+        out = self._guarded(self._allgather, x, self._kw(phase))
         if parts is None:
             self._meter_allgather(x, out, phase)
         else:
@@ -116,7 +118,7 @@ unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
     def grouped_allgather(self, xs, phases):
         """The allgathers of ``xs`` in one Horovod negotiation (``hvd.grouped_allgather``, named after the phases
         joined by ``+``)."""
-        outs = self._guarded(phases[0], self._grouped_allgather, list(xs), self._kw("+".join(phases)))
+        outs = self._guarded(self._grouped_allgather, list(xs), self._kw("+".join(phases)))
         for i, (x, out, phase) in enumerate(zip(xs, outs, phases)):
             self._meter_allgather(x, out, phase, calls=int(i == 0))
         return list(outs)
@@ -133,7 +135,7 @@ unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
     def alltoall(self, x, splits, phase, parts=None):
         xp = backend_of(x)
         splits = [int(s) for s in splits]
-        out, recv_splits = self._guarded(phase, self._alltoall, x, splits, self._kw(phase))
+        out, recv_splits = self._guarded(self._alltoall, x, splits, self._kw(phase))
         n = xp.numel(x)
         row_words = n // x.shape[0] if n else 1
         meter_alltoall(self.meter, self.rank, splits, recv_splits, xp.itemsize(x), phase, row_words=row_words,
@@ -142,6 +144,6 @@ unit; the agreement step's ``hvd_sparse.agree`` is shared by every unit),
 
     def broadcast(self, x, root, phase):
         xp = backend_of(x)
-        out = self._guarded(phase, self._broadcast, x, root, self._kw(phase))
+        out = self._guarded(self._broadcast, x, root, self._kw(phase))
         meter_broadcast(self.meter, self.rank, root, self.size, xp.numel(x), xp.itemsize(x), phase)
         return out
