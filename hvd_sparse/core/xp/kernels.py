@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import native
+from .fixed import compress
 from .generic import GenericOps, Scan
 
 #: the most runs one kernel merge takes (:meth:`KernelOps.merge_add` merges more in chunks)
@@ -113,7 +114,7 @@ class KernelOps(GenericOps):
         need = k - int(np.count_nonzero(keep))
         if need:
             keep[np.flatnonzero(mag == th)[:need]] = True       # ties: the lower indexes
-        return self.from_numpy(cand[keep]), float(th)
+        return self.from_numpy(compress(keep, cand)[0]), float(th)
 
     def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True):
         """:meth:`FixedOps.select_capped` by the fused kernel for a float32 CPU buffer: a rung's count is one read
