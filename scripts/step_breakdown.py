@@ -16,6 +16,7 @@ benchmark: the wrappers cost a little.
 import argparse
 import collections
 import functools
+import json
 import os
 import time
 from pathlib import Path
@@ -34,7 +35,8 @@ def main():
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--algorithm", default="oktopk", help="a preset of hvd_sparse.bench.presets")
     p.add_argument("--steps", type=int, default=20, help="measured steps (after 1 warm-up step)")
-    p.add_argument("--data", default="/dev/shm/hvd_sparse_step_breakdown", help="gradient data directory")
+    p.add_argument("--data", default="/dev/shm/hvd_sparse_step_breakdown",
+                   help="gradient data directory (written again when it holds another size or world size)")
     args = p.parse_args()
 
     import horovod.torch as hvd
@@ -52,7 +54,10 @@ def main():
     torch.set_num_threads(1)
     hvd.init()
     data_steps = 12
-    if hvd.rank() == 0 and not (Path(args.data) / "meta.json").exists():
+    meta = Path(args.data) / "meta.json"
+    wanted = {"n": args.numel, "workers": hvd.size(), "steps": data_steps}
+    written = json.loads(meta.read_text()) if meta.exists() else {}
+    if hvd.rank() == 0 and any(written.get(key) != value for key, value in wanted.items()):   # none, or another run's
         Path(args.data).mkdir(parents=True, exist_ok=True)
         write_gradient_data(args.data, args.numel, hvd.size(), data_steps, 0)
     barrier = torch.zeros(1)
