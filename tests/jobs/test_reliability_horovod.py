@@ -114,6 +114,32 @@ def test_a_worker_killed_or_raising_mid_step_ends_the_job_within_60s_naming_the_
             assert "injected failure on rank 1 in the middle of step 3" in output
 
 
+def test_a_survivor_names_the_collective_horovod_shut_down_under(monkeypatch):
+    """When Horovod shuts down under a collective (another rank died), the survivor's PeerFailureError names that
+    collective as Horovod knows it: a sized one with its rung, a grouped allgather by its joined phases. Horovod's
+    own shutdown error comes from the calls a framework subclass runs, without a job: in a real one horovodrun may
+    stop the survivor before it reports (the killed-worker test above checks that the job ends)."""
+    from types import SimpleNamespace
+
+    from horovod.common.exceptions import HorovodInternalError
+
+    from hvd_sparse.horovod_comm import HorovodCommunicator, _peer_failure_type
+
+    class ShutDown(HorovodCommunicator):
+        def _allreduce(self, x, op, kw):
+            raise HorovodInternalError("Horovod has been shut down")
+
+        def _grouped_allgather(self, xs, kw):
+            raise HorovodInternalError("Horovod has been shut down")
+
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")                  # no grace before raising
+    comm = ShutDown(SimpleNamespace(Sum="sum", Max="max"), SimpleNamespace(rank=lambda: 0, size=lambda: 2), "u")
+    with pytest.raises(_peer_failure_type(), match=r"'hvd_sparse\.u\.values\.3' failed on rank 0"):
+        comm.allreduce(np.zeros(3, np.float32), "sum", "values", bucket=3)
+    with pytest.raises(_peer_failure_type(), match=r"'hvd_sparse\.u\.indices\+values' failed"):
+        comm.grouped_allgather([np.zeros(2, np.int32), np.zeros(2, np.float32)], ["indices", "values"])
+
+
 # -- elastic: a killed worker, restore, reset to fewer ranks -----------------------------------------------
 @pytest.mark.parametrize("policy", ["keep", "drop"])
 def test_elastic_run_survives_a_killed_worker_and_resets_sparse_state(tmp_path, policy):
