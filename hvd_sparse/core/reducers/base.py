@@ -142,12 +142,11 @@ def sum_sparse_in_rank_order(xp, idx, vals, counts, like):
     return xp.merge_add(idx, vals, counts, like=like)
 
 
-def real_runs(xp, idx_rows, val_rows, counts, order=None):
-    """The real pairs of padded (P, c) rows (each row's first ``counts[r]``), concatenated in ``order`` (default:
-    rank order): ``(int64 indexes, float32 values)``, on the host (where the counts are)."""
-    order = range(len(counts)) if order is None else order
-    idx = [idx_rows[r, :counts[r]] for r in order]
-    vals = [val_rows[r, :counts[r]] for r in order]
+def real_runs(xp, idx_rows, val_rows, counts):
+    """The real pairs of padded (P, c) rows (each row's first ``counts[r]``), concatenated in rank order: ``(int64
+    indexes, float32 values)``, on the host (where the counts are)."""
+    idx = [idx_rows[r, :counts[r]] for r in range(len(counts))]
+    vals = [val_rows[r, :counts[r]] for r in range(len(counts))]
     return (xp.astype(xp.concat(idx, like=idx_rows), xp.index_dtype) if idx else idx_rows[0, :0],
             xp.concat(vals, like=val_rows) if vals else val_rows[0, :0])
 
