@@ -329,8 +329,10 @@ def test_merge_add_sums_sources_in_rank_order_bit_for_bit(kernel, P):
         bad = idx.copy()
         bad[0], bad[1] = bad[1], bad[0]
         assert native.merge_add(bad, val, [r.size for r in runs]) is None
-    top = np.array([5, np.iinfo(np.int64).max], np.int64)               # the kernel's end-of-run marker
-    assert native.merge_add(top, np.ones(2, np.float32), [2]) is None
+    top = np.array([5, np.iinfo(np.int64).max, np.iinfo(np.int64).max], np.int64)      # the largest index too
+    got_idx, got_val = native.merge_add(top, np.array([1, 2, 3], np.float32), [2, 1])
+    np.testing.assert_array_equal(got_idx, top[:2])
+    np.testing.assert_array_equal(got_val, [1, 5])
     with pytest.raises(ValueError, match="counts"):
         native.merge_add(idx, val, [idx.size + 1])
 
@@ -344,6 +346,19 @@ def test_intersect_is_the_sorted_intersection(kernel):
     assert native.intersect(np.array([3, 1], np.int64), np.array([1], np.int64)) is None
     with pytest.raises(TypeError, match="int64"):
         native.intersect(np.array([1], np.int32), np.array([1], np.int64))
+
+
+def test_members_keeps_what_occurs_in_b(kernel):
+    """members(a, b, fill) = where(isin(a, b) and a != fill, a, fill) for ascending a and b with repeats, padding
+    (fill) and the largest int64; None when one is not ascending."""
+    rng = np.random.default_rng(3)
+    top = np.iinfo(np.int64).max
+    for na, nb in ((0, 5), (5, 0), (300, 2000), (2000, 300), (1000, 1000)):
+        a = np.sort(np.concatenate([rng.integers(0, 3000, na), [4000] * 3, [top]])).astype(np.int64)
+        b = np.sort(np.concatenate([rng.integers(0, 3000, nb), [4000]])).astype(np.int64)
+        want = np.where(np.isin(a, b) & (a != 4000), a, 4000)
+        np.testing.assert_array_equal(native.members(a, b, 4000), want)
+    assert native.members(np.array([3, 1], np.int64), np.array([1], np.int64), 9) is None
 
 
 def _topk_cases():

@@ -24,6 +24,8 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* The vector ops of the select/count loop: 8 (AVX2) or 4 (SSE2) int32 lanes of one register. */
 #if defined(__AVX2__)
@@ -50,7 +52,7 @@ typedef __m128i vec_t;
 #define HVDS_SIMD "scalar"
 #endif
 
-#define HVDS_ABI 4
+#define HVDS_ABI 5
 #define HVDS_MAX_THREADS 256
 
 int hvds_abi_version(void) { return HVDS_ABI; }
@@ -370,45 +372,83 @@ int64_t hvds_add_f32(const float *r, float *g, float *out, int64_t n, int nthrea
 
 /* -- hvds_merge_add_f32 / hvds_intersect_i64: the k-sized merges of the sparse reducers ---------------------- */
 
+/* x where c is 1, +0.0f where c is 0, by a mask of its bits: no branch (a compiler turns "c ? x : 0.0f" into
+ * one). */
+static inline float keep_if(float x, int c)
+{
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    b &= 0u - (uint32_t)c;
+    memcpy(&x, &b, sizeof x);
+    return x;
+}
+
+/* Two ascending runs a (na pairs) and b (nb) merged into out: every index once, with the sum (a's value + 0.0f) +
+ * b's value, where a run that lacks the index gives 0.0f. a's values are rank-order sums so far (0.0f + v_0 + ...,
+ * never -0.0, so "+ 0.0f" leaves them as they are) or the first run's own values (then "+ 0.0f" is the sum's
+ * "0.0f +"): the bits of "dst[idx_b] += val_b" on a dst that holds a. Branch-free: which run holds the next index
+ * is data, and mispredicted branches cost several times the merge itself. Returns the pairs written. */
+static int64_t merge2(const int64_t *ai, const float *av, int64_t na, const int64_t *bi, const float *bv, int64_t nb,
+                      int64_t *oi, float *ov)
+{
+    int64_t i = 0, j = 0, m = 0;
+    while (i < na && j < nb) {
+        const int64_t x = ai[i], y = bi[j];
+        const float u = av[i], v = bv[j];
+        const int ta = x <= y, tb = y <= x;
+        oi[m] = ta ? x : y;
+        ov[m] = (keep_if(u, ta) + 0.0f) + keep_if(v, tb);
+        i += ta;
+        j += tb;
+        m++;
+    }
+    for (; i < na; i++, m++) { oi[m] = ai[i]; ov[m] = av[i] + 0.0f; }
+    for (; j < nb; j++, m++) { oi[m] = bi[j]; ov[m] = 0.0f + bv[j]; }
+    return m;
+}
+
 /* P runs of (index, value) pairs, run s = pairs [off_s, off_s + counts[s]) of idx/val, each strictly ascending in
  * index, are merged into their sorted distinct indexes out_idx and the sums out_val: every sum is
  * 0.0f + v_s1 + v_s2 + ... over the runs s1 < s2 < ... that hold the index, in that order (the additions of a
  * dense "dst = 0; dst[idx_s] += val_s for s = 0..P-1", so the sums are the same bits). out_* have room for the
- * total. Returns the number of distinct indexes, or -1 when a run is not strictly ascending or holds INT64_MAX (the
- * end-of-run marker; the caller then takes its general path) or on bad arguments. P <= HVDS_MAX_THREADS; the scan
- * over the P heads is linear in P (P is small: the number of ranks). */
+ * total. Returns the number of distinct indexes, or -1 when a run is not strictly ascending, on bad arguments or
+ * when the scratch buffer cannot be allocated (the caller then takes its general path). The runs are added one
+ * after the other into the sums so far (merge2), alternating between out_* and a scratch buffer so that the last
+ * merge writes out_*. */
 int64_t hvds_merge_add_f32(const int64_t *idx, const float *val, const int64_t *counts, int P,
                            int64_t *out_idx, float *out_val)
 {
-    int64_t pos[HVDS_MAX_THREADS], end[HVDS_MAX_THREADS], head[HVDS_MAX_THREADS];
     if (P < 1 || P > HVDS_MAX_THREADS) return -1;
-    int64_t off = 0;
+    int64_t total = 0;
     for (int s = 0; s < P; s++) {
         if (counts[s] < 0) return -1;
-        pos[s] = off;
+        for (int64_t i = total + 1; i < total + counts[s]; i++)
+            if (idx[i] <= idx[i - 1]) return -1;
+        total += counts[s];
+    }
+    int64_t *tmp_idx = NULL;
+    float *tmp_val = NULL;
+    if (P > 2) {
+        tmp_idx = malloc((size_t)total * sizeof *tmp_idx + 1);
+        tmp_val = malloc((size_t)total * sizeof *tmp_val + 1);
+        if (!tmp_idx || !tmp_val) { free(tmp_idx); free(tmp_val); return -1; }
+    }
+    const int64_t *ai = idx;                        /* the sums so far: run 0 itself to begin with */
+    const float *av = val;
+    int64_t m = counts[0], off = counts[0];
+    for (int s = 1; s < P; s++) {
+        const int to_out = (P - 1 - s) % 2 == 0;    /* the last merge (s = P - 1) writes out_* */
+        int64_t *oi = to_out ? out_idx : tmp_idx;
+        float *ov = to_out ? out_val : tmp_val;
+        m = merge2(ai, av, m, idx + off, val + off, counts[s], oi, ov);
+        ai = oi;
+        av = ov;
         off += counts[s];
-        end[s] = off;
-        for (int64_t i = pos[s]; i < end[s]; i++)   /* INT64_MAX marks an exhausted run below */
-            if (idx[i] == INT64_MAX || (i > pos[s] && idx[i] <= idx[i - 1])) return -1;
-        head[s] = pos[s] < end[s] ? idx[pos[s]] : INT64_MAX;
     }
-    int64_t m = 0;
-    for (;;) {
-        int64_t x = head[0];
-        for (int s = 1; s < P; s++)
-            if (head[s] < x) x = head[s];
-        if (x == INT64_MAX) break;
-        float sum = 0.0f;
-        for (int s = 0; s < P; s++) {
-            if (head[s] == x) {
-                sum += val[pos[s]++];
-                head[s] = pos[s] < end[s] ? idx[pos[s]] : INT64_MAX;
-            }
-        }
-        out_idx[m] = x;
-        out_val[m] = sum;
-        m++;
-    }
+    if (P == 1)
+        for (int64_t i = 0; i < m; i++) { out_idx[i] = idx[i]; out_val[i] = 0.0f + val[i]; }
+    free(tmp_idx);
+    free(tmp_val);
     return m;
 }
 
@@ -420,10 +460,12 @@ int64_t hvds_intersect_i64(const int64_t *a, int64_t na, const int64_t *b, int64
     for (int64_t i = 1; i < na; i++) if (a[i] <= a[i - 1]) return -1;
     for (int64_t i = 1; i < nb; i++) if (b[i] <= b[i - 1]) return -1;
     int64_t i = 0, j = 0, m = 0;
-    while (i < na && j < nb) {
-        if (a[i] < b[j]) i++;
-        else if (b[j] < a[i]) j++;
-        else { out[m++] = a[i]; i++; j++; }
+    while (i < na && j < nb) {                      /* branch-free: the order of a and b is data */
+        const int64_t x = a[i], y = b[j];
+        out[m] = x;
+        m += x == y;
+        i += x <= y;
+        j += y <= x;
     }
     return m;
 }
@@ -436,12 +478,20 @@ int64_t hvds_members_i64(const int64_t *a, int64_t na, const int64_t *b, int64_t
     if (na < 0 || nb < 0) return -1;
     for (int64_t i = 1; i < na; i++) if (a[i] < a[i - 1]) return -1;
     for (int64_t i = 1; i < nb; i++) if (b[i] < b[i - 1]) return -1;
-    int64_t j = 0, m = 0;
-    for (int64_t i = 0; i < na; i++) {
-        while (j < nb && b[j] < a[i]) j++;
-        int hit = j < nb && b[j] == a[i] && a[i] != fill;
-        out[i] = hit ? a[i] : fill;
+    if (nb == 0) {
+        for (int64_t i = 0; i < na; i++) out[i] = fill;
+        return 0;
+    }
+    /* Branch-free: one step either passes an element of b below a[i] or settles a[i] (its last write stands). */
+    int64_t i = 0, j = 0, m = 0;
+    while (i < na) {
+        const int more = j < nb;                    /* b not passed yet (else a[i] settles as not found) */
+        const int64_t x = a[i], y = b[more ? j : nb - 1];
+        const int below = more & (y < x), hit = more & (y == x) & (x != fill);
+        out[i] = hit ? x : fill;
         m += hit;
+        i += !below;
+        j += below;
     }
     return m;
 }
