@@ -131,6 +131,8 @@ def test_nan_is_never_selected_and_nan_threshold_follows_the_generic_rules(kerne
     assert native.select(x, np.nan, "gt")[0].size == 0
     assert native.select(x, np.nan, "ge")[0].size == 0
     assert native.select(x, np.nan, "ge_nonzero")[0].tolist() == [1, 4]       # rule_mask: t <= 0 -> |x| > 0
+    assert native.select(x, 0.5, "ge", nan=True)[0].tolist() == [0, 1, 2, 4, 5]   # asked for: the NaNs too
+    assert native.select(x, np.inf, "gt", nan=True)[0].tolist() == [0, 2, 5]     # whatever the threshold
 
 
 _F32 = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)

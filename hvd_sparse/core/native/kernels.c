@@ -12,7 +12,8 @@
  * indices i (plus `base`) with  lo <= (bits(x[i]) & 0x7fffffff) <= hi,  i.e. lo <= bits(|x[i]|) <= hi.
  * For non-negative floats the IEEE-754 bit patterns order like the values, so every threshold rule of the
  * library (|x| >= t, |x| > t, |x| >= t and x != 0) is one such integer range, computed by the caller;
- * hi <= 0x7f800000 (+inf) keeps NaN (bits above +inf) out of every selection.
+ * hi <= 0x7f800000 (+inf) keeps NaN (bits above +inf) out of every selection; hi = 0x7fffffff takes every NaN
+ * too (hvds_select_f32 only).
  *
  * Threads: the buffer is cut into `nthreads` contiguous chunks (multiples of 64 elements); thread t writes
  * its indices to idx_out[t*cap ...] (and the values' bits to val_out[t*cap ...] when val_out != NULL),
@@ -37,6 +38,7 @@ typedef __m256i vec_t;
 #define V_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
 #define V_AND(a, b) _mm256_and_si256(a, b)
 #define V_GT(a, b) _mm256_cmpgt_epi32(a, b)
+#define V_ANDNOT(a, b) _mm256_andnot_si256(a, b)
 #define V_MASK(a) _mm256_movemask_ps(_mm256_castsi256_ps(a))
 #elif defined(__SSE2__)
 #include <emmintrin.h>
@@ -47,6 +49,7 @@ typedef __m128i vec_t;
 #define V_LOAD(p) _mm_loadu_si128((const __m128i *)(p))
 #define V_AND(a, b) _mm_and_si128(a, b)
 #define V_GT(a, b) _mm_cmpgt_epi32(a, b)
+#define V_ANDNOT(a, b) _mm_andnot_si128(a, b)
 #define V_MASK(a) _mm_movemask_ps(_mm_castsi128_ps(a))
 #else
 #define HVDS_SIMD "scalar"
@@ -107,15 +110,15 @@ static int64_t scan(const uint32_t *u, int64_t s, int64_t e, uint32_t lo, uint32
     int64_t c = 0, i = s;
     const uint32_t span = hi - lo;  /* lo <= hi checked by the caller */
 #if defined(HVDS_LANES)
-    /* a = bits(|x|) < 2^31, lo - 1 >= -1, hi + 1 <= 0x7f800001: signed compares are exact */
+    /* a = bits(|x|) < 2^31, lo - 1 >= -1, hi < 2^31: signed compares are exact; a <= hi is "not a > hi" */
     const vec_t absm = V_SET1(0x7fffffff);
     const vec_t vlo = V_SET1((int32_t)lo - 1);
-    const vec_t vhi = V_SET1((int32_t)hi + 1);
+    const vec_t vhi = V_SET1((int32_t)hi);
     for (; i + 4 * HVDS_LANES <= e; i += 4 * HVDS_LANES) {     /* four registers: a 32- or 16-bit mask */
         uint32_t m = 0;
         for (int q = 0; q < 4; q++) {
             vec_t a = V_AND(V_LOAD(u + i + HVDS_LANES * q), absm);
-            vec_t sel = V_AND(V_GT(a, vlo), V_GT(vhi, a));
+            vec_t sel = V_ANDNOT(V_GT(a, vhi), V_GT(a, vlo));
             m |= (uint32_t)V_MASK(sel) << (HVDS_LANES * q);
         }
         if (!io) { c += __builtin_popcount(m); continue; }
@@ -157,7 +160,7 @@ int64_t hvds_select_f32(const float *x, int64_t n, uint32_t lo, uint32_t hi, int
                         int64_t *idx_out, uint32_t *val_out, int64_t cap, int nthreads, int64_t *counts)
 {
     job_t jobs[HVDS_MAX_THREADS];
-    if (n < 0 || cap < 0 || nthreads < 1 || nthreads > HVDS_MAX_THREADS || !counts || hi > 0x7f800000u)
+    if (n < 0 || cap < 0 || nthreads < 1 || nthreads > HVDS_MAX_THREADS || !counts || hi > 0x7fffffffu)
         return -1;
     if (n == 0 || lo > hi) {
         for (int t = 0; t < nthreads; t++) counts[t] = 0;

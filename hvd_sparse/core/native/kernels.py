@@ -19,6 +19,8 @@ RULES = ("ge_nonzero", "gt", "ge")
 
 #: bit pattern of +inf: the upper end of every range (NaNs lie above it)
 INF_BITS = 0x7F800000
+#: the largest ``bits(|x|)``, a NaN's: the upper end of a range that takes the NaNs too
+NAN_BITS = 0x7FFFFFFF
 
 _tls = threading.local()
 
@@ -158,7 +160,7 @@ def count(view, th, rule, threads=None):
     return int(total)
 
 
-def select(view, th, rule, *, base=0, values=False, expect=0, threads=None):
+def select(view, th, rule, *, base=0, values=False, expect=0, threads=None, nan=False):
     """Ascending int64 indices (plus ``base``) of the entries ``rule`` selects at ``th``, in one read pass.
 
     Args:
@@ -169,10 +171,13 @@ def select(view, th, rule, *, base=0, values=False, expect=0, threads=None):
         values (bool): also return the selected values (float32), gathered in the same pass. Default False.
         expect (int): expected count, sizes the first workspace (it grows on demand anyway). Default 0.
         threads (int, optional): kernel threads. Default :func:`threads_for`.
+        nan (bool): also select every NaN (no rule does), in the same pass. Default False.
     Returns:
         ``(indices, values or None)``: fresh numpy arrays the caller owns.
     """
     lib, n, lo, hi = _prepare(view, th, rule)
+    if nan:
+        hi = NAN_BITS                                       # lo <= INF_BITS + 1 always: every NaN
     if n == 0 or lo > hi:
         return np.zeros(0, np.int64), (np.zeros(0, np.float32) if values else None)
     T = threads or threads_for(n)
