@@ -424,7 +424,7 @@ class OkTopk(Reducer):
             idx, val, K, _ = self._topk(xp, g_idx, above, k, n)
             filled = True
         else:
-            idx, val = xp.keep(g_idx, g_val, rule_mask(xp, xp.abs(g_val), used, self.select_rule), n)
+            idx, val = xp.keep(g_idx, g_val, used, self.select_rule, n)
         if self.max_select_ratio is not None and totals[j] > self.max_select_ratio * k:     # hard cap
             idx, val, K, gamma_next = self._topk(xp, idx, val, k, n)
             return Chosen(idx=idx, val=val, K=K, used=used, gamma_next=gamma_next, owner_counts=owner_counts,

@@ -256,13 +256,18 @@ class FixedOps:
         ``fill``: :meth:`select_capped` at one rung, for a caller that knows the count."""
         return self.select_capped(x, [th], rule, cap, fill)[0]
 
-    def keep(self, idx, vals, mask, fill):
-        """``(indexes, values)``: the pairs where ``mask`` holds, in their order, then the padding (``fill``, 0.0),
-        as long as ``idx`` (1-D here: compacted; on a device the others are replaced where they are, in the shape of
-        ``idx``, and nothing is compacted)."""
+    def keep(self, idx, vals, th, rule, fill):
+        """``(indexes, values)``: the pairs whose value ``rule`` selects at ``th`` (``|vals|`` against
+        :func:`lower_bounds`), in their order, then the padding (``fill``, 0.0), as long as ``idx`` (1-D here:
+        compacted; on a device the others are replaced where they are, in the shape of ``idx``, and nothing is
+        compacted)."""
         iv, vv = self._np(idx).ravel(), self._np(vals).ravel()
-        kept_i, kept_v = compress(self._np(mask).ravel(), iv, vv)
-        out_i, out_v = np.full(iv.size, fill, np.int64), np.zeros(iv.size, np.float32)
+        kept_i, kept_v = compress(np.abs(vv) >= lower_bounds([th], rule)[0], iv, vv)
+        return self._pad_pairs(kept_i, kept_v, iv.size, fill, idx, vals)
+
+    def _pad_pairs(self, kept_i, kept_v, size, fill, idx, vals):
+        """Host pairs padded to ``size`` with (``fill``, 0.0), as arrays like ``idx`` and ``vals``."""
+        out_i, out_v = np.full(size, fill, np.int64), np.zeros(size, np.float32)
         m = kept_i.size
         out_i[:m], out_v[:m] = kept_i, kept_v
         return self.asarray(out_i, self.index_dtype, like=idx), self.asarray(out_v, self.float32, like=vals)

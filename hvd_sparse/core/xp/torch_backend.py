@@ -6,6 +6,7 @@ import numpy as np
 
 from .common import _Indexing
 from .fixed import TINY, RegionSums, lower_bounds
+from .generic import rule_mask
 from .kernels import KernelOps
 from .numpy_backend import NumpyBackend
 
@@ -476,10 +477,10 @@ class TorchBackend(KernelOps, _Indexing):
             return super().select_at(x, th, rule, cap, fill)
         return self.compact(x.abs() >= self._bounds([th], rule, x), cap, fill)
 
-    def keep(self, idx, vals, mask, fill):
+    def keep(self, idx, vals, th, rule, fill):
         if self.host(idx) is not None:
-            return super().keep(idx, vals, mask, fill)
-        drop = ~mask
+            return super().keep(idx, vals, th, rule, fill)
+        drop = ~rule_mask(self, vals.abs(), th, rule)
         return idx.masked_fill(drop, fill), vals.masked_fill(drop, 0.0)
 
     def members(self, a, b, fill):
