@@ -153,7 +153,7 @@ class ThresholdReuse(Sparsifier):
            exceeds guard_ratio·k, L rises to the first rung (at most guard_iters) with at most guard_target·k --
            and capacity -- past it, L climbs on until the selection fits (the largest magnitudes stay). Raising L
            only shrinks the selection, so the set at a raised L is the part of C the rule keeps; C is in ascending
-           order, so is S. ``raises``: the rungs L climbed
+           order, so is S. ``raises``: the rungs L climbed. When C fits and the guard does not act, S is C.
         """
         rule, n = self.select_rule, xp.numel(acc)
         cand, x = None, acc
@@ -167,6 +167,11 @@ class ThresholdReuse(Sparsifier):
         if self.guard_ratio is not None and self.guard_iters > 0:          # pre-selection guard (ref:LSTM/VGG)
             limit = (self.guard_target if self.guard_target is not None else self.guard_ratio) * k
             guard = (self.guard_ratio * k, limit, self.guard_iters)
+        m = None if cand is None else xp.numel(cand)
+        if m is not None and m <= cap and (guard is None or m <= guard[0]):
+            # every candidate passes at L (the rule chose them at it), and neither the guard nor the capacity
+            # climbs: S is C, padded (the climb below would count and select them all again)
+            return xp.concat([cand, xp.full(cap - m, n, xp.index_dtype, like=cand)], like=cand), m, 0
         ths = [L * f for f in self._climb]                  # L is a host float: the bounds go up in one copy
         # with L > 0, ge_nonzero is ge (one compare less on a device)
         pos, count, raises = xp.select_capped(x, ths, "ge" if rule == "ge_nonzero" else rule, cap, xp.numel(x),
