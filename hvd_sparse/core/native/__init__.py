@@ -24,7 +24,8 @@ compares integers: bit-identical to the generic path, including -0.0, subnormals
 **NaN is never selected** (as in the generic path, where every comparison with NaN is false): ``hi`` is
 the bit pattern of +inf and NaNs lie above it; ``select(..., nan=True)`` raises ``hi`` to take every NaN as well
 (the exact top-k's candidate pass: it tells whether the buffer holds a NaN without a pass of its own). A NaN
-threshold selects nothing under ``gt`` and ``ge``; under ``ge_nonzero`` it acts as ``t <= 0`` (every nonzero), as the generic ``rule_mask`` (``core/xp/generic.py``) does.
+threshold selects nothing under ``gt`` and ``ge``; under ``ge_nonzero`` it acts as ``t <= 0`` (every nonzero), as
+the generic ``rule_mask`` (``core/xp/generic.py``) does.
 
 Why a kernel: ``xp.nonzero(xp.abs(acc) >= t)`` costs an |acc| copy, a boolean mask and a compaction:
 four passes over n elements plus two n-sized temporaries; ThresholdReuse's guard adds a count pass per

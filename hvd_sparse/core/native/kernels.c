@@ -375,8 +375,8 @@ int64_t hvds_add_f32(const float *r, float *g, float *out, int64_t n, int nthrea
 
 /* -- hvds_merge_add_f32 / hvds_intersect_i64: the k-sized merges of the sparse reducers ---------------------- */
 
-/* x where c is 1, +0.0f where c is 0, by a mask of its bits: no branch (a compiler turns "c ? x : 0.0f" into
- * one). */
+/* x where c is 1, +0.0f where c is 0, by a mask of its bits: no branch (a compiler may well compile
+ * "c ? x : 0.0f" as one). */
 static inline float keep_if(float x, int c)
 {
     uint32_t b;
