@@ -257,20 +257,16 @@ class FixedOps:
         return self.select_capped(x, [th], rule, cap, fill)[0]
 
     def keep(self, idx, vals, th, rule, fill):
-        """``(indexes, values)``: the pairs whose value ``rule`` selects at ``th`` (``|vals|`` against
-        :func:`lower_bounds`), in their order, then the padding (``fill``, 0.0), as long as ``idx`` (1-D here:
-        compacted; on a device the others are replaced where they are, in the shape of ``idx``, and nothing is
-        compacted)."""
-        iv, vv = self._np(idx).ravel(), self._np(vals).ravel()
-        kept_i, kept_v = compress(np.abs(vv) >= lower_bounds([th], rule)[0], iv, vv)
-        return self._pad_pairs(kept_i, kept_v, iv.size, fill, idx, vals)
-
-    def _pad_pairs(self, kept_i, kept_v, size, fill, idx, vals):
-        """Host pairs padded to ``size`` with (``fill``, 0.0), as arrays like ``idx`` and ``vals``."""
-        out_i, out_v = np.full(size, fill, np.int64), np.zeros(size, np.float32)
-        m = kept_i.size
-        out_i[:m], out_v[:m] = kept_i, kept_v
-        return self.asarray(out_i, self.index_dtype, like=idx), self.asarray(out_v, self.float32, like=vals)
+        """``(indexes, values)``: the pairs whose value ``rule`` selects at ``th``, in their order, then the padding
+        (``fill``, 0.0), as long as ``idx`` (1-D here: compacted, by the backend's scan, so one kernel pass on a
+        float32 CPU buffer; on a device the others are replaced where they are, in the shape of ``idx``, and
+        nothing is compacted)."""
+        m = self.numel(idx)
+        pos, kept_v = self.scan(self.reshape(vals, (m,))).select(th, rule, values=True)
+        kept_i = self.astype(self.take(self.reshape(idx, (m,)), pos), self.index_dtype)
+        pad = m - self.numel(pos)
+        return (self.concat([kept_i, self.full(pad, fill, self.index_dtype, like=kept_i)], like=kept_i),
+                self.concat([kept_v, self.zeros(pad, self.float32, like=kept_v)], like=kept_v))
 
     def members(self, a, b, fill):
         """``a`` (ascending indexes, ``fill`` in its unused slots) with the entries that are not in ``b`` (indexes,

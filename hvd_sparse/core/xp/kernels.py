@@ -213,16 +213,6 @@ class KernelOps(GenericOps):
                 return self.from_numpy(merged[0]), self.from_numpy(merged[1])
         return GenericOps.merge_add(self, idx, vals, counts, like)
 
-    def keep(self, idx, vals, th, rule, fill):
-        """:meth:`FixedOps.keep` by one selecting pass of the kernel over the values (positions and values at once)
-        when they are a float32 host buffer and the indexes are on the host."""
-        vv, iv = native.f32_view(self, vals), self.host(idx)
-        if vv is None or iv is None:
-            return super().keep(idx, vals, th, rule, fill)
-        pos, kept_v = native.select(vv, th, rule, values=True)
-        iv = np.ravel(iv)
-        return self._pad_pairs(iv.take(pos), kept_v, iv.size, fill, idx, vals)
-
     def members(self, a, b, fill):
         """:meth:`FixedOps.members` by the merge kernel when ``a`` and ``b`` are on the host and ``b`` is ascending
         (Ok-Topk's gathered sums are: owners in rank order, each ascending, the padding last): one pass, no sort;
