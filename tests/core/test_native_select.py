@@ -360,6 +360,10 @@ def test_members_keeps_what_occurs_in_b(kernel):
         b = np.sort(np.concatenate([rng.integers(0, 3000, nb), [4000]])).astype(np.int64)
         want = np.where(np.isin(a, b) & (a != 4000), a, 4000)
         np.testing.assert_array_equal(native.members(a, b, 4000), want)
+    for _ in range(400):        # short runs around the kernel's blocks of four, repeats, a fill among the values
+        a, b = (np.sort(rng.integers(0, 20, rng.integers(0, 13))).astype(np.int64) for _ in range(2))
+        fill = int(rng.integers(0, 21))
+        np.testing.assert_array_equal(native.members(a, b, fill), np.where(np.isin(a, b) & (a != fill), a, fill))
     assert native.members(np.array([3, 1], np.int64), np.array([1], np.int64), 9) is None
 
 

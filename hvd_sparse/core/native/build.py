@@ -19,7 +19,7 @@ from pathlib import Path
 #: elements per kernel thread at least (smaller chunks do not pay for a thread start)
 MIN_PER_THREAD = 1 << 20
 #: kernel ABI expected from kernels.c
-ABI = 5
+ABI = 6
 #: compiler flag sets tried in order
 FLAG_SETS = (("-O3", "-march=native"), ("-O3",))
 COMMON_FLAGS = ("-shared", "-fPIC", "-pthread")

@@ -55,7 +55,7 @@ typedef __m128i vec_t;
 #define HVDS_SIMD "scalar"
 #endif
 
-#define HVDS_ABI 5
+#define HVDS_ABI 6
 #define HVDS_MAX_THREADS 256
 
 int hvds_abi_version(void) { return HVDS_ABI; }
@@ -473,28 +473,60 @@ int64_t hvds_intersect_i64(const int64_t *a, int64_t na, const int64_t *b, int64
     return m;
 }
 
+/* 1 when x[0..n) is ascending (repeats allowed): one pass without an early exit, which the compiler vectorizes. */
+static int ascending_i64(const int64_t *x, int64_t n)
+{
+    int64_t down = 0;
+    for (int64_t i = 1; i < n; i++) down |= x[i] < x[i - 1];
+    return !down;
+}
+
 /* a[0..na) with every entry that does not occur in b[0..nb) replaced by fill, into out (room for na); a and b
  * ascending (not strictly: repeats, such as trailing fill padding, are allowed); fill never matches. Returns how
- * many entries of a were kept, or -1 when an input is not ascending. */
+ * many entries of a were kept, or -1 when an input is not ascending.
+ *
+ * AVX2: blocks of four against blocks of four. A block of a is compared with every block of b that overlaps it
+ * (all 16 pairs: b rotated three times), its hits accumulate until it moves on; the block whose last element is
+ * smaller moves on, a's on a tie (so an a block whose last value repeats in the next one is still compared with
+ * the b block holding that value). The elements left over take the scalar loop, the hits so far carried in. */
 int64_t hvds_members_i64(const int64_t *a, int64_t na, const int64_t *b, int64_t nb, int64_t fill, int64_t *out)
 {
     if (na < 0 || nb < 0) return -1;
-    for (int64_t i = 1; i < na; i++) if (a[i] < a[i - 1]) return -1;
-    for (int64_t i = 1; i < nb; i++) if (b[i] < b[i - 1]) return -1;
-    if (nb == 0) {
-        for (int64_t i = 0; i < na; i++) out[i] = fill;
-        return 0;
+    if (!ascending_i64(a, na) || !ascending_i64(b, nb)) return -1;
+    int64_t i = 0, j = 0;
+    unsigned carried = 0;                           /* hits of a[i..i+3] found so far (bit t: a[i+t]) */
+#if defined(__AVX2__)
+    const __m256i fv = _mm256_set1_epi64x(fill);
+    __m256i acc = _mm256_setzero_si256();          /* the same hits, lane by lane */
+    while (i + 4 <= na && j + 4 <= nb) {
+        const __m256i va = _mm256_loadu_si256((const __m256i *)(a + i));
+        const __m256i vb = _mm256_loadu_si256((const __m256i *)(b + j));
+        __m256i hit = _mm256_cmpeq_epi64(va, vb);
+        hit = _mm256_or_si256(hit, _mm256_cmpeq_epi64(va, _mm256_permute4x64_epi64(vb, 0x39)));
+        hit = _mm256_or_si256(hit, _mm256_cmpeq_epi64(va, _mm256_permute4x64_epi64(vb, 0x4e)));
+        hit = _mm256_or_si256(hit, _mm256_cmpeq_epi64(va, _mm256_permute4x64_epi64(vb, 0x93)));
+        acc = _mm256_or_si256(acc, _mm256_andnot_si256(_mm256_cmpeq_epi64(va, fv), hit));
+        _mm256_storeu_si256((__m256i *)(out + i), _mm256_blendv_epi8(fv, va, acc));
+        const int64_t next_a = a[i + 3] <= b[j + 3];
+        i += 4 * next_a;
+        j += 4 * (1 - next_a);
+        acc = _mm256_and_si256(acc, _mm256_set1_epi64x(next_a - 1));    /* a new block of a: no hits yet */
     }
+    carried = (unsigned)_mm256_movemask_pd(_mm256_castsi256_pd(acc));
+#endif
     /* Branch-free: one step either passes an element of b below a[i] or settles a[i] (its last write stands). */
-    int64_t i = 0, j = 0, m = 0;
+    const int64_t from = i;
     while (i < na) {
         const int more = j < nb;                    /* b not passed yet (else a[i] settles as not found) */
-        const int64_t x = a[i], y = b[more ? j : nb - 1];
-        const int below = more & (y < x), hit = more & (y == x) & (x != fill);
+        const int64_t x = a[i], y = nb ? b[more ? j : nb - 1] : fill;
+        const int below = more & (y < x);
+        const int before = (i - from < 4) & (int)((carried >> ((i - from) & 3)) & 1);
+        const int hit = ((more & (y == x)) | before) & (x != fill);
         out[i] = hit ? x : fill;
-        m += hit;
         i += !below;
         j += below;
     }
+    int64_t m = 0;
+    for (int64_t t = 0; t < na; t++) m += out[t] != fill;
     return m;
 }
