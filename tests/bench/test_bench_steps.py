@@ -71,11 +71,15 @@ def test_trainstep_and_latency_cli_through_horovodrun(tmp_path):
     assert rows["wire"]["over_wire"] == 1.0
     lat = tmp_path / "l.json"
     assert main(["latency", "--workers", "2", "--cycle-times", "0.1", "--repeat", "5", "--warmup", "1",
-                 "--json", str(lat), "--quiet"]) == 0
-    rows = json.loads(lat.read_text())["results"]
+                 "--idle", "0.3", "--json", str(lat), "--quiet"]) == 0
+    report = json.loads(lat.read_text())
+    rows = report["results"]
     assert {(r["collective"], r["wait"]) for r in rows} == {(c, w) for c in ("allreduce", "allgather")
                                                             for w in ("poll", "spin")}
     assert all(r["workers"] == 2 and r["cycle_time_ms"] == "0.1" and r["median_us"] > 0 for r in rows)
+    # a 0.1 ms cycle: thousands of coordination rounds a second, so an idle rank's process spends CPU
+    [idle] = report["idle"]
+    assert idle["workers"] == 2 and idle["cycle_time_ms"] == "0.1" and 0 < idle["mean_ms_per_s"] <= idle["max_ms_per_s"]
 
 
 @requires_horovod
