@@ -263,7 +263,8 @@ def add_arguments(p):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--steps", type=cli.positive_int, default=20)
     p.add_argument("--warmup", type=cli.positive_int, default=5)
-    p.add_argument("--probe-mb", type=float, default=16.0, help="size of the bandwidth probe (default: 16 MB)")
+    p.add_argument("--probe-mb", type=cli.positive_float, default=16.0,
+                   help="size of the bandwidth probe (default: 16 MB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the report as JSON (rank 0)")
     p.add_argument("--markdown", metavar="FILE", help="write the table and the verdict as Markdown (rank 0)")

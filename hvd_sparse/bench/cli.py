@@ -26,6 +26,13 @@ def positive_int(text):
     return v
 
 
+def positive_float(text):
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {v}")
+    return v
+
+
 def positive_ints(text):
     """A comma-separated list of positive ints, e.g. ``8,16,32``."""
     return [positive_int(t) for t in text.split(",") if t.strip()]

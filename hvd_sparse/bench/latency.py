@@ -68,8 +68,8 @@ def add_arguments(p):
                         "(default: default,0.1)")
     p.add_argument("--repeat", type=cli.positive_int, default=200)
     p.add_argument("--warmup", type=cli.positive_int, default=20)
-    p.add_argument("--idle", type=float, default=1.0, help="seconds each idle rank sleeps while its CPU is measured "
-                                                           "(default: 1)")
+    p.add_argument("--idle", type=cli.positive_float, default=1.0,
+                   help="seconds each idle rank sleeps while its CPU is measured (default: 1)")
     p.add_argument("--json", metavar="FILE", help="write the report as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 

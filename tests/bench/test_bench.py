@@ -32,6 +32,14 @@ def test_volume_cli_rejects_unknown_algorithms():
         main(["volume", "--workers", "2", "--algorithms", "topka,nope"])
 
 
+@pytest.mark.parametrize("argv", [["latency", "--idle", "0"], ["latency", "--idle", "-1"],
+                                  ["advise", "--probe-mb", "0"]])
+def test_durations_and_sizes_must_be_positive(argv, capsys):
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert argv[1] in capsys.readouterr().err                 # the error names the argument
+
+
 def test_recorded_gradients_come_from_the_digits_cnn():
     data = RecordedGradients(workers=2, steps=2)
     assert data.n == sum(data.layout) == 38282
