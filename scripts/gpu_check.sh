@@ -16,6 +16,8 @@
 #                               engine then run alternately on it and on this tree, in pairs, so that before and
 #                               after come from one run on one card (reports *_base_N.json beside *_N.json)
 #   HVD_SPARSE_GPU_CHECK_NCCL=0 skip the NCCL build and its steps (the Gloo build then gets every core)
+#   HVD_SPARSE_GPU_CHECK_STEPS=tests,bench_trainstep,...   run only the steps named (versions and the builds always
+#                               run): a run sized to a short lease
 # python3 must be the GPU machine's Python with torch (CUDA), numpy, scipy, pytest, hypothesis, scikit-learn and
 # matplotlib; nothing is installed into it: Horovod and the wheels go to folders under /tmp, on PYTHONPATH.
 #
@@ -55,9 +57,14 @@ ARCHIVE=${HVD_SPARSE_GPU_CHECK_ARCHIVE:-$OUT.tar.gz}
 mkdir -p "$OUT/logs" "$OUT/reports" "$OUT/wheels"
 : > "$OUT/summary.txt"
 failed=0
+STEPS=${HVD_SPARSE_GPU_CHECK_STEPS:-}
 step() {         # step NAME COMMAND...: run it, log to logs/NAME.log, one summary line, archive
     local name=$1 start=$SECONDS rc
     shift
+    if [[ -n $STEPS && ! ,$STEPS, == *,$name,* && $name != versions && $name != build_* ]]; then
+        echo "$name: skipped" | tee -a "$OUT/summary.txt"
+        return 0
+    fi
     "$@" > "$OUT/logs/$name.log" 2>&1
     rc=$?
     echo "$name: exit $rc, $((SECONDS - start)) s${NOTE:+ ($NOTE)}" | tee -a "$OUT/summary.txt"
