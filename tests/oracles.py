@@ -121,10 +121,12 @@ def topka_reference(g, density, average=False):
     return (ups / g.shape[1] if average else ups), res, sels
 
 
-def gaussian_select_ref(a, density, adjust="lstm"):
+def gaussian_select_ref(a, density, adjust="lstm", descend=True):
     """Gaussiank's steps 1-4 (hvd_sparse/core/sparsifiers/gaussiank.py) in float64 (comparisons exact): the loop's
     thresholds th0·f^-j (th0·f^j up: vgg), then up the ladder (the loop's and ``CLIMB``) while more than the capacity 2k
-    pass, but not to none; cut to 2k by index past the last rung. Returns (mask, th0, th, iterations)."""
+    pass, but not to none; past the last rung, cut to the 2k largest magnitudes (ties by the lower index). With
+    ``descend``, where the loop ran all the way down and selects fewer than 3k/4, on down by 1.03 a rung (at most
+    300) to the first that selects 3k/4. Returns (mask, th0, th, iterations)."""
     n = a.size
     k = k_of(density, n)
     a64 = a.astype(np.float64)
@@ -157,15 +159,20 @@ def gaussian_select_ref(a, density, adjust="lstm"):
         while it < iters and cnt(up[it]) > (5 * k) // 4:
             it += 1
         fac = up[it]
+    descent = [down[-1] * 1.03 ** -j for j in range(1, 301)] if descend else []
+    if descent and fac == down[-1] and th0 > 0 and cnt(fac) < k34:
+        fac = next((f for f in descent if cnt(f) >= k34), descent[-1])
     cap = int(2 * k)
-    tried = set(down) | (set(up) if adjust == "vgg" else set())      # only vgg's loop goes up
+    tried = set(down) | (set(up) if adjust == "vgg" else set()) | set(descent)      # only vgg's loop goes up
     above = sorted(x for x in tried | set(CLIMB) if x >= fac)
     fit = next((i for i, x in enumerate(above) if cnt(x) <= cap), len(above) - 1)
     if fit and cnt(above[fit]) == 0:
         fit -= 1
     th = th0 * above[fit]
     mask = (mag > max(th, 0.0)) & (a != 0)
-    mask[np.flatnonzero(mask)[cap:]] = False
+    passing = np.flatnonzero(mask)
+    mask[:] = False
+    mask[sorted(passing.tolist(), key=lambda i: (-mag[i], i))[:cap]] = True     # the cap largest, ties by index
     return mask, th0, th, it
 
 
@@ -252,7 +259,8 @@ def oktopk_reference(g, density, tp=32, sp=None, rd=None):
                band_hi=1.25, band_relax=1.012, band_tighten=1.012, max_select_ratio=None, guard_target=None)
     spk.update(sp or {})
     rdk = dict(global_band_lo=0.75, global_band_hi=1.25, global_relax=1.01, global_tighten=1.008,
-               select_rule="ge_nonzero", max_select_ratio=None, global_control="band", ladder_factor=1.1)
+               select_rule="ge_nonzero", max_select_ratio=None, global_control="band", ladder_factor=1.1,
+               global_fill=False)
     rdk.update({k: v for k, v in (rd or {}).items() if k in rdk})
     rule = spk["select_rule"]
     steps, P, n = g.shape
@@ -284,7 +292,8 @@ def oktopk_reference(g, density, tp=32, sp=None, rd=None):
                 j = min(j, max(0, sum(c > 0 for c in counts) - 1))         # not to an empty rung (ties)
                 th = th * F[j]
                 m = rule_mask(a[r], th, rule)
-                m[np.flatnonzero(m)[cap:]] = False
+                if m.sum() > cap:                                           # past the top: the cap largest
+                    m = ref_topk(np.where(m, a[r], 0), cap)
             masks.append(m)
             Lu.append(th)
             L[r] = band(th, int(m.sum()), k, spk["band_lo"], spk["band_hi"], spk["band_relax"],
@@ -298,12 +307,19 @@ def oktopk_reference(g, density, tp=32, sp=None, rd=None):
             used = gam
         else:
             used = gam
+            G = None
             if rdk["global_control"] == "ladder":      # smallest gam·f^j (j = -2..6) with count <= k
                 ladder = [gam * rdk["ladder_factor"] ** j for j in range(-2, 7)]
                 counts = [int((rule_mask(rho, th, rdk["select_rule"]) & (rho != 0)).sum()) for th in ladder]
-                used = next((th for th, c in zip(ladder, counts) if c <= k), ladder[-1])
-            G = rule_mask(rho, used, rdk["select_rule"]) & (rho != 0)
-            if rdk["max_select_ratio"] is not None and G.sum() > rdk["max_select_ratio"] * k:
+                j = next((j for j, c in enumerate(counts) if c <= k), len(ladder) - 1)
+                used = ladder[j]
+                if j and counts[j] < k < counts[j - 1] and (rdk["global_fill"] or counts[j] == 0):
+                    G = ref_topk(np.where(rule_mask(rho, ladder[j - 1], rdk["select_rule"]), rho, 0), k)  # fill
+            total = counts[j] if G is not None else None       # what passed at the rung, before a fill or cut
+            if G is None:
+                G = rule_mask(rho, used, rdk["select_rule"]) & (rho != 0)
+                total = int(G.sum())
+            if rdk["max_select_ratio"] is not None and total > rdk["max_select_ratio"] * k:
                 G = ref_topk(np.where(G, rho, 0), k)
                 gam = float(np.abs(rho[G]).min())
             elif rdk["global_control"] == "ladder":

@@ -32,6 +32,8 @@ class StepContext:
         selected: the real entries of the selection (for the reducer: an int, or a device value; for the
             sparsifier's ``update``: this rank's, an int).
         note: for the sparsifier's ``update``: the note its ``select`` returned (an int, read with the header).
+        notes: for the sparsifier's ``update``: every rank's note, in rank order, where the opening's header
+            carried them (P = 1: this rank's); empty where it did not (a reducer that opens without the selection).
     """
 
     rank: int
@@ -45,6 +47,7 @@ class StepContext:
     padded: object = None
     selected: object = None
     note: int = 0
+    notes: tuple = ()
 
 
 class Prefiltered(NamedTuple):

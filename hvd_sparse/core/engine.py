@@ -160,6 +160,7 @@ class Engine:
         self._opened = False     # whether the step's opening happened
         self._selection = (0, 0)  # the step's selection: its count and note (ints, or device values)
         self._mine = None        # the same, as host ints (from the opening's header)
+        self._notes = ()         # every rank's note (from the opening's header)
 
     def declare(self, entries, notes=(), fixed=False):
         """Declare what the next steps exchange: ``entries``, a tuple of ``(name, shape, dtype)`` in the order of
@@ -251,7 +252,7 @@ class Engine:
         """Stage 1, check: the step's :class:`~hvd_sparse.core.context.Plan` -- its pieces, the reducer (the
         preset's, or the dense one of a warm-up step), the context of the sparsifier and reducer, and a local problem
         to report on every rank (a gradient of another size than declared). At P = 1 a local problem raises at once."""
-        self._opened, self._selection, self._mine = False, (0, 0), None
+        self._opened, self._selection, self._mine, self._notes = False, (0, 0), None, ()
         pieces = list(grad) if isinstance(grad, (list, tuple)) else [grad]
         if not pieces:
             raise ValueError(f"hvd_sparse unit '{self.name}': no gradient pieces")
@@ -381,7 +382,8 @@ class Engine:
             else:
                 self.memory.update(xp, acc, included)
             selected, note = self._mine or (plan.k, 0)
-            ctx = dataclasses.replace(plan.ctx, selected=selected, note=note)
+            notes = self._notes or ((note,) if self.comm.size == 1 else ())
+            ctx = dataclasses.replace(plan.ctx, selected=selected, note=note, notes=notes)
             self.compression.sparsifier.update(xp, self.sparsifier_state, info, ctx)
         elif plan.warm:
             self.memory.update(xp, acc, included)
@@ -469,6 +471,7 @@ class Engine:
                                            parts=parts, read=read)
         if payload is not None:
             self._mine = (table[self.comm.rank][COUNT], table[self.comm.rank][NOTE])
+            self._notes = tuple(row[NOTE] for row in table)
         bad = [r for r, row in enumerate(table) if not finite(row[0])]
         if bad:
             raise SkipStep(bad)

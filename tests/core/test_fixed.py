@@ -55,9 +55,18 @@ def test_topk_padded_is_the_exact_topk_padded_with_n(k):
     assert float(th) == want_th and int(count) == want.size
 
 
+def largest_first(mag, passing, cap):
+    """The oracle of a cut: the ``cap`` entries of ``passing`` (positions) of the largest ``mag``, ties by the lower
+    position, ascending."""
+    order = sorted(passing.tolist(), key=lambda i: (-mag[i], i))
+    return np.sort(np.asarray(order[:cap], np.int64))
+
+
 @pytest.mark.parametrize("rule", ["ge", "gt", "ge_nonzero"])
 @pytest.mark.parametrize("cap", [10, 400, 4000])
 def test_select_capped_climbs_the_ladder_until_the_selection_fits(rule, cap):
+    """Up the ladder until at most ``cap`` pass; past its top (caps 10 and 400 here) the ``cap`` largest of the top rung stay,
+    ties by the lower index, on every path alike."""
     x = data(3)
     factors = (1.0, 1.5, 2.25, 3.375)
     idx, count, rung = same(on_every_path(
@@ -65,7 +74,8 @@ def test_select_capped_climbs_the_ladder_until_the_selection_fits(rule, cap):
     mag = np.abs(x)
     counts = [int(rule_mask(NP, mag, 0.25 * f, rule).sum()) for f in factors]
     j = next((i for i, c in enumerate(counts) if c <= cap), len(factors) - 1)
-    want = np.flatnonzero(rule_mask(NP, mag, 0.25 * factors[j], rule))[:cap] + 7
+    want = largest_first(mag, np.flatnonzero(rule_mask(NP, mag, 0.25 * factors[j], rule)), cap) + 7
+    assert (counts[-1] > cap) == (cap < 4000)        # the smaller capacities are cut past the top
     assert int(count) == want.size and int(rung) == j
     np.testing.assert_array_equal(idx, np.concatenate([want, np.full(cap - want.size, 10**6)]))
     counted = same(on_every_path(lambda xp, a: (xp.ladder_counts(a, xp.ladder(0.25, factors, a), rule),), x))[0]
@@ -73,6 +83,23 @@ def test_select_capped_climbs_the_ladder_until_the_selection_fits(rule, cap):
     first = same(on_every_path(
         lambda xp, a: xp.select_capped(a, xp.ladder(0.25, factors, a), rule, cap, 10**6, counts=3), x))
     assert int(first[2]) == j and first[3].tolist() == counts[:3]
+
+
+@pytest.mark.parametrize("cap", [1, 5, 40])
+def test_a_selection_past_the_ladder_keeps_the_largest_wherever_they_are(cap):
+    """A cut keeps the largest magnitudes, not the lowest indexes: here the largest lie at the end of the buffer,
+    behind many ties and zeros that pass the one rung; ``select_at`` (a known count) cuts alike."""
+    x = np.ones(3000, np.float32)
+    x[::7] = 0.0
+    x[-cap * 3:] = np.linspace(2.0, 3.0, cap * 3, dtype=np.float32)[::-1]
+    x[100] = 2.5                                     # a tie with one of the tail's, at a lower index
+    mag = np.abs(x)
+    want = largest_first(mag, np.flatnonzero(mag > 0), cap)
+    idx, count, rung = same(on_every_path(lambda xp, a: xp.select_capped(a, [0.5], "ge_nonzero", cap, -1), x))
+    np.testing.assert_array_equal(idx, want)
+    assert int(count) == cap and int(rung) == 0
+    at = same(on_every_path(lambda xp, a: (xp.select_at(a, 0.5, "gt", cap, -1, int((mag > 0.5).sum())),), x))[0]
+    np.testing.assert_array_equal(at, want)
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 5], [0, 0, 4], [4, 0, 0], [2, 3, 0, 0, 1], [7]])

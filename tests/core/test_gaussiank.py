@@ -30,17 +30,20 @@ def test_gaussiank_initial_threshold_is_mean_plus_z_sigma(density, z):
     assert (state["threshold_initial"] - a64.mean()) / a64.std(ddof=1) == pytest.approx(z, abs=1e-4)
 
 
+@pytest.mark.parametrize("descend", [True, False])
 @pytest.mark.parametrize("adjust", ["lstm", "bert", "vgg"])
 @pytest.mark.parametrize("dist", ["normal", "uniform", "laplace", "spiky"])
-def test_gaussiank_adjustment_loops_match_the_reference_loops(adjust, dist):
+def test_gaussiank_adjustment_loops_match_the_reference_loops(adjust, dist, descend):
     rng = np.random.default_rng(7)
     n, density = 4000, 0.02
     a = {"normal": rng.standard_normal(n), "uniform": rng.uniform(-1, 1, n),
          "laplace": rng.laplace(size=n), "spiky": np.r_[rng.uniform(-1, 1, n - 1), 1e4]}[dist]
     a = a.astype(np.float32)
     state = {}
-    idx = real(GaussianK(density, adjust=adjust).select(NP, a, k_of(density, n), state, None))
-    mask, th0, th, it = gaussian_select_ref(a, density, adjust)
+    idx = real(GaussianK(density, adjust=adjust, descend=descend).select(NP, a, k_of(density, n), state, None))
+    mask, th0, th, it = gaussian_select_ref(a, density, adjust, descend)
+    if dist == "spiky":          # one huge entry: the loop runs out below 3k/4, the descent reaches it
+        assert (mask.sum() >= (3 * k_of(density, n)) // 4) == descend
     np.testing.assert_array_equal(idx, np.flatnonzero(mask))
     assert state["iterations"] == it and state["threshold"] == pytest.approx(th, rel=1e-12)
     assert state["threshold_initial"] == pytest.approx(th0, rel=1e-12)
@@ -57,7 +60,11 @@ def test_gaussiank_lstm_loop_reaches_three_quarters_k_or_runs_out():
     assert real(GaussianK(density).select(NP, a, k, s, None)).size >= (3 * k) // 4 and 0 < s["iterations"] < 50
     a[0] = 1e4                                              # one outlier: sigma explodes, 50 iterations
     s = {}
-    assert real(GaussianK(density).select(NP, a, k, s, None)).size < (3 * k) // 4 and s["iterations"] == 50
+    assert real(GaussianK(density, descend=False).select(NP, a, k, s, None)).size < (3 * k) // 4
+    assert s["iterations"] == 50
+    s = {}                                                  # the descent goes on to 3k/4
+    assert (3 * k) // 4 <= real(GaussianK(density).select(NP, a, k, s, None)).size <= 2 * k
+    assert s["iterations"] == 50 and s["threshold"] < s["threshold_initial"] * 1.012 ** -50
 
 
 @pytest.mark.parametrize("P", PS)

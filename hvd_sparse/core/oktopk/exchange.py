@@ -99,13 +99,17 @@ class Band:
 class Ladder:
     """``global_control="ladder"``: each owner counts its pairs at the thresholds Γ·f^j, j = -2..6 (f =
     ``factor``, ``OkTopk.ladder_factor``), the counts ride in the gather's header, and every rank takes the
-    smallest rung whose summed count is <= k; Γ keeps it. So K <= k on reuse steps whenever the ladder reaches
-    (the paper's volume bound assumes K <= k).
+    smallest rung whose summed count is <= k; Γ keeps it. So K <= k on reuse steps whenever the ladder reaches;
+    where even its top rung holds more than k (Γ is more than 1.77x below the sums, as on the steps after a
+    re-evaluation while error feedback grows them), G holds them all: K > k then applies more of the sum, and moves
+    no word more (the gather has carried them already).
 
     ``fill`` (``OkTopk.global_fill``): the owners' sums pile up above the local thresholds, so a rung can hold
     several times the next one's count and the rung taken can leave K well below k (measured: docs/algorithms.md,
     "oktopk", *Filling K up to k*). When the rung holds K < k and the one below > k, G is the exact top-k of the
-    gathered pairs above the rung below: K = k, no collective more."""
+    gathered pairs above the rung below: K = k, no collective more. A rung that holds none is filled so always
+    (without it, a step whose sums lie within one rung of each other would apply nothing, and Γ, kept at the
+    empty rung, could stay above them step after step)."""
 
     factor: float
     fill: bool
@@ -156,13 +160,14 @@ class Placement:
 class Gathered:
     """The owners' pairs, gathered: indexes and values in global index order ((P, c), padding included, on a device;
     on the host the real pairs alone, one flat run), every owner's counts at the control's rungs (``counts``, None
-    on re-evaluation steps) and the pairs its region received (``loads``, None unless the regions follow the
-    load)."""
+    on re-evaluation steps), the pairs its region received (``loads``, None unless the regions follow the load)
+    and how many real pairs it sent (``sent``, None on re-evaluation steps)."""
 
     idx: object
     val: object
     counts: list
     loads: list
+    sent: list = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,9 +225,9 @@ class OkTopk(Reducer):
             below k = 2·P² (``HISTOGRAM_FROM``), where the histogram would cost more than half the split.
 
     Per-rank state: ``t`` (sparse steps so far), ``gamma`` (Γ, identical on all ranks), ``offsets``
-    (o_0..o_P, Python ints, identical on all ranks), ``size`` (P). Info returned each step: ``K``,
-    ``threshold`` (Γ used this step), ``next_threshold``, ``reeval``, ``repartition``, ``capped``,
-    ``filled`` (``global_fill`` acted), ``offsets``, ``owner_counts`` (per-owner counts at the threshold), ``t``.
+    (o_0..o_P, Python ints, identical on all ranks), ``size`` (P). Info returned each step: ``K`` (the entries
+    of G: what the sum holds), ``threshold`` (Γ used this step), ``next_threshold``, ``reeval``, ``repartition``,
+    ``capped``, ``filled`` (a fill acted), ``offsets``, ``owner_counts`` (each owner's share of G), ``t``.
     """
 
     name = "oktopk"
@@ -359,14 +364,16 @@ class OkTopk(Reducer):
         else:
             rungs = self.control.rungs(step.gamma)
             ths = rungs + [rungs[-1] * f for f in CLIMB[1:]]
-            pos, real, _, counts = xp.select_capped(values, ths, self.select_rule, c, m, counts=R, tally=host)
+            pos, real, _, counts = xp.select_capped(values, ths, self.select_rule, c, m, counts=R)
         top, vals = region.pairs(xp, pos)
         head = [xp.astype(counts, wire)]
         if self.regions.follows_load:                           # the load the regions follow, after the counts
             head.append(xp.asarray([load], wire, like=values))
+        if not host:                                            # the real pairs sent (the host counts the lengths)
+            head.append(xp.astype(xp.reshape(real, (1,)), wire))
         H, blocks = R + len(head) - 1, pair_blocks(xp, top, vals, wire)
         if host and step.P > 1:
-            table, g_idx, g_val = self._gather_real(xp, head, blocks, real, c, H, comm, step)
+            table, g_idx, g_val, sent = self._gather_real(xp, head, blocks, real, c, H, comm, step)
         else:
             msg = xp.concat(head + blocks, like=values)
             if step.P > 1:
@@ -375,16 +382,18 @@ class OkTopk(Reducer):
             msg = xp.reshape(msg, (step.P, -1))
             table = xp.to_list(xp.columns(msg, 0, H))            # the step's third host read: the owners' counts
             g_idx, g_val = unpack_pair_rows(xp, msg, H)
+            sent = [int(real)] if host else [row[H - 1] for row in table]
         return Gathered(idx=g_idx, val=g_val, counts=None if step.reev else [row[:R] for row in table],
-                        loads=[row[R] for row in table] if H > R else None)
+                        loads=[row[R] for row in table] if self.regions.follows_load else None,
+                        sent=None if step.reev else sent)
 
     def _gather_real(self, xp, head, blocks, real, c, H, comm, step):
         """The gather as an allgatherv of the real pairs in a message of one shape: each owner sends its header and
         its ``real`` pairs (indices, then value bits) to every other rank, in one alltoall of (P-1)·(H + 2c) words
         whose rest, the spare, goes to the owner itself. The shape is the same every step (Horovod's response cache
         serves it) and no padding crosses the wire. The same pairs as the allgather's without its padding, so the
-        same bits. Returns every owner's H header words (host lists) and the owners' real pairs in rank order
-        (ascending)."""
+        same bits. Returns every owner's H header words (host lists), the owners' real pairs in rank order
+        (ascending) and how many each sent."""
         P, r = step.P, step.r
         idx, bits = blocks
         msg = xp.concat(head + [idx[:real], bits[:real]], like=idx)
@@ -401,24 +410,27 @@ class OkTopk(Reducer):
         half = [(xp.numel(o) - H) // 2 for o in owners]                             # each owner's real pairs
         g_idx = xp.concat([o[H:H + m] for o, m in zip(owners, half)], like=msg)
         g_bits = xp.concat([o[H + m:] for o, m in zip(owners, half)], like=msg)
-        return table, g_idx, values_of_bits(xp, g_bits)
+        return table, g_idx, values_of_bits(xp, g_bits), half
 
     def _select(self, xp, gathered, step):
         """G and Γ (a :class:`Chosen`): the exact top-k of the gathered pairs on re-evaluation steps (Γ its K-th
         magnitude), else the pairs at the control's threshold, its rung chosen from the summed counts (fill: the
-        exact top-k above the rung below); the hard cap (``max_select_ratio``) takes the exact top-k of G and
-        re-evaluates Γ from it. G keeps the pairs it holds in ascending order, the others replaced by the padding (n,
-        0.0): compacted on the host, in place on a device (``xp.keep``)."""
+        exact top-k above the rung below); the hard cap
+        (``max_select_ratio``) takes the exact top-k of G and re-evaluates Γ from it. G keeps the pairs it holds in
+        ascending order, the others replaced by the padding (n, 0.0): compacted on the host, in place on a device
+        (``xp.keep``). K counts what G holds: each owner's count at the rung, or what it sent where it climbed
+        higher to fit its c pairs."""
         g_idx, g_val, k, n = gathered.idx, gathered.val, step.k, step.n
         if step.reev:
             idx, val, K, gamma = self._topk(xp, g_idx, g_val, k, n)
             return Chosen(idx=idx, val=val, K=K, used=gamma, gamma_next=gamma)
-        c = self.owner_capacity(k, step.P)
         totals = [sum(col) for col in zip(*gathered.counts)]
         j, used = self.control.threshold(step.gamma, totals, k)
-        owner_counts = [min(row[j], c) for row in gathered.counts]      # what each owner's c pairs hold of it
+        # what each owner's pairs hold of it: its count at the rung, or fewer where it climbed higher to fit c
+        owner_counts = [min(row[j], m) for row, m in zip(gathered.counts, gathered.sent)]
         K, filled = sum(owner_counts), False
-        if isinstance(self.control, Ladder) and self.control.fill and 0 < j and totals[j] < k < totals[j - 1]:
+        if isinstance(self.control, Ladder) and 0 < j and totals[j] < k < totals[j - 1] and (
+                self.control.fill or totals[j] == 0):              # (an empty rung is filled always)
             lower = self.control.rungs(step.gamma)[j - 1]
             above = xp.masked(g_val, rule_mask(xp, xp.abs(g_val), lower, self.select_rule))
             idx, val, K, _ = self._topk(xp, g_idx, above, k, n)

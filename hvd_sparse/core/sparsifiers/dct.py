@@ -11,16 +11,20 @@ Rank p, step t (``ctx.step``), tensor l of ``ctx.layout`` (numels n_l, offsets =
         tau_l = K-th largest value of a
         if sync_threshold: tau_l = allreduce(tau_l, SUM)/P   # all tensors in one call, phase "dct_tau"
     M    = (|Gt| >= tau_l)                  # zero_tau_guard and tau_l == 0: M = (|Gt| > 0)
-    while |M| > 2k: tau *= 1.03             # every tensor's alike (ours: the capacity, docs/algorithms.md#the-wire)
+    while |M| > 2k: tau *= 1.03             # every tensor's alike (ours: the capacity, docs/algorithms.md#the-wire),
+                                            #   at most 60 times, then the 2k largest of M
     send (nonzero(M) + offset_l, Gt[M])     # TopkA: one allgather of 2k pairs, padded; rank-order sum
     E_l  = where(M, 0, Gt)                  # the engine's error feedback (residual[included] = 0)
-    drifted = |M| outside [c/drift, c*drift]    # ours: c = |M| of the last recompute step; recompute next step
+    drifted = |M| > 2k                      # ours: the capacity cut, the thresholds are stale; recompute next step
+           or |M| outside [c/drift, c*drift]    # ours: c = |M| of the last recompute step
 
 Between recomputes tau_l is stale: error feedback grows the unsent entries, so |M| grows with each step, to many
 times k with L = 1000 (measured on a small CNN's gradients: docs/benchmarks.md, "While the model trains: every
-preset (P = 4)"), and the capacity then cuts nearly every step. ``drift`` (default 2; None: the paper's rule)
-recomputes when |M| has left a band around the count of the last recompute; the count travels in the opening's
-header (the selection's note), so the check reads nothing more on the host.
+preset (P = 4)"). Where |M| passes the capacity, the thresholds are recomputed at the next step, so a jump in the
+gradients' scale is absorbed in one step (the paper, which sends all of M, has no capacity to pass). ``drift``
+(default 2; None: the paper's schedule otherwise) also recomputes when |M| has left a band around the count of the
+last recompute. |M| travels in the opening's header (the selection's note), so neither check reads anything more
+on the host; with ``sync_threshold`` every rank's |M| does, and a cut on any rank recomputes on all.
 
 NaN never passes the mask (it stays in E), ±Inf passes.
 Optional drain (the paper's Remark 2), "flush" only: with ``ef_drain_period = T_d`` a Bernoulli(1/T_d) draw keyed by
@@ -163,11 +167,12 @@ class DCT(Sparsifier):
         if recompute:                                          # threshold life-span expired
             state["tau"] = self._thresholds(xp, mag, layout, offsets, ctx)
             state["layout"] = layout
+        state["capacity"] = self.capacity(k, n)
         if self._drain_now(t):                                 # drain "flush": M = all-true
             state.update(nnz=list(layout), recomputed=recompute, drained=True, selected=n)
             return xp.arange(n, xp.index_dtype, like=acc)
         score = xp.div(mag, xp.repeat(xp.asarray(state["tau"], xp.float32, like=acc), layout, n))
-        idx, count, _, passed = xp.select_capped(score, xp.ladder(1.0, CLIMB, acc), "ge", self.capacity(k, n), n,
+        idx, count, _, passed = xp.select_capped(score, xp.ladder(1.0, CLIMB, acc), "ge", state["capacity"], n,
                                                  counts=1)
         bounds = xp.searchsorted(idx, xp.asarray(offsets, xp.index_dtype, like=acc))
         state.update(nnz=xp.segment_counts(bounds), recomputed=recompute, drained=False, selected=count)
@@ -185,4 +190,6 @@ class DCT(Sparsifier):
             state["reference"] = passed
         state["passed"] = passed
         ref = state.get("reference", passed)
-        state["drifted"] = self.drift is not None and not ref / self.drift <= passed <= ref * self.drift
+        # the capacity climbed (on any rank where the thresholds are averaged: they are recomputed together)
+        cut = max(ctx.notes if self.sync_threshold else [passed], default=0) > state["capacity"]
+        state["drifted"] = cut or self.drift is not None and not ref / self.drift <= passed <= ref * self.drift

@@ -11,6 +11,7 @@ Iteration t, rank r, world size P, V = residual + gradient (the engine's ``acc``
     5.5  p(r, t) = (t + r) mod P                                   # rotating exclusive partition
     5.6  st, en = start(p), end(p)
          I_r = st + nonzero(|V[st:en]| >= tau)                      # ascending, ties at tau selected
+               in the capacity c = 2k/P: while more pass, tau·1.03^j_r (j_r <= 60), then the c largest (ours)
          if I_r is empty: I_r = [st + t mod (en - st)]              # fallback: a REAL selection
     5.7  (reducer) ks = allgather(k_r) ; S = concat_q I_q ; u[S] = allreduce_sum(V[S])
     5.8  (engine)  residual = V with residual[S] = 0               # on every rank, over the whole union
@@ -21,6 +22,7 @@ Iteration t, rank r, world size P, V = residual + gradient (the engine's ``acc``
                   if det > 1.05 and det2 < 1/1.05: move blk_move blocks i -> i+1 (unless blk_part[i] - 1 < min_blk)
                   if det < 1/1.05 and det2 > 1.05: move blk_move blocks i+1 -> i (unless blk_part[i+1] - 1 < min_blk)
                   (a move shifts mv = int(blk_move*sz_blk*den_acc) of estimated load with the blocks)
+              tau = tau · 1.03^min_r(j_r)                               # ours: the climb every rank needed
          5.4  exam = K / k
               sf = 1.005 if exam > 1.1 else (band if exam > 0.909 else 0.995)
                    band: "reference" -> 1.00125 (the reference's dead `exam > 0` test), "symmetric" ->
@@ -277,11 +279,11 @@ class ExDyna(Sparsifier):
         state["fallback"] = False
         state["zero_partition"] = True
         if en <= st:                                                  # empty partition (n < P), no fallback
-            state["k_r"] = 0
+            state["k_r"], state["rung"] = 0, 0
             return xp.zeros(0, xp.index_dtype, like=acc)
         # 5.6 ascending, |V| >= tau, + st; in the capacity (past it tau climbs: the largest stay)
-        idx, count, _ = xp.select_capped(acc[st:en], xp.ladder(state["tau"], CLIMB, acc), "ge",
-                                         self.capacity(k, n, P), n, base=st)
+        idx, count, rung = xp.select_capped(acc[st:en], xp.ladder(state["tau"], CLIMB, acc), "ge",
+                                            self.capacity(k, n, P), n, base=st)
         idx, empty = xp.first_unless(idx, n, st + t % (en - st))     # 5.6 fallback (rotating dummy) when empty
         if self.freeze_tau_on_empty:
             state["zero_partition"] = bool(xp.item(empty)) and xp.scan(acc[st:en]).count(0.0, "gt") == 0
@@ -289,19 +291,29 @@ class ExDyna(Sparsifier):
             state["zero_partition"] = False
         state["fallback"] = empty
         state["k_r"] = xp.at_least_one(count)
-        return idx, state["k_r"]
+        state["rung"] = rung
+        return idx, state["k_r"], rung
 
     # -- 5.3 / 5.4 / 5.9 controllers --------------------------------------------------------------------------
+    @staticmethod
+    def _counts(xp, state, info, ctx):
+        """``(ks, rungs)``: every rank's count and the rung its threshold climbed to in the capacity (its note), in
+        rank order: from the reducer's ``info`` and the opening's header (``ctx.notes``; without them, no climb is
+        learned), else one allgather of both (phase ``exdyna_counts``: a reducer that reports no counts)."""
+        P = ctx.size
+        ks = info.get("counts") if info else None
+        if ks is not None and len(ks) == P:
+            rungs = ctx.notes if len(ctx.notes) == P else [xp.item(state["rung"])] if P == 1 else [0] * P
+            return [int(c) for c in ks], [int(j) for j in rungs]
+        if P == 1:
+            return [int(xp.item(state["k_r"]))], [int(xp.item(state["rung"]))]
+        mine = [int(xp.item(state["k_r"])), int(xp.item(state["rung"]))]
+        both = xp.to_numpy(ctx.comm.allgather(xp.asarray(mine, xp.index_dtype), "exdyna_counts")).reshape(P, 2)
+        return both[:, 0].tolist(), both[:, 1].tolist()
+
     def update(self, xp, state, info, ctx):
         P, t, n = ctx.size, ctx.step, state["n"]
-        ks = info.get("counts") if info else None
-        if ks is None or len(ks) != P:
-            if P == 1:
-                ks = [state["k_r"]]
-            else:
-                ks = xp.to_numpy(ctx.comm.allgather(xp.asarray([int(xp.item(state["k_r"]))], xp.index_dtype),
-                                                    "exdyna_counts"))
-        ks = [int(c) for c in ks]
+        ks, rungs = self._counts(xp, state, info, ctx)
         K = sum(ks)
         # 5.3 topology adjustment for step t+1: rank i served partition (t + i) mod P at step t
         if P > 1:
@@ -311,6 +323,10 @@ class ExDyna(Sparsifier):
             state["blk_part"], state["blk_pos"] = adjust_topology(
                 state["blk_part"], state["blk_pos"], load, K, n, state["sz_blk"], state["min_blk"],
                 self.tol_hi, self.tol_lo, self.blk_move)
+        # ours: tau takes the rung the capacity climbed to on every rank (the smallest climb), so that it reaches
+        # a new scale in a few steps (at most x5.9 a step) instead of x1.005 (or x2) a step; then 5.4
+        state["tau"] *= CLIMB[min(rungs)]
+        state["rung"] = rungs[ctx.rank]
         # 5.4 online threshold scaling
         k = self.k_for(n)
         freeze = False

@@ -9,7 +9,9 @@ Per step, on every rank (``acc`` = a = residual + gradient, k = max(1, floor(d·
          bert:           if cnt < k34: repeat <= 20 times while cnt < floor(5k/6): th /= 1.012
          vgg:            if cnt < k34: repeat <= 20 times while cnt < k34: th /= 1.02
                          elif cnt > floor(5k/4): repeat <= 20 times while cnt > floor(5k/4): th *= 1.02
-    4. capacity: while more than 2k pass, th *= 1.03 (up to 60 times, not to an empty selection)
+       descend (ours): if the loop ran out with cnt < k34: th /= 1.03 until cnt >= k34 (at most 300 times)
+    4. capacity: while more than 2k pass, th *= 1.03 (up to 60 times, not to an empty selection), then the 2k
+       largest
     5. S = {|a| > th}                                   # residual: eps = a; eps[S] = 0 (engine, I = S)
     6. exchange: the ``topka`` reducer (one allgather of 2k pairs, padded; sum in rank order) -- that
        pairing is the paper's Gaussiank baseline (Table 1: 2k(P-1) words).
@@ -39,8 +41,13 @@ import functools
 
 import numpy as np
 
-from ..validate import choice, options
+from ..validate import choice, flag, options
 from .base import CLIMB, Sparsifier
+
+#: rungs (÷1.03 each, as the capacity's ladder climbs, 300 of them: down to 1/7,100 of where the loop ended) the
+#: threshold descends on where the adjustment loop ends with fewer than 3k/4 selected (``descend``); the capacity then
+#: climbs back on them where the rung reached passes more than fit
+DESCENT = tuple(1.03 ** -j for j in range(1, 301))
 
 #: Adjustment loops of step 3 (ref:LSTM, ref:BERT, ref:VGG).
 ADJUST_VARIANTS = ("lstm", "bert", "vgg")
@@ -77,6 +84,11 @@ class GaussianK(Sparsifier):
         adjust (str): the threshold adjustment loop of step 3: ``"lstm"`` (ref:LSTM; the paper's
             "scale until more than 3k/4 values are selected"), ``"bert"`` or ``"vgg"``.
             Default: ``"lstm"``.
+        descend (bool): where the loop spends its iterations and still selects fewer than 3k/4 (a few huge entries
+            inflate sigma, so that mu + z·sigma lies far above the k-th largest), the threshold descends on, ÷1.03
+            a rung (:data:`DESCENT`), to the first rung that selects 3k/4 (ours: the loop alone lowers it by at most
+            x0.55, and the entries below are never sent while such entries recur). Default True; False: the
+            paper's loop alone.
 
     State (per rank): ``threshold_initial`` (mu + z·sigma), ``threshold`` (after the adjustment, the
     value actually used), ``iterations`` (adjustment iterations run), ``mean``, ``std``.
@@ -87,6 +99,7 @@ class GaussianK(Sparsifier):
 
     _: dataclasses.KW_ONLY
     adjust: str = choice("lstm", ADJUST_VARIANTS, fix="use 'lstm' (the default) for the paper's loop")
+    descend: bool = flag(True)
 
     #: the selection's capacity in units of k (measured: docs/algorithms.md#the-wire)
     capacity_ratio = 2.0
@@ -104,10 +117,26 @@ class GaussianK(Sparsifier):
             up.append(up[-1] * f)
         return down, (up if self.adjust == "vgg" else [1.0]), iters
 
+    def _factors(self):
+        """Every factor of th0 a step may count at: the loop's (down, and up for vgg), the descent past the loop's
+        last (``descend``) and the capacity's ladder, ascending."""
+        down, up, _ = self._loop()
+        descent = [down[-1] * f for f in DESCENT] if self.descend else []
+        return sorted(set(down) | set(up) | set(descent) | set(CLIMB))
+
     def _adjust(self, th0, counted, k):
-        """Step 3 on the counts of every threshold the loop may try (``counted[factor]``: the count at th0·factor):
-        ``(factor, iterations)``, th = th0·factor. A threshold <= 0 already selects every nonzero: nothing left to
-        change."""
+        """Step 3 on the counts of every threshold the loop may try (``counted[factor]``: the count at th0·factor),
+        then the descent (``descend``): ``(factor, iterations)``, th = th0·factor."""
+        fac, it = self._loop_adjust(th0, counted, k)
+        last = self._loop()[0][-1]                 # only where the loop went all the way down is the count short
+        if self.descend and fac == last and th0 > 0.0 and counted[fac] < max(1, (3 * k) // 4):
+            below = [last * f for f in DESCENT]
+            fac = next((f for f in below if counted[f] >= max(1, (3 * k) // 4)), below[-1])
+        return fac, it
+
+    def _loop_adjust(self, th0, counted, k):
+        """Step 3, the loop of ``adjust`` alone: ``(factor, iterations)``. A threshold <= 0 already selects every
+        nonzero: nothing left to change."""
         down, up, iters = self._loop()
         k34 = max(1, (3 * k) // 4)          # at least one entry: k = 1 would otherwise never adjust
         it, c0 = 0, counted[1.0]
@@ -143,8 +172,7 @@ class GaussianK(Sparsifier):
             return xp.zeros(0, xp.index_dtype, like=acc)
         # 1-2. Gaussian prediction of the k-th largest |a|, and the count at every rung, on the device
         mu, sd = xp.mean_std_values(acc)
-        down, up, _ = self._loop()
-        factors = sorted(set(down) | set(up) | set(CLIMB))
+        factors = self._factors()
         th0 = mu + gaussian_z(self.density) * sd
         counts = xp.ladder_counts(acc, xp.clamp_min(xp.ladder(th0, factors, acc), 0.0), "above")
         mu, sd, counts = xp.read(mu, sd, counts)
@@ -162,6 +190,6 @@ class GaussianK(Sparsifier):
         fac = above[fit]
         th = th0 * fac
         # 4. S = {|a| > th}, zeros excluded, at most the capacity
-        idx = xp.select_at(acc, xp.floor32([th])[0], "gt", cap, n)
+        idx = xp.select_at(acc, xp.floor32([th])[0], "gt", cap, n, counted[fac])
         state.update(mean=mu, std=sd, threshold_initial=th0, threshold=th, iterations=it)
         return idx, min(counted[fac], cap)

@@ -10,7 +10,7 @@ device before the message goes out. The operations here all return padded arrays
 * :meth:`FixedOps.ladder_counts` -- how many entries a thresholding rule selects at each rung of a ladder of
   thresholds, one read pass;
 * :meth:`FixedOps.select_capped` -- a thresholding rule's selection capped at a capacity: when more entries pass
-  than fit, the threshold climbs a ladder until they fit (the largest magnitudes stay);
+  than fit, the threshold climbs a ladder until they fit, and past its top the largest magnitudes are kept;
 * :meth:`FixedOps.members` -- the entries of one padded index set that occur in another, in place;
 * :meth:`FixedOps.region_sums` -- the rank-order sums of P sources' (index, value) runs in a region.
 
@@ -63,6 +63,24 @@ def compress(mask, *arrays):
     entries, about half of them kept (measured on one x86 core)."""
     pos = np.flatnonzero(mask)
     return tuple(a.take(pos) for a in arrays)
+
+
+def largest(mag, cap):
+    """Positions (ascending) of the ``cap`` largest entries of the magnitudes ``mag`` (numpy, non-negative; NaN and 0
+    never), ties by the lower position: the exact top-``cap`` as :meth:`~GenericOps.topk` chooses it. How a
+    selection that still exceeds its capacity is cut (:meth:`FixedOps.select_capped`): by magnitude, so an entry
+    left out grows in the residual until it is among the largest, where a cut by position would leave out the
+    same high positions step after step."""
+    if mag.size <= cap:
+        return np.flatnonzero(mag > 0)
+    th = np.partition(mag, mag.size - cap)[mag.size - cap]      # the cap-th largest
+    if not th > 0:
+        return np.flatnonzero(mag > 0)                          # fewer than cap nonzero: all of them
+    keep = mag > th
+    need = cap - int(np.count_nonzero(keep))
+    if need:
+        keep[np.flatnonzero(mag == th)[:need]] = True           # ties: the lower positions
+    return np.flatnonzero(keep)
 
 
 def first_fit(counts, cap):
@@ -229,8 +247,9 @@ class FixedOps:
     def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True):
         """``(indexes, count, rung)``: the entries ``rule`` selects from ``|x|`` at the first threshold of the
         ascending ``ths`` (:meth:`ladder`), at most ``cap`` of them. When more pass, the threshold climbs the
-        ladder until at most ``cap`` pass -- the largest magnitudes stay; past its last rung, or where the next rung
-        would pass none (ties), the first ``cap`` by index of the last rung that passes any. ``guard``: None, or
+        ladder until at most ``cap`` pass; past its last rung, or where the next rung would pass none (ties), the
+        ``cap`` largest magnitudes of the last rung that passes any (:func:`largest`; ``count`` then says how many
+        were kept). Either way the largest magnitudes stay. ``guard``: None, or
         ``(trigger, limit, most)``: when more than ``trigger`` pass at the first rung,
         the threshold first climbs to the first rung from 1 on (at most rung ``most``) where at most ``limit`` pass
         (ThresholdReuse's guard). ``indexes``: ascending, plus ``base``, padded with ``fill`` to exactly ``cap``;
@@ -245,16 +264,19 @@ class FixedOps:
         if guard is not None and passing[0] > guard[0]:
             j = max(j, min(guard[2], 1 + first_fit(passing[1:guard[2] + 1], guard[1])))
         j = min(j, max(0, int(np.count_nonzero(np.asarray(passing) > 0)) - 1))    # not past the last nonempty
-        pos = np.flatnonzero(mag >= bounds[j])[:cap]
+        pos = np.flatnonzero(mag >= bounds[j])
+        if pos.size > cap:                                      # still too many: the cap largest stay
+            pos = pos[largest(mag[pos], cap)]
         out = np.full(cap, fill, np.int64)
         out[:pos.size] = pos + base
         found = self.asarray(out, self.index_dtype, like=x), int(pos.size), j
         return found + (self.asarray(passing[:counts], self.index_dtype, like=x),) if counts else found
 
-    def select_at(self, x, th, rule, cap, fill):
-        """The first ``cap`` entries (ascending) ``rule`` selects from ``|x|`` at the host threshold ``th``, padded with
-        ``fill``: :meth:`select_capped` at one rung, for a caller that knows the count."""
-        return self.select_capped(x, [th], rule, cap, fill)[0]
+    def select_at(self, x, th, rule, cap, fill, count):
+        """The entries (ascending) ``rule`` selects from ``|x|`` at the host threshold ``th``, padded with ``fill``,
+        the ``cap`` largest of them when more pass: :meth:`select_capped` at one rung, for a caller that knows
+        ``count``, how many pass (a device then cuts only where they exceed ``cap``)."""
+        return self.select_capped(x, [th], rule, cap, fill, tally=False)[0]
 
     def keep(self, idx, vals, th, rule, fill):
         """``(indexes, values)``: the pairs whose value ``rule`` selects at ``th``, in their order, then the padding

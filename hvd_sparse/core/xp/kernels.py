@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import native
-from .fixed import compress
+from .fixed import compress, largest
 from .generic import GenericOps, Scan
 
 #: the most runs one kernel merge takes (:meth:`KernelOps.merge_add` merges more in chunks)
@@ -140,7 +140,11 @@ class KernelOps(GenericOps):
         j = first_within(count, cap, j, len(ths) - 1)        # then the capacity's
         if j and count(j) == 0:                             # ties: not to a rung that passes none
             j -= 1
-        idx = native.select(view, ths[j], rule, base=base, expect=cap)[0][:cap]
+        if count(j) > cap:                                  # past the ladder's top: the cap largest stay
+            idx, vals = native.select(view, ths[j], rule, base=base, values=True, expect=count(j))
+            idx = idx[largest(np.abs(vals), cap)]
+        else:
+            idx = native.select(view, ths[j], rule, base=base, expect=cap)[0]
         out = np.full(cap, fill, np.int64)
         out[:idx.size] = idx
         found = self.from_numpy(out), int(idx.size), j

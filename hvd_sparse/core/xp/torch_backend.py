@@ -360,12 +360,19 @@ class TorchBackend(KernelOps, _Indexing):
         if k >= n:
             keep = mag > 0
             return self.compact(keep, k, n), mag.new_zeros(()), keep.sum(dtype=torch.int32)
+        keep, th = self._largest(mag, k)
+        return self.compact(keep, k, n), th, keep.sum(dtype=torch.int32)
+
+    def _largest(self, mag, k):
+        """``(keep, th)``: the mask of the k largest of the magnitudes ``mag`` (k < numel; zeros never, ties by the
+        lower index: :func:`~hvd_sparse.core.xp.fixed.largest`) and the k-th largest (0 when fewer than k are
+        nonzero), by ``torch.topk``'s k-th value, then masks and a running count of the ties (no sort, no read)."""
+        torch = self.torch
         th = torch.topk(mag, k, sorted=False).values.min()        # 0 when fewer than k are nonzero
         above = mag > th
         tied = (mag == th) & (th > 0)
-        running = tied.cumsum(0, dtype=torch.int32 if n < 2**31 else torch.int64)     # half the bytes of int64
-        keep = above | (tied & (running <= k - above.sum()))
-        return self.compact(keep, k, n), th, keep.sum(dtype=torch.int32)
+        running = tied.cumsum(0, dtype=torch.int32 if mag.numel() < 2**31 else torch.int64)  # half int64's bytes
+        return above | (tied & (running <= k - above.sum())), th
 
     def clamp_min(self, x, low):
         if not isinstance(x, self.torch.Tensor):
@@ -447,7 +454,10 @@ class TorchBackend(KernelOps, _Indexing):
     def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True):
         """The host's rule on the device: the counts at every rung in one sorted search (:meth:`_passing`); the
         rungs that still pass more than a limit are a prefix (the counts fall as the threshold rises), so their
-        number is the first rung within it; one compare and a padded compaction."""
+        number is the first rung within it; one compare and a padded compaction. Whether the rung taken still
+        passes more than ``cap`` is known only on the device, so the ``cap`` largest of what it passes
+        (:meth:`_largest`: a ``torch.topk`` and a running count of ties) are computed on every call where ``cap``
+        is less than the input, and taken where it does: about twenty operations more, and no read."""
         if self.host(x) is not None:
             return super().select_capped(x, ths, rule, cap, fill, base=base, guard=guard, counts=counts, tally=tally)
         mag = x.abs()
@@ -455,7 +465,8 @@ class TorchBackend(KernelOps, _Indexing):
         J = self.numel(bounds)
         if J == 1:
             mask = mag >= bounds[0]
-            j, count = 0, mask.sum()
+            j = 0
+            count = passed = mask.sum()
         else:
             passing = self._passing(mag, bounds)
             j = (passing > cap).sum()
@@ -465,16 +476,21 @@ class TorchBackend(KernelOps, _Indexing):
                 j = self.torch.maximum(j, climb * (passing[0] > trigger))
             j = self.torch.minimum(j, ((passing > 0).sum() - 1).clamp_(min=0))       # not past the last nonempty
             mask = mag >= self.torch.take(bounds, j)
-            count = self.torch.take(passing, j) if tally else None
+            count = passed = self.torch.take(passing, j)
+        if cap < self.numel(x):                 # past the ladder's top the cap largest stay, chosen where it overflows
+            keep = self._largest(self.torch.where(mask, mag, 0.0), cap)[0]
+            over = passed > cap
+            mask = self.torch.where(over, keep, mask)
+            count = self.torch.where(over, keep.sum(), count) if tally else None
         idx = self.compact(mask, cap, fill - base)
-        found = (idx + base if base else idx), (count.clamp(max=cap) if tally else None), j
+        found = (idx + base if base else idx), (count if tally else None), j
         if counts:
-            found += (passing[:counts] if J > 1 else count.view(1),)
+            found += (passing[:counts] if J > 1 else passed.view(1),)
         return found
 
-    def select_at(self, x, th, rule, cap, fill):
-        if self.host(x) is not None:
-            return super().select_at(x, th, rule, cap, fill)
+    def select_at(self, x, th, rule, cap, fill, count):
+        if self.host(x) is not None or count > cap:
+            return super().select_at(x, th, rule, cap, fill, count)
         return self.compact(x.abs() >= self._bounds([th], rule, x), cap, fill)
 
     def keep(self, idx, vals, th, rule, fill):
