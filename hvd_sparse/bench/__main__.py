@@ -26,6 +26,7 @@ COMMANDS = {
     "advise": ("advise", "under horovodrun: your model's step with Horovod dense, fp16 and presets, a verdict"),
     "density": ("density", "achieved density and words per step of each preset over a real training run, simulated"),
     "timeline": ("timeline", "per collective of a HOROVOD_TIMELINE: calls negotiated in full vs served by the cache"),
+    "regimes": ("regimes", "threshold presets through gradients that strain a capacity, against TopkA, simulated"),
 }
 
 
