@@ -1,6 +1,7 @@
 """The benchmark CLI at tiny sizes, so that it cannot rot (the real runs are in docs/benchmarks.md)."""
 
 import json
+import random
 
 import numpy as np
 import pytest
@@ -84,6 +85,56 @@ def test_density_cli_writes_a_row_per_preset(tmp_path, capsys):
     row = report["presets"][0]
     assert row["density_ratio"] == 1.0 and row["recv_words_per_k"] == row["readme_words_per_k"] == 2.0
     assert "| topka |" in capsys.readouterr().out
+
+
+def _noisy(rng, ms, n=30, sigma=0.25):
+    """``n`` step times of ``ms`` under multiplicative noise (log-normal, ``sigma``): the middle half spans about
+    -16% to +18% of ``ms``."""
+    return [ms * rng.lognormvariate(0, sigma) for _ in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_real_twofold_difference_is_found_and_a_tenth_either_way_is_within_the_noise(seed):
+    from hvd_sparse.bench import noise
+
+    rng = random.Random(seed)
+    dense = _noisy(rng, 100)
+    found = noise.compare(dense, _noisy(rng, 50))
+    assert found["outcome"] == noise.FASTER and 1.6 < found["speedup"] < 2.5
+    assert found["low"] < found["speedup"] < found["high"]
+    for ratio in (0.9, 1.0, 1.1):
+        assert noise.compare(dense, _noisy(rng, 100 / ratio))["outcome"] == noise.NOISE, ratio
+    assert noise.compare(dense, _noisy(rng, 200))["outcome"] == noise.SLOWER
+    few = noise.compare(dense[:noise.MIN_SAMPLES - 1], _noisy(rng, 50, n=noise.MIN_SAMPLES - 1))
+    assert few["outcome"] == noise.NOISE and few["speedup"] > 1.5           # too few samples to tell
+
+
+def test_quartiles_are_those_of_the_samples():
+    from hvd_sparse.bench.noise import quartiles
+
+    assert quartiles([5, 1, 4, 2, 3]) == (2, 3, 4) and quartiles([7]) == (7, 7, 7)
+    with pytest.raises(ValueError):
+        quartiles([])
+
+
+def test_the_fastest_candidate_wins_only_beyond_the_spread_and_never_below_the_floor():
+    from hvd_sparse.bench import noise
+
+    rng = random.Random(7)
+    samples = {"compute": _noisy(rng, 40), "dense": _noisy(rng, 100), "a": _noisy(rng, 50), "b": _noisy(rng, 95)}
+    facts = noise.decide(samples, "dense", ["a", "b"], floor="compute")
+    assert (facts["best"], facts["wins"], facts["reason"], facts["below_floor"]) == ("a", True, None, [])
+    few = noise.decide({k: v[:noise.MIN_SAMPLES - 1] for k, v in samples.items()}, "dense", ["a", "b"])
+    assert (few["best"], few["enough"], few["wins"]) == ("a", False, False) and few["reason"]
+    facts = noise.decide(samples, "dense", ["b"], floor="compute")
+    assert (facts["best"], facts["outcome"], facts["wins"]) == ("b", noise.NOISE, False) and facts["reason"]
+    samples["a"] = _noisy(rng, 20)                                # shorter than compute alone: noise, not a win
+    facts = noise.decide(samples, "dense", ["a", "b"], floor="compute")
+    assert (facts["best"], facts["outcome"], facts["below_floor"], facts["wins"]) == \
+        ("a", noise.FASTER, ["a"], False) and facts["reason"]
+    assert noise.decide(samples, "dense", ["a", "b"])["wins"]     # without a floor nothing is below it
+    facts = noise.decide(samples, "dense", [], floor="compute")
+    assert facts["best"] is None and not facts["wins"] and noise.sentence(facts, "dense") == ""
 
 
 def test_advise_decides_the_faster_side_and_the_break_even_link_speed():
