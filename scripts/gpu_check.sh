@@ -139,7 +139,7 @@ if use gloo; then
         "$ROOT/tests/torch/test_dtypes_horovod.py" "$ROOT/tests/bench/test_bench_steps.py"
     step bench_trainstep pairs 150 trainstep trainstep --workers 2 --device cuda
     step bench_advise timeout 150 horovodrun -np 2 -H localhost:2 --gloo "$PY" -m hvd_sparse.bench advise \
-        --device cuda --numel 25000000 --steps 10 --warmup 3 --json "$OUT/reports/advise.json" \
+        --device cuda --numel 25000000 --steps 3 --warmup 3 --seconds 30 --json "$OUT/reports/advise.json" \
         --markdown "$OUT/reports/advise.md"
     step bench_trainstep_cycle timeout 150 env HOROVOD_CYCLE_TIME=0.1 "$PY" -m hvd_sparse.bench trainstep \
         --workers 2 --device cuda --json "$OUT/reports/trainstep_cycle0.1.json"

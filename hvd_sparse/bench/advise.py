@@ -15,24 +15,34 @@ parameters -- it times, each configuration from the same weights and the same ba
     <preset>@d<density>  the same at a density (``--densities``)
 
 one step = a barrier (not timed), zero_grad, forward, backward, ``optimizer.step()`` and, on a GPU, a device
-synchronize; a step's time is the slowest rank's; the median over ``--steps`` after ``--warmup``. Two probes
-measure the links: the latency of an allreduce of one value and the bandwidth of an allreduce of ``--probe-mb``
-megabytes (bytes a rank sends in a ring, 2·size·(P−1)/P, over the seconds).
+synchronize; a step's time is the slowest rank's. Each configuration first runs ``--warmup`` steps, not timed;
+then the configurations take turns in rounds, ``--steps`` steps each, in their order, then the reverse, and so on
+(a load that comes and goes falls on all of them alike): at least ten rounds, the fewest whose spread
+:mod:`hvd_sparse.bench.noise` trusts, then rounds until ``--seconds`` are spent or ``--rounds`` run. A round's
+step is the median of its steps; a configuration's step the median of its rounds, with their quartiles as its
+spread. Every rank runs torch with ``--threads`` threads (default: the host's cores over the ranks on it, so that
+the ranks do not oversubscribe the cores). Two probes measure the links: the latency of an allreduce of one value
+and the bandwidth of an allreduce of ``--probe-mb`` megabytes (bytes a rank sends in a ring, 2·size·(P−1)/P, over
+the seconds).
 
-Rank 0 prints the progress, then a table (step, time beyond compute, speedup over dense, bytes a rank sends per step)
-and a verdict: the fastest configuration, how much faster than dense it is, and the link speed at which dense would
-catch up, from the cost model of docs/choosing.md (time beyond compute = a fixed cost + bytes / bandwidth, the
-fixed cost of each configuration taken from its measured time and the probed bandwidth). ``--json`` and
-``--markdown`` write the report.
+Rank 0 prints the progress, then a table (step and quartiles, time beyond compute, speedup over dense, whether the
+difference from dense exceeds the spread, bytes a rank sends per step) and a verdict: the fastest preset and how
+much faster than dense it is where the rounds tell them apart (:mod:`hvd_sparse.bench.noise`; otherwise "no
+measurable difference"), and the link speed at which that changes, from the cost model of docs/choosing.md (time
+beyond compute = a fixed cost + bytes / bandwidth, the fixed cost of each configuration taken from its measured time
+and the probed bandwidth). ``--json`` and ``--markdown`` write the report; the JSON keeps every round's steps.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import os
 import statistics
 import sys
 import time
+
+from . import noise
 
 PREFIX = "hvd_sparse.bench advise:"
 #: the configurations that are not presets
@@ -94,9 +104,10 @@ def configurations(presets, budgets, densities):
     return out
 
 
-def measure(made, compression, steps, warmup, lr=0.01):
-    """This rank's step seconds (a list) and mean bytes sent per step (None for the baselines) of one configuration;
-    ``made``: a fresh ``(model, batch, loss)``."""
+def stepper(label, made, compression, lr=0.01):
+    """One configuration's step on ``made``, a fresh ``(model, batch, loss)``: a callable returning this rank's
+    seconds and the bytes it sent (None for the baselines). Horovod's collectives are named after ``label``, so
+    that dense's and fp16's, which alternate, never meet in its cache."""
     import horovod.torch as hvd
     import torch
 
@@ -105,10 +116,11 @@ def measure(made, compression, steps, warmup, lr=0.01):
     model, (x, y), loss_fn = made
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     if compression is not None:
-        opt = hvds.DistributedOptimizer(opt, named_parameters=model.named_parameters(), compression=compression())
+        named = [(f"{label}.{n}", p) for n, p in model.named_parameters()]
+        opt = hvds.DistributedOptimizer(opt, named_parameters=named, compression=compression())
     sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
-    seconds, sent = [], []
-    for t in range(warmup + steps):
+
+    def step():
         hvd.allreduce(torch.zeros(1), name="hvd_sparse.advise.barrier")
         sync()
         t0 = time.perf_counter()
@@ -116,11 +128,51 @@ def measure(made, compression, steps, warmup, lr=0.01):
         loss_fn(model(x), y).backward()
         opt.step()
         sync()
-        if t >= warmup:
-            seconds.append(time.perf_counter() - t0)
-            if hasattr(opt, "sparse_stats"):
-                sent.append(opt.sparse_stats().get("sent_bytes", 0))
-    return seconds, (statistics.fmean(sent) if sent else None)
+        seconds = time.perf_counter() - t0
+        return seconds, (opt.sparse_stats().get("sent_bytes", 0) if hasattr(opt, "sparse_stats") else None)
+
+    return step
+
+
+def order(n, r):
+    """The configurations' order in round ``r`` (from 0): 0, 1, ..., n - 1, then the reverse, and so on."""
+    return range(n) if r % 2 == 0 else range(n - 1, -1, -1)
+
+
+def measure(steppers, steps, warmup, seconds, rounds, say=lambda r, elapsed: None, every=5.0):
+    """Every configuration's steps on this rank, in rounds (:func:`order`), ``steps`` steps each, after ``warmup``
+    of each not kept: at least :data:`hvd_sparse.bench.noise.MIN_SAMPLES` rounds (``rounds`` if fewer), then until
+    the slowest rank has spent ``seconds`` or ``rounds`` are done. Returns per configuration its seconds per round
+    (a list of ``steps``), per configuration its mean bytes sent per step (None for the baselines), and the seconds
+    the slowest rank spent in the rounds; ``say(rounds done, seconds)`` after the first round and then every
+    ``every`` seconds."""
+    for step in steppers:
+        for _ in range(warmup):
+            step()
+    times, sent = [[] for _ in steppers], [[] for _ in steppers]
+    start, r, said = time.perf_counter(), 0, -every
+    while True:
+        for i in order(len(steppers), r):
+            out = [steppers[i]() for _ in range(steps)]
+            times[i].append([s for s, _ in out])
+            sent[i] += [b for _, b in out if b is not None]
+        r += 1
+        elapsed = slowest(time.perf_counter() - start)          # every rank's decision the same
+        if elapsed >= said + every:
+            said = elapsed
+            say(r, elapsed)
+        if r >= rounds or (r >= noise.MIN_SAMPLES and elapsed >= seconds):
+            return times, [statistics.fmean(b) if b else None for b in sent], elapsed
+
+
+def threads(option, local_size):
+    """Torch threads per rank: ``option``, else the host's cores over the ranks on it (``local_size``), at most the
+    cores this rank may run on, at least 1: the ranks' threads together do not oversubscribe the host."""
+    if option:
+        return option
+    cores = os.cpu_count() or 1
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    return max(1, min(mine, cores // local_size))
 
 
 # -- the probes ------------------------------------------------------------------------------------------------------
@@ -156,23 +208,31 @@ def slowest(seconds):
 
 # -- the report ------------------------------------------------------------------------------------------------------
 def rows_of(measured, numel, P):
-    """Table rows from ``[(label, every rank's (seconds, sent))]``: the slowest rank per step, the median over steps;
-    dense and fp16 send the ring's 2n(P-1)/P words of 4 and 2 bytes."""
+    """Table rows from ``[(label, every rank's (seconds per round, sent))]``: a step's time is the slowest rank's, a
+    round's the median of its steps; a row has the rounds' median (``step_ms``) and quartiles (``q1_ms``,
+    ``q3_ms``), the rounds (``rounds_ms``) and their steps (``steps_ms``), and ``against_dense``, the
+    :func:`hvd_sparse.bench.noise.compare` outcome of its rounds against dense's (``below_compute``: faster than
+    compute alone, beyond the spread of both). Dense and fp16 send the ring's 2n(P-1)/P words of 4 and 2 bytes."""
     from .loop import ring_allreduce_bytes
 
     rows = []
     for label, ranks in measured:
-        steps = [max(s[t] for s, _ in ranks) for t in range(len(ranks[0][0]))]
+        steps = [[max(at) for at in zip(*(rounds[r] for rounds, _ in ranks))] for r in range(len(ranks[0][0]))]
+        rounds = [statistics.median(st) * 1e3 for st in steps]
         sent = {"compute": 0.0, "dense": ring_allreduce_bytes(numel, P),
                 "fp16": ring_allreduce_bytes(numel, P, itemsize=2)}.get(label)
         if sent is None:
             sent = statistics.fmean(b for _, b in ranks)
-        rows.append({"name": label, "step_ms": statistics.median(steps) * 1e3, "sent_bytes": sent})
-    floor = rows[0]["step_ms"]
-    dense = next(r["step_ms"] for r in rows if r["name"] == "dense")
+        q1, median, q3 = noise.quartiles(rounds)
+        rows.append({"name": label, "step_ms": median, "q1_ms": q1, "q3_ms": q3, "sent_bytes": sent,
+                     "rounds_ms": rounds, "steps_ms": [[t * 1e3 for t in st] for st in steps]})
+    floor, dense = (next(r for r in rows if r["name"] == name) for name in ("compute", "dense"))
     for r in rows:
-        r["beyond_compute_ms"] = r["step_ms"] - floor
-        r["speedup_vs_dense"] = dense / r["step_ms"]
+        r["beyond_compute_ms"] = r["step_ms"] - floor["step_ms"]
+        r["speedup_vs_dense"] = dense["step_ms"] / r["step_ms"]
+        r["against_dense"] = noise.compare(dense["rounds_ms"], r["rounds_ms"])["outcome"]
+        r["below_compute"] = (r is not floor
+                              and noise.compare(floor["rounds_ms"], r["rounds_ms"])["outcome"] == noise.FASTER)
     return rows
 
 
@@ -185,40 +245,51 @@ def break_even(row, dense, bandwidth):
     return saved / extra if saved > 0 and extra > 0 else None
 
 
-def decide(rows, bandwidth, margin=1.1):
-    """The verdict's facts: the fastest preset (``best``, None without presets), its ``speedup`` over dense,
-    whether it wins (faster by more than ``margin``) and the ``break_even_gbit`` link speed (None: no crossing)."""
-    dense = next(r for r in rows if r["name"] == "dense")
-    sparse = [r for r in rows if r["name"] not in BASELINES]
-    if not sparse:
-        return {"best": None, "speedup": None, "wins": False, "break_even_gbit": None}
-    best = min(sparse, key=lambda r: r["step_ms"])
-    at = break_even(best, dense, bandwidth)
-    speedup = dense["step_ms"] / best["step_ms"]
-    return {"best": best["name"], "speedup": speedup, "wins": speedup >= margin,
-            "break_even_gbit": None if at is None else at * 8 / 1e9}
+def decide(rows, bandwidth):
+    """The verdict's facts: :func:`hvd_sparse.bench.noise.decide` on the rounds' step times, dense the baseline, the
+    presets the candidates, compute the floor (``best``, ``speedup``, ``low``, ``high``, ``outcome``, ``below_floor``,
+    ``wins``, ``reason``), and ``break_even_gbit``, the link speed at which ``best`` and dense would cost the same
+    (None: no crossing, or no preset)."""
+    named = {r["name"]: r for r in rows}
+    samples = {name: r["rounds_ms"] for name, r in named.items()}
+    facts = noise.decide(samples, "dense", [n for n in named if n not in BASELINES], floor="compute")
+    at = break_even(named[facts["best"]], named["dense"], bandwidth) if facts["best"] else None
+    return {**facts, "break_even_gbit": None if at is None else at * 8 / 1e9}
 
 
-def verdict(rows, bandwidth, P, margin=1.1):
-    """One paragraph on :func:`decide`'s facts: the fastest preset against dense, and the link speed where that
-    changes."""
-    facts = decide(rows, bandwidth, margin)
-    dense = next(r for r in rows if r["name"] == "dense")
+def _ms(row):
+    return f"{row['step_ms']:.1f} ms, quartiles {row['q1_ms']:.1f} to {row['q3_ms']:.1f}"
+
+
+def verdict(rows, bandwidth, P):
+    """One paragraph on :func:`decide`'s facts: the fastest preset against dense where the rounds tell them apart
+    (docs/choosing.md, "When a difference counts"), and the link speed where that changes."""
+    facts = decide(rows, bandwidth)
+    named = {r["name"]: r for r in rows}
+    dense = named["dense"]
     where = f"On these hosts (P = {P}, links measured at {bandwidth * 8 / 1e9:.2f} Gbit/s)"
     if facts["best"] is None:
         return f"{where} Horovod's dense step takes {dense['step_ms']:.1f} ms; no preset was measured."
-    best = next(r for r in rows if r["name"] == facts["best"])
-    at = facts["break_even_gbit"]
+    if facts["below_floor"]:
+        return (f"{where} the step times are noise: {', '.join(facts['below_floor'])} measured faster than compute "
+                "alone, beyond the spread of both, which no exchange can be. Measure again on a quieter machine or "
+                "for longer (--seconds).")
+    best, at = named[facts["best"]], facts["break_even_gbit"]
+    if not facts["enough"]:
+        return (f"{where} {len(dense['rounds_ms'])} rounds are too few to tell the configurations apart: "
+                f"{noise.MIN_SAMPLES} are needed (--rounds).")
     if facts["wins"]:
-        text = (f"{where} {best['name']} is {facts['speedup']:.1f}x faster per step than Horovod's dense optimizer "
-                f"({best['step_ms']:.1f} ms against {dense['step_ms']:.1f} ms, with "
-                f"{best['sent_bytes'] / max(dense['sent_bytes'], 1):.3f} of its bytes). ")
+        text = (f"{where} {best['name']} is {facts['speedup']:.2f}x faster per step than Horovod's dense optimizer "
+                f"({facts['low']:.2f}x to {facts['high']:.2f}x from quartile to quartile; {_ms(best)} against "
+                f"{_ms(dense)}, with {best['sent_bytes'] / max(dense['sent_bytes'], 1):.3f} of its bytes). ")
         text += (f"Dense would catch up on links faster than {at:.1f} Gbit/s (docs/choosing.md)." if at else
                  "It stays ahead on faster links too: its fixed cost is not above dense's.")
+    elif facts["outcome"] == noise.NOISE:
+        text = (f"{where} within the noise of this machine: no measurable difference between the fastest preset, "
+                f"{best['name']} ({_ms(best)}), and Horovod's dense step ({_ms(dense)}): keep Horovod's optimizer.")
     else:
-        text = (f"{where} no preset is more than {margin:.1f}x faster than Horovod's dense step "
-                f"({dense['step_ms']:.1f} ms; the fastest preset, {best['name']}, {best['step_ms']:.1f} ms): "
-                "keep Horovod's optimizer. ")
+        text = (f"{where} Horovod's dense step ({_ms(dense)}) is shorter than every preset's, beyond the spread (the "
+                f"fastest preset, {best['name']}: {_ms(best)}): keep Horovod's optimizer. ")
         text += f"{best['name']} would win on links slower than {at:.2f} Gbit/s (docs/choosing.md)." if at else ""
     if best["name"].startswith("topka@d"):
         text += " TopkA's bytes grow with P: past P = 1/density it sends more than dense; a byte_budget scales it."
@@ -238,12 +309,19 @@ def digits_cnn():
 
 def markdown(report):
     lines = [f"P = {report['workers']}, {report['device']}, model {report['model']} ({report['numel']:,} parameters); "
-             f"one small allreduce {report['latency_us']:.0f} us, links {report['bandwidth_gbit']:.2f} Gbit/s", "",
-             "| configuration | step ms | beyond compute ms | speedup over dense | MB sent per rank and step |",
-             "|---|---:|---:|---:|---:|"]
+             f"one small allreduce {report['latency_us']:.0f} us, links {report['bandwidth_gbit']:.2f} Gbit/s; "
+             f"torch threads per rank {report['torch_threads']}; {report['rounds']} rounds of "
+             f"{report['steps_per_round']} steps per configuration in {report['seconds']:.0f} s, a round's step the "
+             "median of its steps (each the slowest rank's), median and quartiles over the rounds", "",
+             "| configuration | step ms | quartiles ms | beyond compute ms | speedup over dense | against dense "
+             "| MB sent per rank and step |",
+             "|---|---:|---:|---:|---:|---|---:|"]
     for r in report["configurations"]:
-        lines.append(f"| {r['name']} | {r['step_ms']:.2f} | {r['beyond_compute_ms']:.2f} | "
-                     f"{r['speedup_vs_dense']:.2f} | {r['sent_bytes'] / 1e6:.3f} |")
+        against = ("noise: below compute" if r["below_compute"] else "—" if r["name"] in ("compute", "dense")
+                   else {"noise": "within noise"}.get(r["against_dense"], r["against_dense"]))
+        lines.append(f"| {r['name']} | {r['step_ms']:.2f} | {r['q1_ms']:.2f} to {r['q3_ms']:.2f} | "
+                     f"{r['beyond_compute_ms']:.2f} | {r['speedup_vs_dense']:.2f} | {against} | "
+                     f"{r['sent_bytes'] / 1e6:.3f} |")
     return "\n".join(lines + ["", report["verdict"]])
 
 
@@ -261,8 +339,18 @@ def add_arguments(p):
     p.add_argument("--budgets", type=_fractions, default=[0.05], help="byte budgets (default: 0.05)")
     p.add_argument("--densities", type=_fractions, default=[], help="densities, besides the budgets")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--steps", type=cli.positive_int, default=20)
-    p.add_argument("--warmup", type=cli.positive_int, default=5)
+    p.add_argument("--seconds", type=cli.positive_float, default=60.0,
+                   help="time for the rounds of steps: at least %d rounds run, then rounds until this is spent "
+                        "(default: 60)" % noise.MIN_SAMPLES)
+    p.add_argument("--rounds", type=cli.positive_int, default=100,
+                   help="at most this many rounds, however short they are (default: 100)")
+    p.add_argument("--steps", type=cli.positive_int, default=5,
+                   help="steps of each configuration in a round (default: 5)")
+    p.add_argument("--warmup", type=cli.positive_int, default=5,
+                   help="steps of each configuration before the rounds, not timed (default: 5)")
+    p.add_argument("--threads", type=cli.positive_int, default=None,
+                   help="torch threads per rank, as your job sets them (default: the host's cores over its ranks, "
+                        "at least 1)")
     p.add_argument("--probe-mb", type=cli.positive_float, default=16.0,
                    help="size of the bandwidth probe (default: 16 MB)")
     p.add_argument("--seed", type=int, default=0)
@@ -300,22 +388,16 @@ def main(args):
 
     hvd = _start(args.device)
     say = (lambda line: print(f"{PREFIX} {line}", file=sys.stderr, flush=True)) if hvd.rank() == 0 else (lambda _: None)
-    measured = []
-    configs = configurations(args.presets, args.budgets, args.densities)
-    for i, (label, compression) in enumerate(configs):
-        made = load_model(args.model, args.numel, args.batch_size, args.seed, args.device)
-        seconds, sent = measure(made, compression, args.steps, args.warmup)
-        measured.append((label, hvd.allgather_object((seconds, sent), name=f"hvd_sparse.advise.{label}")))
-        say(f"[{i + 1}/{len(configs)}] {label}: median step {statistics.median(seconds) * 1e3:.2f} ms on rank 0")
+    run = _measure_all(args, hvd, say)
     latency, bandwidth = probe(args.device, args.probe_mb)
     say(f"links: one small allreduce {latency * 1e6:.0f} us, {bandwidth * 8 / 1e9:.2f} Gbit/s")
-    numel = sum(p.numel() for p in made[0].parameters())
-    rows = rows_of(measured, numel, hvd.size())
+    rows = rows_of(run["measured"], run["numel"], hvd.size())
     report = {"workers": hvd.size(), "device": _device_name(args.device), "model": args.model or "mlp",
-              "numel": numel, "latency_us": latency * 1e6, "bandwidth_gbit": bandwidth * 8 / 1e9,
+              "numel": run["numel"], "latency_us": latency * 1e6, "bandwidth_gbit": bandwidth * 8 / 1e9,
               "build": {"nccl": bool(hvd.nccl_built()), "gloo": bool(hvd.gloo_enabled()),
                         "mpi": bool(hvd.mpi_enabled())},
-              "configurations": rows, "decision": decide(rows, bandwidth),
+              **{k: run[k] for k in ("torch_threads", "rounds", "seconds")}, "steps_per_round": args.steps,
+              "seconds_budget": args.seconds, "configurations": rows, "decision": decide(rows, bandwidth),
               "verdict": verdict(rows, bandwidth, hvd.size())}
     if hvd.rank() == 0:
         cli.write_json(args.json, report)
@@ -325,6 +407,30 @@ def main(args):
         print(markdown(report))
     hvd.shutdown()
     return 0
+
+
+def _measure_all(args, hvd, say):
+    """The torch threads set, every configuration built and measured (:func:`measure`): ``measured`` (per
+    configuration, its label and every rank's rounds and bytes), ``numel``, ``torch_threads``, ``rounds``,
+    ``seconds``."""
+    import torch
+
+    n = threads(args.threads, hvd.local_size())
+    torch.set_num_threads(n)
+    say(f"torch threads per rank: {n} (" + ("--threads" if args.threads else
+        f"{os.cpu_count()} cores over {hvd.local_size()} ranks on this host; --threads sets it") + ")")
+    configs = configurations(args.presets, args.budgets, args.densities)
+    made = [load_model(args.model, args.numel, args.batch_size, args.seed, args.device) for _ in configs]
+    steppers = [stepper(label, m, compression) for (label, compression), m in zip(configs, made)]
+    say(f"{', '.join(label for label, _ in configs)}: rounds of {args.steps} steps each for {args.seconds:g} s "
+        f"(at least {min(noise.MIN_SAMPLES, args.rounds)} rounds, at most {args.rounds})")
+    times, sent, elapsed = measure(steppers, args.steps, args.warmup, args.seconds, args.rounds,
+                                   lambda r, spent: say(f"round {r}: {spent:.0f} s"))
+    say(f"{len(times[0])} rounds in {elapsed:.0f} s")
+    ranks = hvd.allgather_object(list(zip(times, sent)), name="hvd_sparse.advise.steps")
+    return {"measured": [(label, [rank[i] for rank in ranks]) for i, (label, _) in enumerate(configs)],
+            "numel": sum(p.numel() for p in made[0][0].parameters()), "torch_threads": n, "rounds": len(times[0]),
+            "seconds": elapsed}
 
 
 def _device_name(device):

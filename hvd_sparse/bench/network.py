@@ -40,6 +40,9 @@ step's time is the max over ranks):
                           2n(P-1)/P float32 words (Horovod has no traffic counter)
     wire_seconds          recv_bytes_mean / (RATE / 8): the time the link needs for it, a lower bound
     speedup_vs_dense      dense's median / this median
+
+Below its table the Markdown names the fastest preset against dense where the steps tell them apart, and says "no
+measurable difference" where they do not (:mod:`hvd_sparse.bench.noise`: the rule of ``bench advise``).
 """
 
 from __future__ import annotations

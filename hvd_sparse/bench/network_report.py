@@ -43,12 +43,23 @@ def summarize(raw, workers, numel, rate, warmup):
     return rows
 
 
+def decision(results):
+    """:func:`hvd_sparse.bench.noise.decide` on the steps: the fastest preset against dense (None without dense)."""
+    from . import noise
+
+    samples = {r["algorithm"]: r["step_seconds"] for r in results}
+    if "dense" not in samples:
+        return None
+    return noise.decide(samples, "dense", [a for a in samples if a not in ("dense", DENSE_POLL)])
+
 
 def _mb(b):
     return f"{b / 1e6:,.2f} MB" if b >= 1e5 else f"{b / 1e3:,.1f} kB"
 
 
 def markdown(report):
+    from . import noise
+
     what = (f"{report['model']} ({report['numel']:,} parameters)" if report.get("model")
             else f"n = {report['numel']:,} parameters")
     link = report.get("link_check_bytes_per_s")
@@ -64,6 +75,9 @@ def markdown(report):
         sp = "" if r["speedup_vs_dense"] is None else f"{r['speedup_vs_dense']:.2f}x"
         lines.append(f"| {r['algorithm']} | {r['step_seconds_median']:.3f} | {r['step_seconds_mean']:.3f} | {sp} | "
                      f"{_mb(r['recv_bytes_mean'])} | {r['wire_seconds']:.3f} | {r['density_mean']:.4f} |")
+    facts = decision(report["results"])
+    if facts and facts["best"]:
+        lines += ["", f"{noise.sentence(facts, 'dense')} {noise.RULE}"]
     if any(r["algorithm"] == "dense" for r in report["results"]):
         lines.append("")
         lines.append("dense = Horovod's own optimizer (Compression.none, ring allreduce); its bytes are the ring "

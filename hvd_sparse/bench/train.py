@@ -35,6 +35,11 @@ time_to_<target> and final_accuracy in ``spread``):
                           ``spread`` counts the seeds that did in ``reached``)
     final_accuracy        the test accuracy after the last step; None for a run stopped at the highest target
                           (``--stop-at-target``: ``stopped`` is then True, its steps fewer)
+    step_seconds          (each per-seed row) the step times after the first
+
+Below its table the Markdown names the fastest configuration against Horovod's dense one (``horovod``) where the
+steps of every seed tell them apart, and says "no measurable difference" where they do not
+(:mod:`hvd_sparse.bench.noise`: the rule of ``bench advise``, ``compute`` as the floor).
 
 The report also records the options (``task``, ``seeds``, ...), the model's parameter count (``numel``) and the
 sizes of the training and test sets (``train_images``, ``test_images``: images or MNIST-1D sequences).

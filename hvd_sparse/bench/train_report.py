@@ -46,7 +46,7 @@ def _run_row(run, accuracy_targets):
     wall = list(itertools.accumulate(totals))
     curve = [(wall[step - 1], acc) for step, acc in run["evals"]]
     row = {"config": run["config"], "kind": run["kind"], "seed": run.get("seed"), "numel": run["numel"],
-           "steps": len(totals), "step_seconds_median": statistics.median(measured),
+           "steps": len(totals), "step_seconds": measured, "step_seconds_median": statistics.median(measured),
            "step_seconds_mean": statistics.fmean(measured),
            **{p: statistics.fmean(s[i] for s in split) for i, p in enumerate(PHASES)},
            **{f"{p}_median": statistics.median(s[i] for s in split) for i, p in enumerate(PHASES)},
@@ -131,6 +131,19 @@ def summarize(raw_runs, accuracy_targets):
     return [_combine(rows, accuracy_targets) for rows in groups.values()]
 
 
+def decision(results):
+    """:func:`hvd_sparse.bench.noise.decide` on the steps of every seed: the fastest configuration against Horovod's
+    dense one, ``horovod``, with ``compute`` as the floor. None without ``horovod`` or without step times (a report
+    written before they were kept)."""
+    from . import noise
+
+    samples = {r["config"]: [t for seed in r["per_seed"] for t in seed.get("step_seconds", [])] for r in results}
+    if not samples.get("horovod") or not all(samples.values()):
+        return None
+    floor = "compute" if "compute" in samples else None
+    return noise.decide(samples, "horovod", [c for c in samples if c not in ("compute", "horovod")], floor=floor)
+
+
 def _mb(b):
     return f"{b / 1e6:,.2f} MB" if b >= 1e5 else f"{b / 1e3:,.1f} kB"
 
@@ -180,6 +193,8 @@ def _intro(report):
 
 
 def markdown(report):
+    from . import noise
+
     t = report["targets"]
     several = len(report.get("seeds") or [None]) > 1
     lines = [_intro(report), "",
@@ -198,6 +213,9 @@ def markdown(report):
     for f in report.get("failed", []):
         seed = f" (seed {f.get('seed')})" if several else ""
         lines.append(f"| {f['config']} | failed{seed}: {f['error'].splitlines()[0]} |" + " |" * (10 + len(t)))
+    facts = decision(report["results"])
+    if facts and facts["best"]:
+        lines += ["", f"{noise.sentence(facts, 'horovod')} {noise.RULE}"]
     lines += ["", "forward, backward, exchange wait, update: the mean step's split (seconds). after backward: median "
               "seconds from the end of backward to the end of the exchange (DDP: its backward minus the floor's, "
               "since it waits inside backward). compute = the floor: the same steps without communication."

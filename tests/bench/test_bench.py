@@ -1,6 +1,8 @@
 """The benchmark CLI at tiny sizes, so that it cannot rot (the real runs are in docs/benchmarks.md)."""
 
 import json
+import random
+import statistics
 
 import numpy as np
 import pytest
@@ -33,7 +35,8 @@ def test_volume_cli_rejects_unknown_algorithms():
 
 
 @pytest.mark.parametrize("argv", [["latency", "--idle", "0"], ["latency", "--idle", "-1"],
-                                  ["advise", "--probe-mb", "0"]])
+                                  ["advise", "--probe-mb", "0"], ["advise", "--seconds", "0"],
+                                  ["advise", "--rounds", "0"], ["advise", "--threads", "0"]])
 def test_durations_and_sizes_must_be_positive(argv, capsys):
     with pytest.raises(SystemExit):
         main(argv)
@@ -86,22 +89,140 @@ def test_density_cli_writes_a_row_per_preset(tmp_path, capsys):
     assert "| topka |" in capsys.readouterr().out
 
 
-def test_advise_decides_the_faster_side_and_the_break_even_link_speed():
-    """The cost model of docs/choosing.md: each fixed cost is the time beyond compute less bytes / bandwidth; the
-    preset and dense cost the same at (B_dense - B_preset) / (F_preset - F_dense)."""
-    from hvd_sparse.bench.advise import break_even, decide, verdict
+def _noisy(rng, ms, n=30, sigma=0.25):
+    """``n`` step times of ``ms`` under multiplicative noise (log-normal, ``sigma``): the middle half spans about
+    -16% to +18% of ``ms``."""
+    return [ms * rng.lognormvariate(0, sigma) for _ in range(n)]
 
-    def row(name, beyond, sent):
-        return {"name": name, "step_ms": 50 + beyond, "beyond_compute_ms": beyond, "sent_bytes": sent,
-                "speedup_vs_dense": 100 / (50 + beyond)}
 
-    dense, preset = row("dense", 50, 8e6), row("topka@b0.05", 10, 4e5)        # at 1 Gbit/s: F_d 0, F_s 6.8 ms
+@pytest.mark.parametrize("seed", range(5))
+def test_a_real_twofold_difference_is_found_and_a_tenth_either_way_is_within_the_noise(seed):
+    from hvd_sparse.bench import noise
+
+    rng = random.Random(seed)
+    dense = _noisy(rng, 100)
+    found = noise.compare(dense, _noisy(rng, 50))
+    assert found["outcome"] == noise.FASTER and 1.6 < found["speedup"] < 2.5
+    assert found["low"] < found["speedup"] < found["high"]
+    for ratio in (0.9, 1.0, 1.1):
+        assert noise.compare(dense, _noisy(rng, 100 / ratio))["outcome"] == noise.NOISE, ratio
+    assert noise.compare(dense, _noisy(rng, 200))["outcome"] == noise.SLOWER
+    few = noise.compare(dense[:noise.MIN_SAMPLES - 1], _noisy(rng, 50, n=noise.MIN_SAMPLES - 1))
+    assert few["outcome"] == noise.NOISE and few["speedup"] > 1.5           # too few samples to tell
+
+
+def test_quartiles_are_those_of_the_samples():
+    from hvd_sparse.bench.noise import quartiles
+
+    assert quartiles([5, 1, 4, 2, 3]) == (2, 3, 4) and quartiles([7]) == (7, 7, 7)
+    with pytest.raises(ValueError):
+        quartiles([])
+
+
+def test_the_fastest_candidate_wins_only_beyond_the_spread_and_never_below_the_floor():
+    from hvd_sparse.bench import noise
+
+    rng = random.Random(7)
+    samples = {"compute": _noisy(rng, 40), "dense": _noisy(rng, 100), "a": _noisy(rng, 50), "b": _noisy(rng, 95)}
+    facts = noise.decide(samples, "dense", ["a", "b"], floor="compute")
+    assert (facts["best"], facts["wins"], facts["reason"], facts["below_floor"]) == ("a", True, None, [])
+    few = noise.decide({k: v[:noise.MIN_SAMPLES - 1] for k, v in samples.items()}, "dense", ["a", "b"])
+    assert (few["best"], few["enough"], few["wins"]) == ("a", False, False) and few["reason"]
+    facts = noise.decide(samples, "dense", ["b"], floor="compute")
+    assert (facts["best"], facts["outcome"], facts["wins"]) == ("b", noise.NOISE, False) and facts["reason"]
+    samples["a"] = _noisy(rng, 20)                                # shorter than compute alone: noise, not a win
+    facts = noise.decide(samples, "dense", ["a", "b"], floor="compute")
+    assert (facts["best"], facts["outcome"], facts["below_floor"], facts["wins"]) == \
+        ("a", noise.FASTER, ["a"], False) and facts["reason"]
+    assert noise.decide(samples, "dense", ["a", "b"])["wins"]     # without a floor nothing is below it
+    facts = noise.decide(samples, "dense", [], floor="compute")
+    assert facts["best"] is None and not facts["wins"] and noise.sentence(facts, "dense") == ""
+
+
+def _advise_ranks(rng, ms, sent=None, rounds=12, steps=3):
+    """What two ranks' :func:`advise.measure` gives for one configuration: seconds per round and step (rank 1 one
+    millisecond slower on every step) and bytes."""
+    mine = [[ms * rng.lognormvariate(0, 0.1) / 1e3 for _ in range(steps)] for _ in range(rounds)]
+    return [(mine, sent), ([[t + 1e-3 for t in r] for r in mine], sent)]
+
+
+def test_advise_decides_on_the_rounds_of_the_slowest_rank_and_the_break_even_link_speed():
+    """A round's step is the median of the slowest rank's steps, a configuration's the median of the rounds; the
+    preset wins only beyond the spread; the cost model of docs/choosing.md: each fixed cost is the time beyond
+    compute less bytes / bandwidth, and the preset and dense cost the same at (B_dense - B_preset) / (F_preset -
+    F_dense)."""
+    from hvd_sparse.bench.advise import break_even, decide, rows_of, verdict
+
+    rng = random.Random(3)
+    measured = [("compute", _advise_ranks(rng, 50)), ("dense", _advise_ranks(rng, 100)),
+                ("fp16", _advise_ranks(rng, 90)), ("topka@b0.05", _advise_ranks(rng, 60, 4e5))]
+    rows = {r["name"]: r for r in rows_of(measured, 2_000_000, 2)}
+    dense = rows["dense"]
+    slow = [[t * 1e3 + 1 for t in r] for r in measured[1][1][0][0]]                # rank 1's, every step
+    assert [t for r in dense["steps_ms"] for t in r] == pytest.approx([t for r in slow for t in r])
+    assert dense["rounds_ms"] == pytest.approx([sorted(r)[1] for r in slow])
+    assert dense["step_ms"] == statistics.median(dense["rounds_ms"]) and dense["q1_ms"] < dense["step_ms"] < \
+        dense["q3_ms"]
+    assert dense["sent_bytes"] == 8e6 and rows["topka@b0.05"]["sent_bytes"] == 4e5
+    assert rows["topka@b0.05"]["against_dense"] == "faster" and not any(r["below_compute"] for r in rows.values())
+    facts = decide(list(rows.values()), 1.25e8)
+    assert facts["best"] == "topka@b0.05" and facts["wins"] and 1.4 < facts["speedup"] < 1.9
+    at = break_even(rows["topka@b0.05"], dense, 1.25e8)
+    assert facts["break_even_gbit"] == pytest.approx(at * 8 / 1e9)
+    measured[3] = ("topka@b0.05", _advise_ranks(rng, 98, 4e5))             # 2% faster: within the noise
+    noisy = rows_of(measured, 2_000_000, 2)
+    assert not decide(noisy, 1.25e8)["wins"] and decide(noisy, 1.25e8)["outcome"] == "noise"
+    assert verdict(noisy, 1.25e8, 2) != verdict(list(rows.values()), 1.25e8, 2)
+    measured[3] = ("topka@b0.05", _advise_ranks(rng, 30, 4e5))             # faster than compute alone: noise
+    below = rows_of(measured, 2_000_000, 2)
+    assert below[3]["below_compute"] and decide(below, 1.25e8)["below_floor"] == ["topka@b0.05"]
+    assert not decide(below, 1.25e8)["wins"]
+    assert decide(rows_of(measured[:3], 2_000_000, 2), 1.25e8)["best"] is None     # fp16 is no preset
+
+
+def test_advise_break_even_link_speed():
+    from hvd_sparse.bench.advise import break_even
+
+    def row(beyond, sent):
+        return {"beyond_compute_ms": beyond, "sent_bytes": sent}
+
+    dense, preset = row(50, 8e6), row(10, 4e5)        # at 1 Gbit/s: F_d 0, F_s 6.8 ms
     assert break_even(preset, dense, 1.25e8) == pytest.approx(7.6e6 / 6.8e-3)
-    assert break_even(row("x", 1, 4e5), dense, 1.25e8) is None              # no fixed cost above dense's
-    rows = [row("compute", 0, 0), dense, row("fp16", 40, 4e6), preset]
-    facts = decide(rows, 1.25e8)
-    assert facts["best"] == "topka@b0.05" and facts["wins"] and facts["speedup"] == pytest.approx(100 / 60)
-    assert facts["break_even_gbit"] == pytest.approx(7.6e6 / 6.8e-3 * 8 / 1e9)
-    rows[-1] = row("topka@b0.05", 48, 4e5)                                  # 2% faster: not a win
-    assert not decide(rows, 1.25e8)["wins"] and verdict(rows, 1.25e8, 4)
-    assert decide(rows[:3], 1.25e8)["best"] is None                           # fp16 is no preset
+    assert break_even(row(1, 4e5), dense, 1.25e8) is None              # no fixed cost above dense's
+
+
+def test_advise_takes_turns_in_rounds_until_the_time_is_spent(monkeypatch):
+    from hvd_sparse.bench import advise, noise
+
+    ran, clock = [], [0.0]
+    monkeypatch.setattr(advise, "slowest", lambda seconds: seconds)
+    monkeypatch.setattr(advise.time, "perf_counter", lambda: clock[0])
+
+    def stepper(name):
+        def step():
+            ran.append(name)
+            clock[0] += 0.1
+            return 0.1, (None if name == "a" else 8.0)
+        return step
+
+    times, sent, elapsed = advise.measure([stepper("a"), stepper("b"), stepper("c")], steps=2, warmup=1,
+                                          seconds=3.0, rounds=100)
+    assert ran[:3] == ["a", "b", "c"]                                         # the warm-up
+    assert ran[3:3 + 24] == ["a"] * 2 + ["b"] * 2 + ["c"] * 2 + ["c"] * 2 + ["b"] * 2 + ["a"] * 2 + \
+        ["a"] * 2 + ["b"] * 2 + ["c"] * 2 + ["c"] * 2 + ["b"] * 2 + ["a"] * 2
+    assert len(times[0]) == noise.MIN_SAMPLES and elapsed >= 3.0                 # 0.6 s a round: 10 rounds
+    assert all(len(r) == 2 for t in times for r in t) and sent == [None, 8.0, 8.0]
+    times, _, _ = advise.measure([stepper("a"), stepper("b")], steps=1, warmup=1, seconds=0.5, rounds=3)
+    assert len(times[0]) == 3                                               # --rounds below the minimum: as asked
+    times, _, _ = advise.measure([stepper("a")], steps=1, warmup=1, seconds=100.0, rounds=40)
+    assert len(times[0]) == 40
+
+
+@pytest.mark.parametrize("cores, affinity, ranks, option, expected", [
+    (2, 2, 2, None, 1), (16, 16, 2, None, 8), (16, 4, 2, None, 4), (2, 2, 4, None, 1), (2, 2, 2, 3, 3)])
+def test_advise_threads_do_not_oversubscribe_the_host(monkeypatch, cores, affinity, ranks, option, expected):
+    from hvd_sparse.bench import advise
+
+    monkeypatch.setattr(advise.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(advise.os, "sched_getaffinity", lambda pid: set(range(affinity)), raising=False)
+    assert advise.threads(option, ranks) == expected

@@ -140,6 +140,31 @@ def test_dense_poll_makes_horovods_optimizer_wait_by_polling_and_restores_it():
     assert hvd_optimizer.synchronize is original
 
 
+def test_the_summary_names_the_fastest_preset_only_beyond_the_spread_of_the_steps():
+    """noise.decide on the steps after the warm-up: dense the baseline; dense_poll, a dense, is no candidate."""
+    from hvd_sparse.bench import network_report, noise
+
+    rng = np.random.default_rng(9)
+
+    def run(algorithm, seconds, steps=33):
+        per_rank = [[seconds * float(rng.lognormal(0, 0.25)) for _ in range(steps)] for _ in range(2)]
+        return {"algorithm": algorithm, "seconds": per_rank, "recv_bytes": [[8.0] * steps] * 2,
+                "selected": [[1.0] * steps] * 2}
+
+    raw = [run("dense", 1.0), run(network_report.DENSE_POLL, 0.4), run("topka", 0.5), run("oktopk", 0.6)]
+    results = network_report.summarize(raw, workers=2, numel=100, rate=1e9, warmup=1)
+    facts = network_report.decision(results)
+    assert (facts["best"], facts["wins"]) == ("topka", True) and 1.6 < facts["speedup"] < 2.5
+    report = {"workers": 2, "bandwidth": "1gbit", "model": None, "numel": 100, "density": 0.01, "steps": 32,
+              "warmup": 1, "torch_threads": 1, "results": results}
+    assert noise.sentence(facts, "dense") in network_report.markdown(report)
+    even = [0.8 + 0.4 * ((7 * i) % 33) / 32 for i in range(33)]               # 0.8 to 1.2 s, in some order
+    close = [dict(r, seconds=[[x * f for x in even]] * 2) for r, f in ((raw[0], 1), (raw[2], 0.95))]
+    facts = network_report.decision(network_report.summarize(close, workers=2, numel=100, rate=1e9, warmup=1))
+    assert (facts["best"], facts["wins"], facts["outcome"]) == ("topka", False, noise.NOISE)   # 5%: noise
+    assert network_report.decision(results[1:]) is None                          # no dense to compare with
+
+
 # -- real runs -------------------------------------------------------------------------------------------------
 
 @pytest.mark.horovod

@@ -4,6 +4,7 @@ real horovodrun; ``advise`` launched by horovodrun as a user would; ``scripts/st
 asserted."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -84,12 +85,14 @@ def test_trainstep_and_latency_cli_through_horovodrun(tmp_path):
 
 @requires_horovod
 def test_advise_under_horovodrun_measures_every_configuration_and_gives_a_verdict(tmp_path):
-    """``bench advise`` launched as training is: every configuration's step, bytes and the links' probes, in JSON
-    and Markdown, with progress on the way; one rank alone is refused with the command to run."""
+    """``bench advise`` launched as training is: every configuration's step in rounds, bytes and the links'
+    probes, in JSON and Markdown, with progress on the way, the ranks' torch threads sharing the host's cores; two
+    rounds are too few for a winner; one rank alone is refused with the command to run."""
     out, md = tmp_path / "a.json", tmp_path / "a.md"
     cmd = [str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "--gloo", sys.executable, "-m", "hvd_sparse.bench",
            "advise", "--model", "hvd_sparse.bench.advise:digits_cnn", "--presets", "topka", "--densities", "0.01",
-           "--steps", "2", "--warmup", "1", "--probe-mb", "1", "--json", str(out), "--markdown", str(md)]
+           "--steps", "2", "--warmup", "1", "--rounds", "2", "--probe-mb", "1", "--json", str(out),
+           "--markdown", str(md)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=job_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -100,8 +103,12 @@ def test_advise_under_horovodrun_measures_every_configuration_and_gives_a_verdic
     assert 0 < rows["topka@d0.01"]["sent_bytes"] < rows["topka@b0.05"]["sent_bytes"] < rows["fp16"]["sent_bytes"]
     assert rows["compute"]["beyond_compute_ms"] == 0 and all(r["step_ms"] > 0 for r in rows.values())
     assert report["latency_us"] > 0 and report["bandwidth_gbit"] > 0
-    assert report["verdict"] in md.read_text() and "[5/5] topka@d0.01" in proc.stderr
-    assert report["decision"]["best"] in ("topka@b0.05", "topka@d0.01")
+    assert report["rounds"] == 2 and all(len(r["rounds_ms"]) == 2 and [len(s) for s in r["steps_ms"]] == [2, 2]
+                                         for r in rows.values())
+    assert report["torch_threads"] == max(1, min(len(os.sched_getaffinity(0)), os.cpu_count() // 2))
+    assert report["verdict"] in md.read_text() and "round 1:" in proc.stderr and "torch threads" in proc.stderr
+    decision = report["decision"]
+    assert decision["best"] in ("topka@b0.05", "topka@d0.01") and not decision["wins"] and decision["reason"]
     alone = subprocess.run([sys.executable, "-m", "hvd_sparse.bench", "advise"], capture_output=True, text=True,
                            timeout=300, env=job_env())
     assert alone.returncode != 0 and "horovodrun -np 2" in alone.stderr

@@ -190,6 +190,30 @@ def test_summary_takes_the_slowest_rank_per_step_and_times_the_targets_on_the_wa
     assert "| horovod | 9.000 |" in text and "| 23.0 | 33.0 | 96.00% |" in text
 
 
+def test_the_summary_names_the_fastest_configuration_only_beyond_the_spread_of_the_steps():
+    """noise.decide on every seed's steps (after the first): horovod the baseline, compute the floor."""
+    from hvd_sparse.bench import noise
+
+    rng = np.random.default_rng(5)
+
+    def run(config, kind, exchange, seed=1):
+        steps = [[(1, 1, exchange * float(rng.lognormal(0, 0.25)), 0)] for _ in range(21)]
+        return dict(_raw(config, kind, [[s[0] for s in steps]], [[21, 0.9]]), seed=seed)
+
+    report = {"workers": 2, "bandwidth": "1gbit", "numel": 10, "image_size": 8, "epochs": 1, "batch_size": 32,
+              "lr": 0.05, "density": 0.01, "targets": [0.9], "load_average_before": [0.1, 0, 0]}
+    raw = [run("compute", "compute", 0.01), run("horovod", "horovod", 4), run("topka", "sparse", 1),
+           run("exdyna", "sparse", 3.9)]
+    report["results"] = train_report.summarize(raw + [run("topka", "sparse", 1, seed=2)], [0.9])
+    facts = train_report.decision(report["results"])
+    assert (facts["best"], facts["wins"], facts["below_floor"]) == ("topka", True, [])
+    assert noise.sentence(facts, "horovod") in train_report.markdown(report)
+    report["results"] = train_report.summarize(raw[:2] + raw[3:], [0.9])          # 2.5% apart: noise
+    facts = train_report.decision(report["results"])
+    assert (facts["best"], facts["wins"]) == ("exdyna", False) and facts["reason"]
+    assert train_report.decision(train_report.summarize(raw[2:], [0.9])) is None      # no horovod to compare with
+
+
 def test_the_markdown_names_the_equal_bytes_reference_and_densities():
     run = _raw("oktopk+d0.02383", "sparse", [[(1, 1, 1, 1)] * 3], [[3, 0.9]], sent=1.0e6)
     report = {"workers": 4, "bandwidth": "1gbit", "numel": 10, "image_size": 16, "epochs": 1, "batch_size": 32,
