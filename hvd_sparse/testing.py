@@ -66,7 +66,7 @@ class SimulationResult:
 
 def simulate(compression, gradients, shapes=None, average=True, backend="numpy", nonfinite="skip", *, steps=None,
              size=None, record=DEFAULT_RECORD, before_step=None, after_step=None, communicator=None, device=None,
-             dtype=None):
+             dtype=None, local_size=None):
     """Run ``compression`` on ``gradients`` of shape (steps, P, n); see the module docstring.
 
     Args:
@@ -101,6 +101,9 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
         dtype (torch.dtype, keyword-only): with ``backend="torch"``, the gradients' dtype (e.g. ``torch.bfloat16``;
             the values given must be representable in it); default the given array's. Updates of a dtype numpy
             lacks (bfloat16) are recorded as float32, which holds them exactly.
+        local_size (int, keyword-only): L ranks to a host, host by host (rank r on host r // L): the two-level step
+            (:mod:`hvd_sparse.core.hierarchy`) on P / L hosts; each rank's residual is recorded at its shard's
+            entries (zeros elsewhere), and ``volume`` gets ``across`` and ``inside``. None or 1 (default): flat.
     """
     api = "hvd_sparse.testing.simulate"
     check_nonfinite(nonfinite, api)
@@ -111,7 +114,7 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
     convert, to_numpy, rec_dtype = _backend(backend, device, dtype, rec_dtype, api)
     world = SimulatedWorld(P)
     comms = world.communicators()
-    engines = [compression.new_engine(communicator(c) if communicator is not None else c) for c in comms]
+    engines = _engines(compression, world, comms, communicator, local_size, api)
     if shapes is not None:
         for e in engines:
             e.layout = [int(np.prod(s)) for s in shapes]
@@ -130,6 +133,23 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
 
     world.run(run_rank, comms)
     return res
+
+
+def _engines(compression, world, comms, communicator, local_size, api):
+    """Every virtual rank's engine: flat over its communicator, or two-level over ``local_size`` ranks a host."""
+    wrap = communicator if communicator is not None else (lambda c: c)
+    if local_size is None or int(local_size) == 1:
+        return [compression.new_engine(wrap(c)) for c in comms]
+    if int(local_size) < 1 or world.size % int(local_size):
+        raise ValueError(f"{api}: local_size must divide the {world.size} ranks, got {local_size!r}")
+    from .core.hierarchy import Topology, TwoLevelEngine
+    return [TwoLevelEngine(compression, Topology(wrap(local), wrap(cross)))
+            for local, cross in world.two_levels(int(local_size))]
+
+
+def _merged(*stats):
+    """Per-phase counters (``VolumeMeter.stats``) of several meters as one (their phases are apart)."""
+    return {key: {phase: v for st in stats for phase, v in st[key].items()} for key in stats[0]}
 
 
 def _check_options(record, before_step, after_step, communicator, api):
@@ -212,15 +232,19 @@ def _record_step(res, t, r, eng, u, comm, to_numpy):
     last = eng.last
     if res.updates is not None:
         res.updates[t, r] = to_numpy(u)
+    lo, hi = getattr(eng, "shard", (0, None))               # a two-level rank holds its shard's error feedback
     if res.residuals is not None:
-        res.residuals[t, r] = 0.0 if eng.memory.residual is None else to_numpy(eng.memory.residual)
+        res.residuals[t, r] = 0.0
+        if eng.memory.residual is not None:
+            res.residuals[t, r, lo:hi] = to_numpy(eng.memory.residual)
     if res.velocities is not None and eng.memory.velocity is not None:
-        res.velocities[t, r] = to_numpy(eng.memory.velocity)
+        res.velocities[t, r, lo:hi] = to_numpy(eng.memory.velocity)
     if res.volume is not None:
         res.volume[t][r] = {k: last[k] for k in ("sent_words", "recv_words", "sent_bytes", "recv_bytes",
-                                                 "collectives")}
+                                                 "collectives", "across", "inside") if k in last}
     if res.phases is not None:
-        res.phases[t][r] = comm.meter.stats()
+        topology = getattr(eng, "topology", None)           # two levels: the host's phases beside the hosts'
+        res.phases[t][r] = _merged(*(m.meter.stats() for m in topology)) if topology else comm.meter.stats()
     if res.selected is not None:
         res.selected[t, r] = last["selected"]
     if res.info is not None:

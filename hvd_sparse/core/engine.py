@@ -201,7 +201,7 @@ class Engine:
         return getattr(self.comm, "unit", None) or self.name
 
     # -- one step ------------------------------------------------------------------------------------
-    def step(self, grad, average=True, prescale=1.0, postscale=1.0, nonfinite="skip", out=None):
+    def step(self, grad, average=True, prescale=1.0, postscale=1.0, nonfinite="skip", out=None, flagged=False):
         """Run one step on the flat gradient ``grad``, in the stages of the module docstring:
 
         1. check -- what this step is (:meth:`_plan`: its pieces, its mode and reducer, a local problem);
@@ -218,6 +218,8 @@ class Engine:
                 pieces of ``grad``): the result is written into them, cast to each one's dtype. When they are the
                 pieces and the reducer's result is sparse (``Reducer.sparse_result``), the pieces are zeroed as
                 they are read, so they hold zeros if the step then raises.
+            flagged: True when this rank knows of a NaN or Inf that ``grad`` does not hold (the two-level step: in
+                another shard of its host, :mod:`hvd_sparse.core.hierarchy`): its header then says non-finite.
         Returns:
             the reduced flat gradient in ``grad``'s dtype (``out`` None), or ``out``; bit-identical on every
             rank (all NaN when a non-finite gradient on any rank skipped the step: see the module docstring).
@@ -235,7 +237,7 @@ class Engine:
             return self._emit(plan.xp, plan.xp.zeros(0, plan.xp.float32, like=plan.pieces[0]), 1.0, plan.pieces, out)
         acc, finite, plan = self._accumulate(plan)
         # the non-finite flag: a host bool, or on a device a device value that the opening's header carries unread
-        self._nonfinite = (not finite) if finite is not None else plan.xp.nonfinite(acc)
+        self._nonfinite = True if flagged else (not finite) if finite is not None else plan.xp.nonfinite(acc)
         saved = dict(self.sparsifier_state), dict(self.reducer_state)
         try:
             u, included, info, selected = self._reduce(plan, acc)

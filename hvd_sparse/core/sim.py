@@ -38,11 +38,42 @@ class SimulatedWorld:
         if int(size) < 1:
             raise ValueError(f"SimulatedWorld: size must be >= 1, got {size}")
         self.size = int(size)
+        self._timeout = timeout
         self._barrier = threading.Barrier(self.size, timeout=timeout)
         self._slots = [None] * self.size
+        self._groups = []
 
     def communicators(self):
         return [SimulatedCommunicator(self, r) for r in range(self.size)]
+
+    def group(self, size):
+        """A world of ``size`` of these ranks (a host's ranks, or the ranks of one local rank across the hosts):
+        a rendezvous of its own, met by threads of this world's :meth:`run`, broken with this world's."""
+        world = SimulatedWorld(size, self._timeout)
+        self._groups.append(world)
+        return world
+
+    def two_levels(self, local_size):
+        """Per rank r, its ``(local, cross)`` communicators when the ranks sit ``local_size`` to a host, host by
+        host (rank r on host r // L as its local rank r % L): the host's L ranks, and the N = P / L ranks of its
+        local rank, one per host (cross rank r // L)."""
+        L = int(local_size)
+        if L < 1 or self.size % L:
+            raise ValueError(f"SimulatedWorld: local_size must divide the {self.size} ranks, got {local_size}")
+        hosts = [self.group(L) for _ in range(self.size // L)]
+        crosses = [self.group(self.size // L) for _ in range(L)]
+        return [(SimulatedCommunicator(hosts[r // L], r % L), SimulatedCommunicator(crosses[r % L], r // L))
+                for r in range(self.size)]
+
+    def _abort(self):
+        self._barrier.abort()
+        for world in self._groups:
+            world._abort()
+
+    def _reset(self):
+        self._barrier.reset()
+        for world in self._groups:
+            world._reset()
 
     def exchange(self, rank, item, combine=None):
         """All-to-all of Python objects: every rank gets the list of all ranks' items.
@@ -81,7 +112,7 @@ class SimulatedWorld:
                 results[r] = fn(comms[r])
             except BaseException as e:  # noqa: BLE001 - re-raised below
                 errors[r] = e
-                self._barrier.abort()
+                self._abort()
 
         threads = [threading.Thread(target=target, args=(r,), name=f"sim-rank-{r}")
                    for r in range(self.size)]
@@ -92,7 +123,7 @@ class SimulatedWorld:
         first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)),
                      None) or next((e for e in errors if e is not None), None)
         if first is not None:
-            self._barrier.reset()
+            self._reset()
             raise first
         return results
 
