@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import os
 import weakref
 
 from .core import budget
@@ -31,7 +32,7 @@ from .core.state import UnitStates
 from .core.validate import HVD_AVERAGE, HVD_SUM
 
 #: the training options every sparse preset takes, and their defaults
-TRAINING_OPTIONS = {"warmup_dense_steps": 0, "momentum_correction": 0.0}
+TRAINING_OPTIONS = {"warmup_dense_steps": 0, "momentum_correction": 0.0, "hierarchical": None}
 
 #: Reducers by name (``Compression.sparse(..., allreduce=<name>)``).
 REDUCERS = {
@@ -59,7 +60,7 @@ class SparseCompression:
     """
 
     def __init__(self, sparsifier, reducer, preset=None, *, warmup_dense_steps=0, momentum_correction=0.0,
-                 byte_budget=None):
+                 byte_budget=None, hierarchical=None):
         if isinstance(warmup_dense_steps, bool) or not isinstance(warmup_dense_steps, int) or warmup_dense_steps < 0:
             raise ValueError(f"hvd_sparse.Compression: warmup_dense_steps must be an integer >= 0, "
                              f"got {warmup_dense_steps!r}")
@@ -69,6 +70,9 @@ class SparseCompression:
         if momentum_correction and getattr(reducer, "name", None) == "spardl":
             raise ValueError("hvd_sparse.Compression: momentum_correction does not apply to SparDL, whose residual "
                              "is collected in the exchange, not the accumulator minus what this rank sent")
+        if hierarchical not in (None, True, False):
+            raise ValueError(f"hvd_sparse.Compression: hierarchical must be None (Horovod's "
+                             f"HOROVOD_HIERARCHICAL_ALLREDUCE decides), True or False, got {hierarchical!r}")
         if not isinstance(reducer, Reducer):
             raise TypeError(f"hvd_sparse.Compression: reducer must be a Reducer, got {reducer!r}")
         if reducer.sparse and not isinstance(sparsifier, Sparsifier):
@@ -80,6 +84,9 @@ class SparseCompression:
         self.warmup_dense_steps = int(warmup_dense_steps)
         #: momentum m of DGC's momentum correction and factor masking (core/state.py); 0.0: off
         self.momentum_correction = float(momentum_correction)
+        #: two levels (dense inside a host, sparse across the hosts: core/hierarchy.py): True, False, or None for
+        #: Horovod's own switch, HOROVOD_HIERARCHICAL_ALLREDUCE (``horovodrun --hierarchical-allreduce``)
+        self.hierarchical = hierarchical if reducer.sparse else False
         #: the fraction of a dense ring allreduce's bytes each rank may send per step, or None (a fixed density)
         self.byte_budget = budget.check_byte_budget(byte_budget, "hvd_sparse.Compression", reducer)
         if self.byte_budget is not None:        # the density for P = 1 until an engine sets its own (for_size)
@@ -87,7 +94,8 @@ class SparseCompression:
         self.size = None        # the number of ranks a byte budget's density was derived for (an engine's twin)
         self.preset = preset or call_text("sparse", {
             "sparsifier": sparsifier, "allreduce": reducer.name, "warmup_dense_steps": self.warmup_dense_steps,
-            "momentum_correction": self.momentum_correction, "byte_budget": self.byte_budget},
+            "momentum_correction": self.momentum_correction, "byte_budget": self.byte_budget,
+            "hierarchical": self.hierarchical},
             {**TRAINING_OPTIONS, "byte_budget": None})
         self._shared = None                   # the job of the call sites without an object of their own
         self._reified = weakref.WeakSet()     # the live states made by reify(), for shared_state()'s checks
@@ -152,8 +160,30 @@ class SparseCompression:
         return twin
 
     def new_engine(self, comm, unit="model"):
-        """A fresh per-rank :class:`Engine` of one unit over ``comm``, running :meth:`for_size` ``comm.size``."""
+        """A fresh per-rank :class:`Engine` of one unit over ``comm``, running :meth:`for_size` ``comm.size``; two
+        levels (:meth:`two_levels`): a :class:`~hvd_sparse.core.hierarchy.TwoLevelEngine` over its hosts."""
+        topology = self.two_levels(comm)
+        if topology is not None:
+            from .core.hierarchy import TwoLevelEngine
+            return TwoLevelEngine(self, topology, unit, comm=comm)
         return Engine(self.for_size(1 if comm is None else comm.size), comm, unit)
+
+    def two_levels(self, comm):
+        """The :class:`~hvd_sparse.core.hierarchy.Topology` a job over ``comm`` runs on, or None (flat): where
+        :attr:`hierarchical` (or for None, ``HOROVOD_HIERARCHICAL_ALLREDUCE``) asks for two levels and the ranks sit
+        more than one to a host (``comm.two_levels()``, which Horovod's communicators have)."""
+        wanted = self.hierarchical
+        if wanted is None:
+            wanted = os.environ.get("HOROVOD_HIERARCHICAL_ALLREDUCE", "0").strip().lower() not in ("", "0", "false")
+        if not wanted or comm is None:
+            return None
+        if not hasattr(comm, "two_levels"):
+            if self.hierarchical:
+                raise ValueError(f"hvd_sparse.Compression: hierarchical=True needs Horovod's communicators (the "
+                                 f"hosts come from hvd.local_size()), not {type(comm).__name__}; the simulator takes "
+                                 "local_size= (hvd_sparse.testing.simulate)")
+            return None
+        return comm.two_levels(required=bool(self.hierarchical))
 
     # -- Horovod's compressor protocol (for the unmodified hvd.DistributedOptimizer) -------------------
     def compress(self, tensor):
@@ -285,6 +315,12 @@ _OPTIONS_DOC = """
                 momentum factor masking: error feedback accumulates the velocity u = m·u + grad and zeroes u
                 where entries were sent; wrap an optimizer *without* momentum (e.g. SGD(momentum=0)). Default 0.0.
 
+        Topology (keyword-only, every sparse preset):
+            hierarchical (bool or None): two levels where the ranks sit several to a host: the gradient is summed
+                densely inside each host (a reduce-scatter), the preset runs on each shard across the hosts, and the
+                result is gathered inside the host (docs/algorithms.md, "Two levels"). True, False, or None: as
+                Horovod's HOROVOD_HIERARCHICAL_ALLREDUCE (``horovodrun --hierarchical-allreduce``). Default None.
+
         Byte budget (keyword-only, every sparse preset):
             byte_budget (float): instead of ``density`` (exactly one of them; ``sparse``: of the sparsifier's): the
                 fraction, in (0, 1], of the bytes a dense ring allreduce of the gradient sends per rank and step,
@@ -317,7 +353,8 @@ def _preset(factory, args, sparsifier, reducer):
     defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
     return SparseCompression(sparsifier, reducer, call_text(factory.__name__, args, defaults),
                              warmup_dense_steps=args["warmup_dense_steps"],
-                             momentum_correction=args["momentum_correction"], byte_budget=args["byte_budget"])
+                             momentum_correction=args["momentum_correction"], byte_budget=args["byte_budget"],
+                             hierarchical=args["hierarchical"])
 
 
 def _oktopk_pair(args):
@@ -339,7 +376,7 @@ class Compression:
     @_documents_training_options
     def oktopk(density=None, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
                max_select_ratio=None, boundaries=None, few_collectives_from=FEW_COLLECTIVES_FROM, byte_budget=None,
-               warmup_dense_steps=0, momentum_correction=0.0, global_fill=False):
+               warmup_dense_steps=0, momentum_correction=0.0, global_fill=False, hierarchical=None):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
         docs/algorithms.md#oktopk): the O(k) sparse allreduce. Each rank selects with a local threshold that is
         exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
@@ -381,7 +418,8 @@ class Compression:
 
     @staticmethod
     @_documents_training_options
-    def topka(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
+    def topka(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
+              hierarchical=None):
         """TopkA (Li & Hoefler, PPoPP'22, §5 baseline; docs/algorithms.md#topka): exact local top-k on every
         rank, allgather of the k (index, value) pairs, sum in rank order. Error feedback keeps what was not
         sent. Cost: 2k(P-1) words received per rank per step, growing linearly with P.
@@ -393,7 +431,8 @@ class Compression:
 
     @staticmethod
     @_documents_training_options
-    def topk_dsa(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
+    def topk_dsa(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
+                 hierarchical=None):
         """TopkDSA (SparCML's dynamic sparse allreduce as benchmarked by Li & Hoefler, PPoPP'22;
         docs/algorithms.md#topk_dsa): exact local top-k, sparse reduce-scatter over P equal regions (one
         alltoall), then an allgather of the reduced regions -- sparse, or dense when the reduced nonzeros N reach n/3.
@@ -406,7 +445,8 @@ class Compression:
 
     @staticmethod
     @_documents_training_options
-    def gtopk(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
+    def gtopk(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
+              hierarchical=None):
         """gTopk (Shi et al., ICDCS'19, as benchmarked by Li & Hoefler; docs/algorithms.md#gtopk): exact local
         top-k, then a reduction tree of log2 P rounds, each merging two lists and keeping the top k, and a
         broadcast of the final k entries. Any P (fold-in pre-round when P is not a power of two). Error
@@ -419,7 +459,8 @@ class Compression:
 
     @staticmethod
     @_documents_training_options
-    def gaussiank(density=None, adjust="lstm", *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
+    def gaussiank(density=None, adjust="lstm", *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
+                  hierarchical=None):
         """Gaussiank (Shi et al., 2019, as benchmarked by Li & Hoefler; docs/algorithms.md#gaussiank): threshold
         mu + z·sigma from a Gaussian fit of the accumulator (z = Phi^-1(1 - density/2)), scaled down until at
         least 3k/4 entries pass, then the TopkA exchange (counts + allgatherv). Cost about 2k(P-1) words.
@@ -434,7 +475,7 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def exdyna(density=None, threshold_rule="proportional", init_threshold="topk_once", *, byte_budget=None,
-               warmup_dense_steps=0, momentum_correction=0.0):
+               warmup_dense_steps=0, momentum_correction=0.0, hierarchical=None):
         """ExDyna (Yoon & Oh, CCGrid'24; docs/algorithms.md#exdyna): the flat gradient is cut into blocks grouped in P
         exclusive partitions that rotate over the ranks every step; each rank selects |acc| >= tau inside its
         partition only (no index is ever selected twice), the indices are allgathered and every rank's values
@@ -458,7 +499,7 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def dct(density=None, lifespan=1000, *, drift=2.0, byte_budget=None, warmup_dense_steps=0,
-            momentum_correction=0.0):
+            momentum_correction=0.0, hierarchical=None):
         """DCT-DP (Gupta et al., KDD'21, "Dynamic Communication Thresholding"; docs/algorithms.md#dct): a hard
         threshold per parameter tensor, the K-th largest |acc| of the tensor (K = ceil(density·n_l)),
         recomputed every ``lifespan`` steps, and sooner when the count it passes drifts, and reused in between;
@@ -476,7 +517,7 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def spardl(density=None, groups=1, *, sag="bruck", selection="lazy", h_mode="adaptive", pack="bitcast",
-               byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
+               byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0, hierarchical=None):
         """SparDL (ICDE'24; docs/algorithms.md#spardl): Spar-Reduce-Scatter (block-wise top-k/P at every hop, dropped
         values kept as residuals where they fall -- global residual collection), then, with ``groups=d > 1``,
         Spar-All-Gather across d teams, then an all-gather inside each team. SparDL picks its own entries
@@ -507,7 +548,8 @@ class Compression:
 
     @staticmethod
     @_documents_training_options
-    def sparse(sparsifier, allreduce="oktopk", *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0):
+    def sparse(sparsifier, allreduce="oktopk", *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
+               hierarchical=None):
         """Any pairing of a sparsifier and a sparse allreduce, e.g. ``sparse(GaussianK(0.01))`` (Gaussiank
         selection, Ok-Topk's O(k) allreduce) or ``sparse(TopK(0.01), allreduce="topka")``.
 

@@ -46,6 +46,79 @@ def in_process_set(process_set, rank):
     return process_set.ranks is not None and rank in process_set.ranks
 
 
+#: this process's two-level process sets once registered: (size of the job, the local sets, the cross sets)
+_HOST_SETS = []
+
+
+def host_layout(hvd):
+    """Every rank's ``(host, local_rank, local_size, cross_rank)`` in rank order, from one allgather (the host: the
+    name horovodrun gave it, ``HOROVOD_HOSTNAME``, else the machine's). Raises ValueError on every rank alike when
+    the hosts hold different numbers of ranks, naming each host and its count."""
+    import socket
+
+    mine = (os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname(), hvd.local_rank(), hvd.local_size(),
+            hvd.cross_rank())
+    table = [tuple(row) for row in hvd.allgather_object(mine, name="hvd_sparse.topology")]
+    counts = {}
+    for host, *_ in table:
+        counts[host] = counts.get(host, 0) + 1
+    if len(set(counts.values())) > 1 or len({row[2] for row in table}) > 1:
+        raise ValueError("hvd_sparse: two levels (hierarchical) need the same number of ranks on every host, got "
+                         + ", ".join(f"{h}: {c}" for h, c in counts.items())
+                         + "; launch as many ranks on each host, or pass hierarchical=False")
+    return table
+
+
+def host_process_sets(hvd, required):
+    """``(local, cross)``: Horovod's process sets of this rank's host and of its local rank across the hosts, or None
+    where the ranks sit one to a host. Every rank registers every such set, in one order (the hosts' by cross rank,
+    then the local ranks'), once per job; sets the job already has (registered at ``hvd.init(process_sets=...)``)
+    are used as they are. New sets need ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` at launch: without it, ValueError on
+    every rank (``required``), or None (flat)."""
+    from horovod.common import process_sets as ps
+
+    if not _HOST_SETS or _HOST_SETS[0][0] != hvd.size():
+        table = host_layout(hvd)
+        hosts = sorted({row[3] for row in table})
+        local_ranks = sorted({row[1] for row in table})
+        local = [[r for r, row in enumerate(table) if row[3] == c] for c in hosts]
+        cross = [sorted((r for r, row in enumerate(table) if row[1] == j), key=lambda r: table[r][3])
+                 for j in local_ranks]
+        if len(local_ranks) == 1:
+            _HOST_SETS[:] = [(hvd.size(), None, None)]
+        else:
+            _HOST_SETS[:] = [(hvd.size(), *_register(ps, local + cross, len(local), required))]
+    _, local_sets, cross_sets = _HOST_SETS[0]
+    if local_sets is None:
+        return None
+    return local_sets[hvd.cross_rank()], cross_sets[hvd.local_rank()]
+
+
+def _register(ps, groups, hosts, required):
+    """The process sets of ``groups`` (rank lists; the first ``hosts`` of them the hosts'): those Horovod already
+    has, the others added (``HOROVOD_DYNAMIC_PROCESS_SETS=1``), in order; ``(local sets, cross sets)``, or
+    ``(None, None)`` where they cannot be added and are not ``required``."""
+    known = {tuple(ranks): pid for pid, ranks in ps._basics._get_process_set_ids_and_ranks().items()}
+    missing = [g for g in groups if tuple(g) not in known]
+    dynamic = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0").strip().lower() not in ("", "0", "false")
+    if missing and not dynamic:
+        if not required:
+            return None, None
+        raise ValueError("hvd_sparse: two levels (hierarchical=True) need Horovod process sets of each host's ranks "
+                         "and of each local rank's across the hosts; launch with HOROVOD_DYNAMIC_PROCESS_SETS=1 (e.g. "
+                         "HOROVOD_DYNAMIC_PROCESS_SETS=1 horovodrun ...) so that hvd_sparse can add them, or pass "
+                         f"hierarchical=False. Missing: {missing}")
+    sets = []
+    for g in groups:
+        if tuple(g) in known:
+            s = ps._temp_process_set_object(known[tuple(g)])
+            s.ranks = list(g)
+        else:
+            s = ps.add_process_set(list(g))
+        sets.append(s)
+    return sets[:hosts], sets[hosts:]
+
+
 class HorovodCommunicator:
     """The ``Communicator`` over Horovod's collectives, shared by the framework adapters.
 
@@ -73,6 +146,23 @@ class HorovodCommunicator:
 
     def _kw(self, phase, bucket=None):
         return {"name": self.name(phase, bucket), "process_set": self.process_set}
+
+    def two_levels(self, required=False):
+        """The :class:`~hvd_sparse.core.hierarchy.Topology` of this unit's ranks grouped by host
+        (:func:`host_process_sets`: communicators of the same framework over the host's and the local rank's process
+        sets), or None (flat): one rank a host, or (not ``required``) no way to register the sets. Only over all
+        ranks (the global set)."""
+        from .core.hierarchy import Topology
+
+        if self.process_set.process_set_id != 0:
+            if required:
+                raise ValueError(f"hvd_sparse: two levels (hierarchical=True) run over all ranks; unit {self.unit!r} "
+                                 "runs over a process set of some of them: pass hierarchical=False")
+            return None
+        sets = host_process_sets(self._hvd, required)
+        if sets is None:
+            return None
+        return Topology(type(self)(sets[0], self.unit), type(self)(sets[1], self.unit))
 
     def name(self, phase, bucket=None):
         """The Horovod name of ``phase``'s collective: ``hvd_sparse.<unit>.<phase>``, unique per unit, except for
@@ -144,6 +234,8 @@ class HorovodCommunicator:
 
     def broadcast(self, x, root, phase):
         xp = backend_of(x)
-        out = self._guarded(self._broadcast, x, root, self._kw(phase))
+        # Horovod names the root by its rank in the job, the protocol by its rank in the process set
+        ranks = self.process_set.ranks if self.process_set.process_set_id != 0 else None
+        out = self._guarded(self._broadcast, x, root if not ranks else ranks[root], self._kw(phase))
         meter_broadcast(self.meter, self.rank, root, self.size, xp.numel(x), xp.itemsize(x), phase)
         return out

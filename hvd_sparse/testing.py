@@ -102,8 +102,9 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
             the values given must be representable in it); default the given array's. Updates of a dtype numpy
             lacks (bfloat16) are recorded as float32, which holds them exactly.
         local_size (int, keyword-only): L ranks to a host, host by host (rank r on host r // L): the two-level step
-            (:mod:`hvd_sparse.core.hierarchy`) on P / L hosts; each rank's residual is recorded at its shard's
-            entries (zeros elsewhere), and ``volume`` gets ``across`` and ``inside``. None or 1 (default): flat.
+            (:mod:`hvd_sparse.core.hierarchy`) on P / L hosts, unless the preset says ``hierarchical=False`` (the
+            ``dense`` preset always does); each rank's residual is recorded at its shard's entries (zeros
+            elsewhere), and ``volume`` gets ``across`` and ``inside``. None or 1 (default): flat.
     """
     api = "hvd_sparse.testing.simulate"
     check_nonfinite(nonfinite, api)
@@ -138,7 +139,7 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
 def _engines(compression, world, comms, communicator, local_size, api):
     """Every virtual rank's engine: flat over its communicator, or two-level over ``local_size`` ranks a host."""
     wrap = communicator if communicator is not None else (lambda c: c)
-    if local_size is None or int(local_size) == 1:
+    if local_size is None or int(local_size) == 1 or compression.hierarchical is False:     # (dense: always flat)
         return [compression.new_engine(wrap(c)) for c in comms]
     if int(local_size) < 1 or world.size % int(local_size):
         raise ValueError(f"{api}: local_size must divide the {world.size} ranks, got {local_size!r}")

@@ -37,9 +37,10 @@ def job_env(**extra):
     return dict(env, **extra)
 
 
-def horovodrun(np_, script, *args, timeout=300, env=None):
-    """Run ``script args`` on ``np_`` local Gloo workers; fail the test with the job's output on error."""
-    cmd = [str(HOROVODRUN), "-np", str(np_), "-H", f"localhost:{np_}", "--gloo",
+def horovodrun(np_, script, *args, timeout=300, env=None, hosts=None):
+    """Run ``script args`` on ``np_`` local Gloo workers; fail the test with the job's output on error. ``hosts``:
+    horovodrun's ``-H`` (default ``localhost:<np>``; ``localhost:2,127.0.0.1:2``: two hosts on this machine)."""
+    cmd = [str(HOROVODRUN), "-np", str(np_), "-H", hosts or f"localhost:{np_}", "--gloo",
            sys.executable, str(HERE / "hvd_workers" / script), *map(str, args)]
     full_env = job_env(**(env or {}))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
@@ -53,11 +54,13 @@ def load_ranks(outdir, scenario, np_):
     return [dict(np.load(Path(outdir) / f"{scenario}.rank{r}.npz")) for r in range(np_)]
 
 
-def scenario_job(tmp_path_factory, name, np_, script, scenarios, prefix="", *, args=None, timeout=300, env=None):
-    """A module's job: ``script <out> <scenarios>`` (or ``<out> <args>``) on ``np_`` local workers, ``out`` a fresh
-    folder ``name``; returns {scenario: what each rank wrote to ``<out>/<prefix><scenario>.rank<r>.npz``}."""
+def scenario_job(tmp_path_factory, name, np_, script, scenarios, prefix="", *, args=None, timeout=300, env=None,
+                 hosts=None):
+    """A module's job: ``script <out> <scenarios>`` (or ``<out> <args>``) on ``np_`` local workers (on ``hosts``:
+    :func:`horovodrun`), ``out`` a fresh folder ``name``; returns {scenario: what each rank wrote to
+    ``<out>/<prefix><scenario>.rank<r>.npz``}."""
     out = tmp_path_factory.mktemp(name)
-    horovodrun(np_, script, out, *(scenarios if args is None else args), timeout=timeout, env=env)
+    horovodrun(np_, script, out, *(scenarios if args is None else args), timeout=timeout, env=env, hosts=hosts)
     return {s: load_ranks(out, f"{prefix}{s}", np_) for s in scenarios}
 
 

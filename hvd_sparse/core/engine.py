@@ -130,6 +130,18 @@ def _host_values(state):
     a = backend_of(state).to_numpy(state)
     return a.item() if a.ndim == 0 else a.tolist()
 
+def gather_over(comm, agreement, unit, compression, entries, steps, obj, like):
+    """:meth:`Engine.gather` of ``unit`` over ``comm`` (its :class:`~hvd_sparse.core.comm.Agreement`, preset, entries
+    and step counter): every rank's ``obj``, in rank order."""
+    if comm.size == 1:
+        return [obj]
+    xp = backend_of(like)
+    # the gather proves the unit and the step; the step's agreement proves the rest (with its precise message)
+    desc = describe(unit, compression, entries or (), {"gather": True})
+    agreement.open(comm, xp, like, desc, fingerprint({"unit": unit}), steps, flag=AGREE_GATHER)
+    return explain(xp, comm, obj, like)
+
+
 class Engine:
     """State and step of one sparsification unit on one rank.
 
@@ -485,14 +497,8 @@ class Engine:
         sparse): the ranks first meet in the agreement's collective; if all are in a gather of this unit at this
         step they exchange ``obj`` (two allgathers), else all raise :class:`RankDisagreementError` together, as a
         failed agreement does. ``like``: an array of the step's backend and device. P = 1: ``[obj]``."""
-        if self.comm.size == 1:
-            return [obj]
-        xp = backend_of(like)
-        # the gather proves the unit and the step; the step's agreement proves the rest (with its precise message)
-        desc = describe(self.unit, self.compression, self.entries or (), {"gather": True})
-        self._agreement.open(self.comm, xp, like, desc, fingerprint({"unit": self.unit}), self.steps,
-                             flag=AGREE_GATHER)
-        return explain(xp, self.comm, obj, like)
+        return gather_over(self.comm, self._agreement, self.unit, self.compression, self.entries, self.steps, obj,
+                           like)
 
     # -- state -------------------------------------------------------------------------------------
     def residual_norm(self):
@@ -518,10 +524,15 @@ class Engine:
         return state
 
     def load_state_dict(self, state):
-        """Restore what :meth:`state_dict` returned (this rank's own: residuals are per rank)."""
+        """Restore what :meth:`state_dict` returned (this rank's own: residuals are per rank). A two-level step's
+        state (a shard's, :mod:`hvd_sparse.core.hierarchy`) starts the unit afresh instead."""
         unit = state.get("unit")
         if unit != self.name:
             raise ValueError(f"hvd_sparse unit '{self.name}': the state is of unit {unit!r}")
+        if state.get("topology") is not None:
+            from .hierarchy import fresh_start
+            fresh_start(self.name, state["topology"], None)
+            return
         self.numel = state["numel"]
         self.steps = state["steps"]
         if state.get("entries") is not None:

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 from .comm import AGREE_WORDS, Agreement, agreement_words, agreed, explain, finite, header
 from .context import StepStats
-from .engine import Engine
+from .engine import Engine, gather_over
 from .errors import NonFiniteGradientError, RankDisagreementError, disagreement_message
 from .reducers.base import values_of_bits
 from .state import ErrorFeedback
@@ -69,6 +69,18 @@ def clipped(layout, lo, hi):
     return out or [hi - lo]
 
 
+def fresh_start(unit, saved, now):
+    """A state saved under the topology ``saved`` (None: a flat step) meets ``now``: the residuals are another
+    cut of the gradient, so the unit starts afresh (its error feedback empty, its thresholds and counters as at step
+    0), with a warning; every rank meets the same and starts afresh alike."""
+    def text(where):
+        return ("a flat step (one rank a host)" if where is None else
+                f"{where['hosts']} hosts of {where['ranks_per_host']} ranks")
+    warnings.warn(f"hvd_sparse unit '{unit}': the sparse state was saved under {text(saved)} and is restored under "
+                  f"{text(now)}: its residuals are another cut of the gradient, so the unit's error feedback and "
+                  "thresholds start afresh", RuntimeWarning, stacklevel=3)
+
+
 class TwoLevelEngine:
     """One unit's two-level step on one rank (module docstring): :class:`Engine`'s interface (``step``,
     ``declare``, ``last``, ``layout``) over a :class:`Topology`, with an :class:`Engine` of the preset across the
@@ -81,19 +93,21 @@ class TwoLevelEngine:
         name (str): the unit's name, in messages and state.
     """
 
-    def __init__(self, compression, topology, name="model"):
+    def __init__(self, compression, topology, name="model", comm=None):
         local, cross = topology
         if local.size < 2:
             raise ValueError("TwoLevelEngine: a host of one rank is the flat step; build an Engine instead")
         self.compression = compression
         self.topology = topology
         self.name = name
+        self.comm = comm            # the whole job's communicator (rank and size), when the caller has one
         self.inner = Engine(compression.for_size(cross.size), cross, name) if cross.size > 1 else None
         self.last = StepStats()
         self.shard = (0, 0)
         self.entries = None
         self.notes = ()
         self.steps = 0
+        self.skipped_steps = 0
         self._layout = None
         self._agreement = Agreement()
 
@@ -143,6 +157,41 @@ class TwoLevelEngine:
         local, cross = self.topology
         return (("hosts", cross.size), ("ranks_per_host", local.size))
 
+    def gather(self, obj, like):
+        """:meth:`Engine.gather` over the whole job (``comm``): every rank's ``obj``, in rank order."""
+        if self.comm is None:
+            raise ValueError(f"hvd_sparse unit '{self.name}': a gather needs the job's communicator (comm=)")
+        return gather_over(self.comm, self._agreement, self.name, self.compression, self.entries, self.steps, obj,
+                           like)
+
+    # -- checkpoints -------------------------------------------------------------------------------------------------
+    def where(self):
+        """The topology a state is saved under: hosts, ranks per host and this rank's local rank."""
+        local, cross = self.topology
+        return {"hosts": cross.size, "ranks_per_host": local.size, "local_rank": local.rank}
+
+    def residual_norm(self):
+        """L2 norm of this rank's residual (its shard's)."""
+        return self.inner.residual_norm() if self.inner is not None else 0.0
+
+    def state_dict(self):
+        """:meth:`Engine.state_dict` of the shard, with the topology it was saved under (``"topology"``)."""
+        base = self.inner.state_dict() if self.inner is not None else {
+            "unit": self.name, "numel": None, "entries": None, "steps": self.steps, "residual": None,
+            "sparsifier": {}, "reducer": {}}
+        return dict(base, steps=self.steps, topology=self.where())
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict`. A state saved under another topology (another shard, or a flat step's,
+        which holds the whole residual) starts the error feedback afresh, as every rank of the job then does alike
+        (:func:`fresh_start`)."""
+        if state.get("topology") != self.where():
+            fresh_start(self.name, state.get("topology"), self.where())
+            return
+        if self.inner is not None:
+            self.inner.load_state_dict({k: v for k, v in state.items() if k != "topology"})
+        self.steps = state["steps"]
+
     # -- one step ----------------------------------------------------------------------------------------------------
     def step(self, grad, average=True, prescale=1.0, postscale=1.0, nonfinite="skip", out=None):
         """The two-level step (module docstring) on the flat gradient ``grad`` (or its pieces), with
@@ -164,8 +213,11 @@ class TwoLevelEngine:
                 self.inner.layout = clipped(self._layout or [n], *self.shard)
             u = self.inner.step(shard, average=False, nonfinite=nonfinite, flagged=bool(flagged))
         full = local.allgather(u, "gather")
-        self.steps += 1
         self.last = self._stats(n, flagged)
+        if self.last.get("skipped"):
+            self.skipped_steps += 1
+        else:
+            self.steps += 1
         scale = float(prescale) * float(postscale) / (local.size * cross.size if average else 1)
         return Engine._emit(xp, full, scale, pieces, out)
 

@@ -38,7 +38,10 @@ def two_level_oracle(comp, g, L, layout):
     return out / np.float32(P)
 
 
-@pytest.mark.parametrize("name", presets.names())
+SPARSE = [p for p in presets.names() if p != "dense"]
+
+
+@pytest.mark.parametrize("name", SPARSE)
 def test_each_shard_runs_the_preset_itself_across_the_hosts(name):
     g = int_grads(STEPS, P, N_ENTRIES, seed=3) / np.float32(7)      # inexact sums: their order shows
     comp = presets.make(name, DENSITY)
@@ -57,7 +60,7 @@ def test_four_ranks_a_host_add_in_local_rank_order(name):
     np.testing.assert_array_equal(res.updates[:, 5], two_level_oracle(comp, g, 4, [s[0] for s in LAYOUT]))
 
 
-@pytest.mark.parametrize("name", [p for p in presets.names() if p != "gtopk"])
+@pytest.mark.parametrize("name", [p for p in SPARSE if p != "gtopk"])
 def test_two_levels_conserve_mass_and_keep_a_shard_of_residual_per_rank(name):
     g = int_grads(STEPS, P, N_ENTRIES, seed=5)
     res = simulate(presets.make(name, DENSITY), g, local_size=L, average=False)
@@ -118,9 +121,7 @@ def test_only_the_shards_selections_cross_the_hosts():
     of them on other hosts: the flat step's words across the hosts are (P - L) / (P - 1) of what it receives (exact
     where a rank hears alike from every peer: an allgather, the opening)."""
     g = int_grads(6, P, 20_000, seed=13).astype(np.float32)
-    for name in presets.names():
-        if name == "dense":
-            continue
+    for name in SPARSE:
         comp = presets.make(name, 0.01)
         flat, two = simulate(comp, g, record=("volume",)), simulate(comp, g, local_size=L, record=("volume",))
         across = sum(two.volume[t][r]["across"]["recv_words"] for t in range(2, 6) for r in range(P))
@@ -128,6 +129,48 @@ def test_only_the_shards_selections_cross_the_hosts():
         assert across <= (0.4 if name == "topka" else 0.6) * flat_across, (name, across / flat_across)
 
 
+def test_a_preset_that_says_flat_runs_flat_on_hosts_too():
+    g = int_grads(3, P, N_ENTRIES, seed=19) / np.float32(7)
+    for comp in (presets.make("dense", DENSITY), presets.make("topka", DENSITY, hierarchical=False)):
+        assert simulate(comp, g, local_size=L).updates.tobytes() == simulate(comp, g).updates.tobytes()
+
+
 def test_local_size_must_divide_the_ranks():
     with pytest.raises(ValueError, match="local_size"):
         simulate(presets.make("topka", DENSITY), int_grads(2, 4, 100, seed=1), local_size=3)
+
+
+def run_engines(engines, world, g, steps):
+    """Drive ``engines`` (one per rank of ``world``) through the gradients ``g[steps]``: their updates (t, P, n)."""
+    out = np.zeros((len(steps), world.size, g.shape[-1]), np.float32)
+
+    def run(comm):
+        for i, t in enumerate(steps):
+            out[i, comm.rank] = engines[comm.rank].step(g[t, comm.rank])
+
+    world.run(run)
+    return out
+
+
+def test_a_checkpoint_resumes_bit_for_bit_and_another_topology_starts_afresh():
+    g = int_grads(5, P, N_ENTRIES, seed=23) / np.float32(7)
+    comp = presets.make("oktopk", DENSITY)
+    whole = simulate(comp, g, local_size=L, record=("updates",)).updates
+    world = SimulatedWorld(P)
+    first = [TwoLevelEngine(comp, Topology(*c)) for c in world.two_levels(L)]
+    run_engines(first, world, g, range(3))
+    states = [e.state_dict() for e in first]
+    world = SimulatedWorld(P)
+    again = [TwoLevelEngine(comp, Topology(*c)) for c in world.two_levels(L)]
+    for e, s in zip(again, states):
+        e.load_state_dict(s)
+    np.testing.assert_array_equal(run_engines(again, world, g, range(3, 5)), whole[3:])
+    flat = comp.new_engine(None)                             # a flat rank meets a shard's state: afresh
+    with pytest.warns(RuntimeWarning):
+        flat.load_state_dict(states[0])
+    assert flat.memory.residual is None and flat.steps == 0
+    world = SimulatedWorld(P)                               # a shard meets a flat state: afresh
+    fresh = [TwoLevelEngine(comp, Topology(*c)) for c in world.two_levels(L)]
+    with pytest.warns(RuntimeWarning):
+        fresh[0].load_state_dict(dict(flat.state_dict(), unit="model"))
+    assert fresh[0].steps == 0

@@ -5,6 +5,8 @@ Scenarios:
   none     Compression.none: the tape is Horovod's own (same result as horovod.tensorflow's tape)
   op       sparse_allreduce on a 2-D tensor, eager and tf.function (TopkA; Ok-Topk on a load that moves, so
            that its regions follow it)
+  two_levels  (two hosts: -H localhost:2,127.0.0.1:2) TopkA, Ok-Topk and ExDyna with hierarchical=True through the
+           tape, eagerly and inside tf.function
 """
 
 import os
@@ -68,6 +70,17 @@ def scenario_tape(out):
     for name in (wanted.split(",") if wanted else names()):
         for graph in (False, True):
             raw, red, params = run(make(name, DENSITY), graph)
+            tag = f"{name}.{'graph' if graph else 'eager'}"
+            res[f"{tag}.raw"], res[f"{tag}.red"], res[f"{tag}.params"] = raw, red, params
+    res["layout"] = np.array([int(np.prod(v.shape)) for v in variables()])
+    np.savez(out, **res)
+
+
+def scenario_two_levels(out):
+    res = {}
+    for name in ("topka", "oktopk", "exdyna"):
+        for graph in (False, True):
+            raw, red, params = run(make(name, DENSITY, hierarchical=True), graph)
             tag = f"{name}.{'graph' if graph else 'eager'}"
             res[f"{tag}.raw"], res[f"{tag}.red"], res[f"{tag}.params"] = raw, red, params
     res["layout"] = np.array([int(np.prod(v.shape)) for v in variables()])

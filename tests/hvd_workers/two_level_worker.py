@@ -1,0 +1,86 @@
+"""Runs under `horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo` (two hosts of two ranks on one machine) with
+HOROVOD_DYNAMIC_PROCESS_SETS=1; each rank writes <outdir>/<scenario>.rank<r>.npz for the test to check.
+
+Scenarios:
+  presets   every preset of hvd_sparse.bench.presets through hvd_sparse.torch.DistributedOptimizer with
+            hierarchical=True, 8 steps each: raw and reduced gradients, final parameters, words across and inside
+  auto      hierarchical left at None, under HOROVOD_HIERARCHICAL_ALLREDUCE=1 (horovodrun --hierarchical-allreduce):
+            two levels; and hierarchical=False beside it: flat
+  uneven    (-np 3 on hosts of 2 and 1) hierarchical=True raises on every rank, naming the hosts: the message
+"""
+
+import horovod.torch as hvd
+import numpy as np
+import torch
+
+import hvd_sparse.torch as hvds
+from hvd_sparse.bench.presets import make, names
+
+from worker_helpers import run_scenarios
+
+STEPS = 8
+DENSITY = 0.05
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(12, 16)
+        self.b = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).sum(1)
+
+
+def run(compression):
+    """8 steps of SGD through the optimizer on this rank's data: (raw, reduced) gradients per step, the parameters
+    and the optimizer's statistics."""
+    torch.manual_seed(5)
+    model = Net()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                    named_parameters=model.named_parameters(), compression=compression)
+    g = torch.Generator().manual_seed(1000 + hvd.rank())
+    raw, red = [], []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        model(torch.randn(8, 12, generator=g)).pow(2).mean().backward()
+        raw.append(torch.cat([p.grad.reshape(-1) for _, p in sorted(model.named_parameters())]).numpy().copy())
+        opt.step()
+        red.append(torch.cat([p.grad.reshape(-1) for _, p in sorted(model.named_parameters())]).numpy().copy())
+    params = torch.cat([p.detach().reshape(-1) for _, p in sorted(model.named_parameters())]).numpy().copy()
+    layout = [p.numel() for _, p in sorted(model.named_parameters())]
+    return np.array(raw), np.array(red), params, layout, opt
+
+
+def scenario_presets(out):
+    res = {}
+    for name in names():
+        raw, red, params, layout, opt = run(make(name, DENSITY, hierarchical=True))
+        last = opt._hvds_engine().last
+        res[f"{name}.raw"], res[f"{name}.red"], res[f"{name}.params"] = raw, red, params
+        res[f"{name}.across"] = last.get("across", {}).get("recv_words", -1)
+        res[f"{name}.inside"] = last.get("inside", {}).get("recv_words", -1)
+        res["layout"] = np.array(layout)
+    np.savez(out, **res)
+
+
+def scenario_auto(out):
+    kinds = {}
+    for label, hierarchical in (("auto", None), ("flat", False)):
+        *_, opt = run(make("topka", DENSITY, hierarchical=hierarchical))
+        kinds[label] = type(opt._hvds_engine()).__name__
+    np.savez(out, auto=kinds["auto"], flat=kinds["flat"])
+
+
+def scenario_uneven(out):
+    try:
+        run(make("topka", DENSITY, hierarchical=True))
+        message = ""
+    except ValueError as e:
+        message = str(e)
+    np.savez(out, message=message)
+
+
+if __name__ == "__main__":
+    run_scenarios(hvd, "", globals())
