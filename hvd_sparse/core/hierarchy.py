@@ -277,5 +277,6 @@ class TwoLevelEngine:
                         nonfinite_ranks=list(flagged), **{key: 0 for key in TRAFFIC}, control_bytes=0,
                         control_collectives=0)
         across = {key: base.get(key, 0) for key in TRAFFIC}
-        base.update({key: across[key] + inside[key] for key in TRAFFIC}, across=across, inside=inside)
+        base.update({key: across[key] + inside[key] for key in TRAFFIC}, across=across, inside=inside,
+                    across_sent_bytes=across["sent_bytes"], across_recv_bytes=across["recv_bytes"])
         return StepStats(base)

@@ -195,8 +195,10 @@ class ErrorFeedback:
 
 
 # -- the statistics window ---------------------------------------------------------------------------------------
-FIELDS = ("density", "sent_bytes", "recv_bytes")
+FIELDS = ("density", "sent_bytes", "recv_bytes", "across_sent_bytes", "across_recv_bytes")
 KEYS = FIELDS + ("residual_norm",)
+#: what an ``across_`` field is where a step does not tell the hosts apart (a flat step: all its bytes)
+ACROSS_OF = {"across_sent_bytes": "sent_bytes", "across_recv_bytes": "recv_bytes"}
 
 
 def dense_bytes(n, size):
@@ -219,12 +221,13 @@ class SparsityWindow:
         self.sums = [0.0] * len(FIELDS)
 
     def add(self, stats):
-        """Add one step's statistics (a dict with :data:`FIELDS`; empty: no sparse step, ignored)."""
+        """Add one step's statistics (a dict with :data:`FIELDS`, the ``across_`` ones of a two-level step: what
+        crossed between the hosts; a flat step's: all its bytes; empty: no sparse step, ignored)."""
         if not stats:
             return
         self.steps += 1
         for i, key in enumerate(FIELDS):
-            self.sums[i] += float(stats.get(key, 0.0))
+            self.sums[i] += float(stats.get(key, stats.get(ACROSS_OF.get(key), 0.0)))
 
     def local(self, residual_norm=0.0):
         """This rank's contribution to the sum allreduce: [1 if it made a sparse step else 0, the means of
@@ -252,7 +255,7 @@ def averaged(total, size, numel=None):
         out = {key: total[1 + i] / ranks for i, key in enumerate(FIELDS)}
     else:
         n = numel() if callable(numel) else (numel or 0)
-        out = {"density": 1.0, "sent_bytes": dense_bytes(n, size), "recv_bytes": dense_bytes(n, size)}
+        out = {"density": 1.0, **{key: dense_bytes(n, size) for key in FIELDS[1:]}}
     out["residual_norm"] = total[1 + len(FIELDS)] / size
     return out
 

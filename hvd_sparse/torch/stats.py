@@ -7,7 +7,9 @@ statistics averaged over ranks, as a dict of floats that fits ``torch.utils.tens
         # or, one chart per value: for key, value in stats.items(): writer.add_scalar(f"sparse/{key}", value, step)
 
 Keys (the numbers Keras' ``SparsityCallback`` logs, computed by the same code, :mod:`hvd_sparse.core.state`):
-``density``, ``sent_bytes`` and ``recv_bytes`` (per step and rank), each the mean over the exchanges since the
+``density``, ``sent_bytes`` and ``recv_bytes`` (per step and rank), ``across_sent_bytes`` and ``across_recv_bytes``
+(what of them crossed between hosts in a two-level step, ``hierarchical``; a flat step counts all its bytes), each
+the mean over the exchanges since the
 previous ``sparse_stats(average=True)`` call (or since the start) and over the ranks, and ``residual_norm`` (the
 error-feedback residual's L2 norm now, mean over the ranks). The values are identical on every rank; ``{}`` when no
 rank exchanged since the previous call.

@@ -17,16 +17,18 @@ P = 2
 def test_window_and_average_arithmetic():
     a, b = SparsityWindow(), SparsityWindow()
     for d, s, r in [(0.1, 100, 300), (0.3, 200, 500)]:
-        a.add({"density": d, "sent_bytes": s, "recv_bytes": r})
+        a.add({"density": d, "sent_bytes": s, "recv_bytes": r})   # flat steps: all their bytes count as across
     a.add({})                                                     # no sparse step: not counted
-    b.add({"density": 0.5, "sent_bytes": 40, "recv_bytes": 60})
+    b.add({"density": 0.5, "sent_bytes": 40, "recv_bytes": 60, "across_sent_bytes": 10, "across_recv_bytes": 20})
     total = np.add(a.local(2.0), b.local(4.0))
     out = averaged(total, 2)
-    assert out == pytest.approx({"density": 0.35, "sent_bytes": 95.0, "recv_bytes": 230.0, "residual_norm": 3.0})
+    assert out == pytest.approx({"density": 0.35, "sent_bytes": 95.0, "recv_bytes": 230.0, "across_sent_bytes": 80.0,
+                                 "across_recv_bytes": 210.0, "residual_norm": 3.0})
     a.clear()
-    assert a.local(0.0) == [0.0, 0.0, 0.0, 0.0, 0.0]
+    assert a.local(0.0) == [0.0] * 7
     dense = averaged(np.add(a.local(), SparsityWindow().local()), 4, numel=lambda: 1000)
-    assert dense == {"density": 1.0, "sent_bytes": dense_bytes(1000, 4), "recv_bytes": 6000.0, "residual_norm": 0.0}
+    assert dense == {"density": 1.0, "sent_bytes": dense_bytes(1000, 4), "recv_bytes": 6000.0,
+                     "across_sent_bytes": 6000.0, "across_recv_bytes": 6000.0, "residual_norm": 0.0}
 
 
 @pytest.mark.horovod
