@@ -18,6 +18,8 @@ The barriers wait without spinning (``hvd_sparse.torch.comm.wait``): a rank that
 Horovod's ``synchronize`` and take the cores of ranks still inside their timed step (on 2 cores for 4 ranks).
         recv_bytes[t], selected[t] = optimizer.sparse_stats()   (sparse presets)
 
+Each host's local rank 0 reads its namespace's shaped link's byte counters before the first measured step and
+after the last (:func:`link_bytes`); a two-level step's parts come from ``sparse_stats()["seconds"]``.
 Rank 0 gathers every rank's records and writes them to ``--out`` (JSON); the parent computes the statistics.
 """
 
@@ -69,8 +71,22 @@ def polling_synchronize(enabled):
         hvd_optimizer.synchronize = original
 
 
+def link_bytes():
+    """``(sent, received)`` bytes so far on this namespace's shaped link (``HOROVOD_GLOO_IFACE``: the veth the
+    launcher gave it; its kernel counters, which see every packet that crosses it), or None (no such link)."""
+    import os
+
+    link = os.environ.get("HOROVOD_GLOO_IFACE")
+    try:
+        stats = Path("/sys/class/net") / link / "statistics"
+        return int((stats / "tx_bytes").read_text()), int((stats / "rx_bytes").read_text())
+    except (OSError, TypeError, ValueError):
+        return None
+
+
 def measure(args, name, layout, data):
-    """Run one algorithm; returns this rank's per-step records."""
+    """Run one algorithm; returns this rank's per-step records, and (local rank 0 of each host) the bytes its
+    host's link carried over the measured steps."""
     import horovod.torch as hvd
     import torch
 
@@ -86,6 +102,8 @@ def measure(args, name, layout, data):
     sparse = hasattr(optimizer, "sparse_stats")
     T = args.warmup + args.steps
     seconds, recv, selected, special = [0.0] * T, [0.0] * T, [0] * T, [False] * T
+    parts = {"scatter": [0.0] * T, "across": [0.0] * T, "gather": [0.0] * T}      # a two-level step's phases
+    link_start = None
     barrier = torch.zeros(1)
     profiler = None
     buf = np.empty(data.n, np.float32)              # this rank's gradient, rewritten every step
@@ -100,6 +118,8 @@ def measure(args, name, layout, data):
             import cProfile
             profiler = cProfile.Profile()
         wait(hvd.allreduce_async(barrier, name="hvd_sparse.bench.network.barrier"))
+        if t == args.warmup:
+            link_start = link_bytes()
         if profiler is not None:
             profiler.enable()
         t0 = time.perf_counter()
@@ -115,15 +135,21 @@ def measure(args, name, layout, data):
             recv[t], selected[t] = float(st["recv_bytes"]), int(st["selected"])
             info = st.get("info") or {}
             special[t] = bool(info.get("reeval") or info.get("repartition"))
+            for phase, secs in (st.get("seconds") or {}).items():
+                parts[phase][t] = float(secs)
         if rank == 0:
             print(f"{PROGRESS} [{name}] step {t + 1}/{T}{' (warm-up)' if t < args.warmup else ''}  "
                   f"{seconds[t]:.3f} s (rank 0)", flush=True)
+    end = link_bytes()
+    carried = [-1, -1] if link_start is None or end is None or hvd.local_rank() else \
+        [end[0] - link_start[0], end[1] - link_start[1]]
     if profiler is not None:
         _write_profile(profiler, f"{args.profile}.{name}.rank{rank}.txt", name, rank, args.steps)
     tag = f"hvd_sparse.bench.network.{name}"
     gathered = {}
     for key, values, dtype in (("seconds", seconds, torch.float64), ("recv_bytes", recv, torch.float64),
-                               ("selected", selected, torch.int64)):
+                               ("selected", selected, torch.int64), ("link_bytes", carried, torch.int64),
+                               *((f"seconds_{phase}", v, torch.float64) for phase, v in parts.items())):
         g = hvd.allgather(torch.tensor([values], dtype=dtype), name=f"{tag}.{key}")
         gathered[key] = g.tolist()
     del optimizer, params, flat, buf

@@ -28,13 +28,15 @@ class WorkerFailed(RuntimeError):
     """A worker exited with an error or the run timed out (the message ends with the workers' output)."""
 
 
-def _start_rendezvous(host_ip, workers):
-    """Horovod's gloo rendezvous server (``RendezvousServer``), bound to ``host_ip``, initialised with one host
-    per worker. Returns (server, port)."""
+def _start_rendezvous(host_ip, hosts, ranks_per_host=1):
+    """Horovod's gloo rendezvous server (``RendezvousServer``), bound to ``host_ip``, initialised with ``hosts``
+    hosts of ``ranks_per_host`` ranks (host i: ``worker<i>``, its ranks' cross rank i). Returns (server, port,
+    the slots)."""
     from horovod.runner.common.util.hosts import HostInfo, get_host_assignments
     from horovod.runner.http.http_server import RendezvousHandler, RendezvousHTTPServer
 
-    plan = get_host_assignments([HostInfo(f"worker{i}", 1) for i in range(workers)], workers)
+    plan = get_host_assignments([HostInfo(f"worker{i}", ranks_per_host) for i in range(hosts)],
+                                hosts * ranks_per_host)
     httpd = RendezvousHTTPServer((host_ip, 0), RendezvousHandler, 0)
     httpd.init(plan)
     thread = threading.Thread(target=httpd.serve_forever, name="hvd_sparse-rendezvous", daemon=True)
@@ -50,14 +52,16 @@ def tail(path, lines=40):
     return "\n".join(text.splitlines()[-lines:]) or "(no output)"
 
 
-def launch(net, cmd, worker_args, logdir, timeout, progress, verbose=True, gloo_timeout=120):
-    """Start ``cmd + worker_args`` as one Horovod rank per namespace, forward rank 0's lines that start with
-    ``progress`` to stderr (``verbose``), wait for all of them. Rank r's output goes to ``<logdir>/rank<r>.log``.
+def launch(net, cmd, worker_args, logdir, timeout, progress, verbose=True, gloo_timeout=120, ranks_per_host=1):
+    """Start ``cmd + worker_args`` as ``ranks_per_host`` Horovod ranks per namespace (each namespace a host: its
+    ranks talk over its loopback, the hosts over their shaped links; process sets allowed, for two levels), forward
+    rank 0's lines that start with ``progress`` to stderr (``verbose``), wait for all of them. Rank r's output goes
+    to ``<logdir>/rank<r>.log``.
 
     Raises :class:`WorkerFailed` (naming the rank, with the tails of the failed ranks' output) when a rank
     exits with an error, or when the whole run exceeds ``timeout`` seconds; the other ranks are then stopped.
     """
-    httpd, port, plan = _start_rendezvous(net.bridge_ip, net.workers)
+    httpd, port, plan = _start_rendezvous(net.bridge_ip, net.workers, ranks_per_host)
     root = str(Path(__file__).resolve().parents[2])        # so that the ranks import this hvd_sparse
     base = dict(os.environ)
     base["PYTHONPATH"] = os.pathsep.join(p for p in (root, base.get("PYTHONPATH")) if p)
@@ -68,10 +72,13 @@ def launch(net, cmd, worker_args, logdir, timeout, progress, verbose=True, gloo_
                 HOROVOD_GLOO_RENDEZVOUS_ADDR=net.bridge_ip, HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
                 HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo",
                 HOROVOD_GLOO_TIMEOUT_SECONDS=str(gloo_timeout),
-                MASTER_ADDR=net.ips[0], MASTER_PORT=str(TORCH_MASTER_PORT), WORLD_SIZE=str(net.workers))
+                MASTER_ADDR=net.ips[0], MASTER_PORT=str(TORCH_MASTER_PORT), WORLD_SIZE=str(len(plan)))
+    if ranks_per_host > 1:
+        base["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"          # two levels register the hosts' process sets
     procs, logs = [], []
     try:
-        for slot, ns, link in zip(plan, net.namespaces, net.ns_links):
+        for slot in plan:
+            ns, link = net.namespaces[slot.cross_rank], net.ns_links[slot.cross_rank]
             env = dict(base, HOROVOD_GLOO_IFACE=link, NCCL_SOCKET_IFNAME=link, HOROVOD_HOSTNAME=slot.hostname,
                        HOROVOD_RANK=str(slot.rank), HOROVOD_SIZE=str(slot.size),
                        HOROVOD_LOCAL_RANK=str(slot.local_rank), HOROVOD_LOCAL_SIZE=str(slot.local_size),
@@ -97,7 +104,7 @@ def launch(net, cmd, worker_args, logdir, timeout, progress, verbose=True, gloo_
                 for r, p in enumerate(procs):
                     if p.poll() not in (None, 0) and r not in failed:
                         failed.append(r)
-                parts = [f"--- rank {r} (exit code {procs[r].returncode}) in {net.namespaces[r]} ---\n"
+                parts = [f"--- rank {r} (exit code {procs[r].returncode}) in {net.namespaces[plan[r].cross_rank]} ---\n"
                          f"{tail(logs[r])}" for r in failed]
                 raise WorkerFailed(f"rank {failed[0]} exited with code {procs[failed[0]].returncode}; all "
                                    f"ranks stopped. Output of the failed rank(s):\n" + "\n".join(parts))

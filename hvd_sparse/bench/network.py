@@ -30,6 +30,10 @@ parameter names and shapes of a real network (:data:`hvd_sparse.bench.layouts.MO
 itself is built once by this process (:mod:`hvd_sparse.bench.shm`: the noise pool and the shared component of
 every step, in ``/dev/shm``) and mapped read-only by the workers.
 
+``--hosts N`` makes N namespaces of P / N ranks each: a host's ranks talk over its loopback (the fast link), the
+hosts over their shaped veths; the presets named ``<preset>@h`` run on two levels there (``hierarchical=True``:
+dense inside a host, the preset across the hosts; docs/algorithms.md, "Two levels"), beside the flat ones.
+
 Reported per algorithm (:mod:`hvd_sparse.bench.network_report`; steps after ``--warmup`` warm-up steps; each
 step's time is the max over ranks):
     step_seconds_median   median over steps -- Ok-Topk's exact re-evaluation steps (every 32 steps) are
@@ -40,6 +44,11 @@ step's time is the max over ranks):
                           2n(P-1)/P float32 words (Horovod has no traffic counter)
     wire_seconds          recv_bytes_mean / (RATE / 8): the time the link needs for it, a lower bound
     speedup_vs_dense      dense's median / this median
+    link_sent_bytes_per_step, link_recv_bytes_per_step   bytes through a host's shaped link each way per measured
+                          step, mean over the hosts: the veth's kernel counters (every packet, headers included),
+                          read by each host's local rank 0 around the measured steps
+    step_parts_seconds_median   a two-level step's parts (scatter inside the host, the exchange across the hosts,
+                          gather inside the host), the median over steps of the slowest rank's
 
 Below its table the Markdown names the fastest preset against dense where the steps tell them apart, and says "no
 measurable difference" where they do not (:mod:`hvd_sparse.bench.noise`: the rule of ``bench advise``).
@@ -75,8 +84,9 @@ WORKER_BYTES_PER_PARAM = 68
 
 
 def run(algorithms, workers, rate, numel=None, model=None, density=0.01, steps=32, warmup=1, seed=0, lr=0.01,
-        timeout=3600.0, link_check_seconds=0.5, verbose=True, worker_cmd=None, profile=False):
-    """Build the network, run the job, tear everything down; return the report (see the module docstring)."""
+        timeout=3600.0, link_check_seconds=0.5, verbose=True, worker_cmd=None, profile=False, hosts=None):
+    """Build the network, run the job, tear everything down; return the report (see the module docstring).
+    ``hosts``: that many namespaces of ``workers / hosts`` ranks each (None: one rank a namespace)."""
     import numpy as np
 
     def say(msg, end="\n"):
@@ -109,29 +119,31 @@ def run(algorithms, workers, rate, numel=None, model=None, density=0.01, steps=3
                 "--warmup", warmup, "--seed", seed, "--lr", lr, "--data", tmp]
         args += ["--model", model] if model else ["--numel", numel]
         raw, link, profiles = _run_in_network(workers, rate, link_check_seconds, args, tmp, timeout,
-                                              worker_cmd, profile, say, verbose)
+                                              worker_cmd, profile, say, verbose, hosts or workers)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    report = {"workers": workers, "bandwidth": str(rate), "bandwidth_bits_per_s": int(rate), "numel": numel,
+    report = {"workers": workers, "hosts": hosts or workers, "bandwidth": str(rate),
+              "bandwidth_bits_per_s": int(rate), "numel": numel,
               "model": model, "density": density, "steps": steps, "warmup": warmup, "seed": seed, "lr": lr,
               "torch_threads": raw["torch_threads"], "link_check_bytes_per_s": link,
               "cpus": os.cpu_count(), "load_average_before": load_before,
               "load_average_after": list(os.getloadavg()),
               "worker_private_peak_bytes": max(raw.get("private_peak_bytes") or [0]),
               "shared_data_bytes": data_bytes(numel, T),
-              "results": summarize(raw["runs"], workers, numel, rate, warmup)}
+              "results": summarize(raw["runs"], workers, numel, rate, warmup, hosts)}
     if profiles:
         report["profiles"] = profiles
     return report
 
 
-def _run_in_network(workers, rate, link_check_seconds, args, tmp, timeout, worker_cmd, profile, say, verbose):
-    """Build the namespaces, check a link, run the workers with ``args``; ``(rank 0's result, link check bytes/s,
-    profiles)``. The network is torn down on the way out."""
-    with Network(workers, rate) as net:
-        say(f"  network: {workers} namespaces {net.namespaces[0]}..{net.namespaces[-1]} on bridge "
-            f"{net.bridge} ({net.subnet}.0/24), tbf {rate.text if hasattr(rate, 'text') else rate} "
-            "each way per worker")
+def _run_in_network(workers, rate, link_check_seconds, args, tmp, timeout, worker_cmd, profile, say, verbose,
+                    hosts):
+    """Build the namespaces (``hosts`` of them, ``workers / hosts`` ranks in each), check a link, run the workers
+    with ``args``; ``(rank 0's result, link check bytes/s, profiles)``. The network is torn down on the way out."""
+    with Network(hosts, rate) as net:
+        say(f"  network: {hosts} namespaces {net.namespaces[0]}..{net.namespaces[-1]} of {workers // hosts} "
+            f"rank(s) each on bridge {net.bridge} ({net.subnet}.0/24), tbf "
+            f"{rate.text if hasattr(rate, 'text') else rate} each way per namespace")
         link = link_check(net, link_check_seconds) if link_check_seconds else None
         if link is not None:
             say(f"  link check: {link / 1e6:.1f} MB/s payload, one TCP stream "
@@ -139,7 +151,7 @@ def _run_in_network(workers, rate, link_check_seconds, args, tmp, timeout, worke
         out = Path(tmp) / "result.json"
         args = args + ["--out", out] + (["--profile", Path(tmp) / "profile"] if profile else [])
         launch(net, worker_cmd or WORKER_CMD or [sys.executable, "-m", WORKER], args, tmp, timeout, PROGRESS,
-               verbose=verbose)
+               verbose=verbose, ranks_per_host=workers // hosts)
         if not out.exists():
             raise WorkerFailed(f"the workers exited normally but rank 0 wrote no result; rank 0's output:\n"
                                f"{tail(Path(tmp) / 'rank0.log')}")
@@ -151,10 +163,14 @@ def _run_in_network(workers, rate, link_check_seconds, args, tmp, timeout, worke
 # -- command line ---------------------------------------------------------------------------------------------
 
 def add_arguments(p):
-    from . import cli
+    from . import cli, presets
 
     p.add_argument("--workers", type=workers, default=4,
                    help=f"Horovod workers P, one network namespace each, 2..{MAX_WORKERS} (default: 4)")
+    p.add_argument("--hosts", type=workers, default=None,
+                   help="emulated hosts N: N network namespaces of P / N workers each, which talk inside over the "
+                        "namespace's loopback and between the hosts over the shaped links (default: P, one worker "
+                        "a host); presets named <preset>@h run on two levels there (hierarchical=True)")
     p.add_argument("--bandwidth", type=bandwidth, default=Rate("1gbit"),
                    help="each worker's link rate, each direction, as tc writes it: 1gbit, 500mbit, 100mbit "
                         "(default: 1gbit)")
@@ -169,7 +185,9 @@ def add_arguments(p):
                         "Ok-Topk's exact threshold re-evaluations, as in training)")
     p.add_argument("--warmup", type=cli.positive_int, default=1,
                    help="steps run before the measured ones, not reported (default: 1, at least 1)")
-    p.add_argument("--algorithms", type=lambda text: cli.algorithms(text, extra=(DENSE_POLL,)), default=None,
+    p.add_argument("--algorithms", type=lambda text: cli.algorithms(text, extra=(DENSE_POLL,
+                                                                                 *presets.two_level_names())),
+                   default=None,
                    help="comma-separated subset; dense = Horovod's own allreduce; dense_poll = the same with "
                         "Horovod's spinning wait replaced by hvd_sparse's polling one (default: all presets)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic gradients (default: 0)")
@@ -197,11 +215,17 @@ def main(args):
                     f"{avail / 2**30:.1f} GiB is available; lower --workers, --numel or --steps")
         return None
 
+    def check():
+        if args.hosts is not None and args.workers % args.hosts:
+            return f"--hosts {args.hosts} must divide --workers {args.workers} (the same number of ranks a host)"
+        return memory_check()
+
     return run_cli("python -m hvd_sparse.bench network", args, lambda: run(
         algorithms, args.workers, args.bandwidth, numel=None if args.model else numel, model=args.model,
         density=args.density, steps=args.steps, warmup=args.warmup, seed=args.seed, lr=args.lr, timeout=args.timeout,
-        link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet, profile=args.profile),
-        plot, markdown, check=memory_check,
+        link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet, profile=args.profile,
+        hosts=args.hosts),
+        plot, markdown, check=check,
         banner=f"network: {', '.join(algorithms)} on {args.workers} Horovod workers, {args.bandwidth} per worker")
 
 

@@ -10,8 +10,12 @@ import statistics
 DENSE_POLL = "dense_poll"
 
 
-def summarize(raw, workers, numel, rate, warmup):
-    """Rows of the report from the workers' raw per-rank, per-step records (see the module docstring)."""
+def summarize(raw, workers, numel, rate, warmup, hosts=None):
+    """Rows of the report from the workers' raw per-rank, per-step records (see the module docstring); ``hosts``:
+    the emulated hosts (default: one worker each), whose ranks select on their shards of n / (P / hosts) entries
+    in a two-level preset (``<preset>@h``)."""
+    from .presets import TWO_LEVELS
+
     rows = []
     for run in raw:
         secs = [max(col) for col in zip(*run["seconds"])][warmup:]          # max over ranks, each step
@@ -23,8 +27,17 @@ def summarize(raw, workers, numel, rate, warmup):
             source = "measured (optimizer.sparse_stats)"
             sel = [statistics.fmean(col) for col in zip(*run["selected"])][warmup:]
             density = statistics.fmean(sel) / numel * (workers if run.get("partitioned") else 1)
+            if run["algorithm"].endswith(TWO_LEVELS) and not run.get("partitioned"):    # of a shard of n / L
+                density *= workers // (hosts or workers)
         special = [t for t, s in enumerate(run.get("special", [])[warmup:]) if s]
+        steps = len(secs)
+        links = [b for b in run.get("link_bytes", []) if b[0] >= 0]       # (sent, received) of each host's link
+        parts = {phase[len("seconds_"):]: statistics.median([max(col) for col in zip(*run[phase])][warmup:])
+                 for phase in run if phase.startswith("seconds_") and any(map(any, run[phase]))}
         rows.append({
+            "link_sent_bytes_per_step": statistics.fmean(b[0] for b in links) / steps if links else None,
+            "link_recv_bytes_per_step": statistics.fmean(b[1] for b in links) / steps if links else None,
+            "step_parts_seconds_median": parts or None,
             "algorithm": run["algorithm"],
             "step_seconds_median": statistics.median(secs),
             "step_seconds_mean": statistics.fmean(secs),
@@ -63,18 +76,25 @@ def markdown(report):
     what = (f"{report['model']} ({report['numel']:,} parameters)" if report.get("model")
             else f"n = {report['numel']:,} parameters")
     link = report.get("link_check_bytes_per_s")
-    lines = [f"P = {report['workers']} Horovod workers (Gloo), one network namespace each, {report['bandwidth']} "
-             f"full duplex per worker (tc tbf both ways"
+    hosts = report.get("hosts", report["workers"])
+    where = ("one network namespace each" if hosts == report["workers"] else
+             f"{hosts} network namespaces (hosts) of {report['workers'] // hosts}")
+    lines = [f"P = {report['workers']} Horovod workers (Gloo), {where}, {report['bandwidth']} "
+             f"full duplex per namespace (tc tbf both ways"
              + (f"; link check {link / 1e6:.1f} MB/s" if link else "") + f"); {what}, density "
              f"{report['density']}; median and mean of {report['steps']} steps after {report['warmup']} warm-up, "
              f"each step the slowest rank; {report['torch_threads']} torch thread per worker.", "",
              "| algorithm | step s (median) | step s (mean) | speedup vs dense | recv per rank per step "
-             "| wire s at line rate | density |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "| wire s at line rate | density | a host's link per step, out / in | parts s (median) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in report["results"]:
         sp = "" if r["speedup_vs_dense"] is None else f"{r['speedup_vs_dense']:.2f}x"
+        link = ("" if r.get("link_sent_bytes_per_step") is None else
+                f"{_mb(r['link_sent_bytes_per_step'])} / {_mb(r['link_recv_bytes_per_step'])}")
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in (r.get("step_parts_seconds_median") or {}).items())
         lines.append(f"| {r['algorithm']} | {r['step_seconds_median']:.3f} | {r['step_seconds_mean']:.3f} | {sp} | "
-                     f"{_mb(r['recv_bytes_mean'])} | {r['wire_seconds']:.3f} | {r['density_mean']:.4f} |")
+                     f"{_mb(r['recv_bytes_mean'])} | {r['wire_seconds']:.3f} | {r['density_mean']:.4f} | {link} | "
+                     f"{parts} |")
     facts = decision(report["results"])
     if facts and facts["best"]:
         lines += ["", f"{noise.sentence(facts, 'dense')} {noise.RULE}"]

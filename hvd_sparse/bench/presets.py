@@ -11,9 +11,21 @@ def names():
             if hasattr(_c.Compression, n)]
 
 
+#: a preset's name with this suffix runs it on two levels (``hierarchical=True``): ``topka@h``
+TWO_LEVELS = "@h"
+
+
+def two_level_names():
+    """The sparse presets' names with :data:`TWO_LEVELS`."""
+    return [n + TWO_LEVELS for n in names() if n != "dense"]
+
+
 def make(name, density, **options):
     """``Compression.<name>(density, **options)`` (``dense`` takes no density and no options; the options are
-    the presets' training options, e.g. ``warmup_dense_steps``, ``momentum_correction``)."""
+    the presets' training options, e.g. ``warmup_dense_steps``, ``momentum_correction``); ``<name>@h``: the same
+    with ``hierarchical=True``."""
+    if name in two_level_names():
+        return make(name[:-len(TWO_LEVELS)], density, hierarchical=True, **options)
     if name not in names():
         raise ValueError(f"hvd_sparse.bench: unknown algorithm {name!r}; choose from {', '.join(names())}")
     factory = getattr(_c.Compression, name)

@@ -19,7 +19,8 @@ sends one selection per host and shard, and runs the preset's own algorithm unch
 
 The density keeps its meaning: local rank j selects d·m of its shard, a host's ranks d·n together. L = 1 is the
 flat step (callers build the :class:`Engine` itself); N = 1 is a dense allreduce inside the host (step 2 is the
-one host's sum). The sums of step 1 are added by the receiving rank in local-rank order, so a simulator and a
+one host's sum); ``last["seconds"]`` has each part's wall time (``scatter``, ``across``, ``gather``; on a device the
+time to queue it). The sums of step 1 are added by the receiving rank in local-rank order, so a simulator and a
 Horovod job give the same bits; the volume meter counts what crosses inside the host (``local``) apart from what
 crosses between the hosts (``cross``): ``Engine.last`` reports both.
 """
@@ -27,6 +28,7 @@ crosses between the hosts (``cross``): ``Engine.last`` reports both.
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from typing import NamedTuple
 
@@ -205,15 +207,20 @@ class TwoLevelEngine:
         self.shard = shard_of(n, local.size, local.rank)
         options = (("average", bool(average)), ("prescale", float(prescale)), ("postscale", float(postscale)),
                    ("nonfinite", nonfinite)) + self.notes + self._where()
+        start = time.perf_counter()
         shard, flagged = self._scatter(xp, flat, n, options)
+        scattered = time.perf_counter()
         if self.inner is None:
             u = self._one_host(xp, shard, flagged, nonfinite)
         else:
             if self.inner.entries is None:
                 self.inner.layout = clipped(self._layout or [n], *self.shard)
             u = self.inner.step(shard, average=False, nonfinite=nonfinite, flagged=bool(flagged))
+        across = time.perf_counter()
         full = local.allgather(u, "gather")
         self.last = self._stats(n, flagged)
+        self.last["seconds"] = {"scatter": scattered - start, "across": across - scattered,
+                                "gather": time.perf_counter() - across}
         if self.last.get("skipped"):
             self.skipped_steps += 1
         else:

@@ -209,6 +209,31 @@ def test_tiny_run_reports_every_algorithm_and_leaves_no_network_behind(tmp_path)
 @pytest.mark.horovod
 @requires_horovod
 @requires_netns
+def test_two_hosts_of_two_carry_less_across_their_links_with_two_levels(tmp_path):
+    """--hosts 2 --workers 4: two namespaces of two ranks; TopkA on two levels (topka@h) sends fewer bytes through
+    each host's shaped link than flat TopkA (the veths' own counters), reports its step's three parts, and selects
+    at the same density (of its shard)."""
+    out = tmp_path / "net.json"
+    cmd = [sys.executable, "-m", "hvd_sparse.bench", "network", "--workers", "4", "--hosts", "2", "--numel", "1000000",
+           "--steps", "3", "--algorithms", "topka,topka@h", "--no-link-check", "--json", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-4000:]
+    assert leftovers(proc.pid) == []
+    report = json.loads(out.read_text())
+    assert (report["workers"], report["hosts"]) == (4, 2)
+    flat, two = ({r["algorithm"]: r for r in report["results"]}[a] for a in ("topka", "topka@h"))
+    assert 0 < two["link_sent_bytes_per_step"] < 0.6 * flat["link_sent_bytes_per_step"]
+    assert 0 < two["link_recv_bytes_per_step"] < 0.6 * flat["link_recv_bytes_per_step"]
+    assert set(two["step_parts_seconds_median"]) == {"scatter", "across", "gather"}
+    assert flat["step_parts_seconds_median"] is None
+    assert flat["density_mean"] == two["density_mean"] == 0.01
+
+
+@pytest.mark.horovod
+@requires_horovod
+@requires_netns
 def test_a_failing_worker_ends_the_run_with_its_output_and_a_clean_teardown(tmp_path):
     bad = tmp_path / "bad_worker.py"
     bad.write_text("import os, sys, time\n"
