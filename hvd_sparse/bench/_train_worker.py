@@ -20,7 +20,8 @@ Configurations (:func:`parse_config`):
                       error feedback and the SGD optimizer runs without momentum), +d<density> (this
                       configuration's density instead of ``--density``, e.g. oktopk+d0.03), +b<budget> (no
                       density: the preset's ``byte_budget=budget``, e.g. oktopk+b0.02; not with +d), +fill
-                      (oktopk only: ``global_fill=True``, K filled up to k on reuse steps)
+                      (oktopk only: ``global_fill=True``, K filled up to k on reuse steps), +h (two levels:
+                      ``hierarchical=True``, with ``--hosts``)
     ddp               torch.nn.parallel.DistributedDataParallel over the gloo process group, no hook
     ddp_powersgd_r<R> the same with the PowerSGD hook, matrix_approximation_rank R, vanilla allreduce for the
                       first ``--powersgd-warmup`` steps (``start_powerSGD_iter``)
@@ -67,12 +68,14 @@ def parse_config(name, presets=None):
             cfg["momentum_correction"] = True
         elif o == "fill" and base == "oktopk":
             cfg["global_fill"] = True
+        elif o == "h":
+            cfg["hierarchical"] = True
         elif re.fullmatch(r"[db](0?\.\d+|1(\.0*)?)", o) and 0 < float(o[1:]) <= 1:
             cfg["density" if o[0] == "d" else "byte_budget"] = float(o[1:])
         else:
             raise ValueError(f"configuration {name!r}: unknown option {o!r} (+w<steps>: dense warm-up steps, "
                              "+mc: momentum correction, +d<density>: density in (0, 1], +b<budget>: byte budget "
-                             "in (0, 1], +fill: oktopk's global_fill)")
+                             "in (0, 1], +fill: oktopk's global_fill, +h: two levels)")
     if "density" in cfg and "byte_budget" in cfg:
         raise ValueError(f"configuration {name!r}: give +d<density> or +b<budget>, not both")
     if cfg["momentum_correction"] and base == "spardl":
@@ -205,6 +208,8 @@ def sparse_compression(cfg, density, momentum):
         options["momentum_correction"] = momentum
     if cfg.get("global_fill"):
         options["global_fill"] = True
+    if cfg.get("hierarchical"):
+        options["hierarchical"] = True
     if "byte_budget" in cfg:                                # +b<budget>: the preset derives its density
         return make(cfg["preset"], None, byte_budget=cfg["byte_budget"], **options)
     return make(cfg["preset"], cfg.get("density", density), **options)

@@ -100,14 +100,15 @@ def equal_bytes_reference(text):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _job(net, cmd, args, logdir, deadline, verbose):
+def _job(net, cmd, args, logdir, deadline, verbose, ranks_per_host=1):
     """One job of the workers (arguments ``args``, logs in the new directory ``logdir``); returns rank 0's result,
     raises WorkerFailed."""
     from ._train_worker import PROGRESS
 
     logdir.mkdir()
     out = logdir / "result.json"
-    launch(net, cmd, [*args, "--out", out], logdir, max(1.0, deadline - time.monotonic()), PROGRESS, verbose=verbose)
+    launch(net, cmd, [*args, "--out", out], logdir, max(1.0, deadline - time.monotonic()), PROGRESS, verbose=verbose,
+           ranks_per_host=ranks_per_host)
     if not out.exists():
         raise WorkerFailed(f"the workers exited normally but rank 0 wrote no result; rank 0's output:\n"
                            f"{tail(logdir / 'rank0.log')}")
@@ -132,12 +133,13 @@ def _equalize(config_names, reference, workers, task, image_size, hidden, say):
 def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=0.05, seed=42, seeds=1,
         task="digits", train_samples=20_000, test_samples=10_000, image_size=16, hidden=1024, eval_every=4,
         floor_epochs=None, powersgd_warmup=None, accuracy_targets=(0.9, 0.95), timeout=7200.0,
-        link_check_seconds=0.5, verbose=True, worker_cmd=None, equal_bytes=None, stop_at_target=False):
+        link_check_seconds=0.5, verbose=True, worker_cmd=None, equal_bytes=None, stop_at_target=False, hosts=None):
     """Build the network, run one job per seed and configuration (seeds ``seed`` to ``seed + seeds - 1``, each
     running every configuration in turn; a failed job is listed in ``failed`` and the others still run), tear
     everything down; return the report (see the module docstring). With ``equal_bytes`` (``(preset, density)``),
     first calibrate the sparse configurations' densities to that reference's bytes (``--equal-bytes``). With
-    ``stop_at_target``, each configuration stops once it reaches the highest target (``--stop-at-target``)."""
+    ``stop_at_target``, each configuration stops once it reaches the highest target (``--stop-at-target``).
+    ``hosts``: that many namespaces of ``workers / hosts`` ranks (``--hosts``; default one rank each)."""
     def say(msg):
         if verbose:
             print(msg, file=sys.stderr, flush=True)
@@ -157,9 +159,10 @@ def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=
         common += ["--stop-at", max(accuracy_targets)]
     remove_stale(say, include_own=True)
     load_before = list(os.getloadavg())
-    with tempfile.TemporaryDirectory(prefix="hvd_sparse_train_") as tmp, Network(workers, rate) as net:
-        say(f"  network: {workers} namespaces {net.namespaces[0]}..{net.namespaces[-1]} on bridge {net.bridge} "
-            f"({net.subnet}.0/24), tbf {rate} each way per worker")
+    hosts = hosts or workers
+    with tempfile.TemporaryDirectory(prefix="hvd_sparse_train_") as tmp, Network(hosts, rate) as net:
+        say(f"  network: {hosts} namespaces {net.namespaces[0]}..{net.namespaces[-1]} of {workers // hosts} "
+            f"rank(s) on bridge {net.bridge} ({net.subnet}.0/24), tbf {rate} each way per namespace")
         link = link_check(net, link_check_seconds) if link_check_seconds else None
         if link is not None:
             say(f"  link check: {link / 1e6:.1f} MB/s payload, one TCP stream (line rate {rate / 8e6:.1f} MB/s)")
@@ -172,7 +175,7 @@ def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=
                 say(f"  seed {s}")
             try:
                 raw = _job(net, cmd, ["--configs", name, "--seed", s, *common], Path(tmp) / str(i), deadline,
-                           verbose)
+                           verbose, workers // hosts)
             except WorkerFailed as e:
                 say(f"  [{name}" + (f", seed {s}" if seeds > 1 else "") + f"] failed: {e}")
                 failed.append({"config": name, "seed": s, "error": str(e)})
@@ -181,7 +184,8 @@ def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=
         if raw is None:
             raise WorkerFailed("every configuration failed:\n" + "\n".join(f"[{f['config']}] {f['error']}"
                                                                             for f in failed))
-    report = {"workers": workers, "bandwidth": str(rate), "bandwidth_bits_per_s": int(rate), "task": task,
+    report = {"workers": workers, "hosts": hosts, "bandwidth": str(rate), "bandwidth_bits_per_s": int(rate),
+              "task": task,
               "epochs": epochs, "density": density, "batch_size": batch_size, "lr": lr, "seed": seed,
               "seeds": list(range(seed, seed + seeds)), "image_size": image_size if task == "digits" else None,
               "train_samples": train_samples if task == "mnist1d" else None,
@@ -201,6 +205,9 @@ def add_arguments(p):
     from . import cli
 
     p.add_argument("--workers", type=workers, default=4, help="workers P, one network namespace each (default: 4)")
+    p.add_argument("--hosts", type=workers, default=None,
+                   help="emulated hosts N: N network namespaces of P / N workers each (their loopback the fast "
+                        "link, the shaped veths between the hosts); configurations with +h run on two levels")
     p.add_argument("--bandwidth", type=bandwidth, default=Rate("1gbit"),
                    help="each worker's link rate, each direction: 1gbit, 100mbit, ... (default: 1gbit)")
     p.add_argument("--configs", type=configs, default=None,
@@ -256,6 +263,8 @@ def main(args):
             return f"--image-size must be even, got {args.image_size}"
         if args.task == "mnist1d" and args.train_samples < args.workers:
             return f"--train-samples must be at least --workers ({args.workers}), got {args.train_samples}"
+        if args.hosts is not None and args.workers % args.hosts:
+            return f"--hosts {args.hosts} must divide --workers {args.workers} (the same number of ranks a host)"
         return None
 
     prog = "python -m hvd_sparse.bench train"
@@ -270,7 +279,7 @@ def main(args):
             eval_every=args.eval_every, floor_epochs=args.floor_epochs, powersgd_warmup=args.powersgd_warmup,
             accuracy_targets=args.targets, timeout=args.timeout,
             link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet,
-            equal_bytes=args.equal_bytes, stop_at_target=args.stop_at_target))
+            equal_bytes=args.equal_bytes, stop_at_target=args.stop_at_target, hosts=args.hosts))
         return reports[-1]
 
     code = run_cli(prog, args, job, plot, markdown, check=check,

@@ -185,8 +185,11 @@ def _intro(report):
                    + ", ".join(f"{p} {v['density']:g}" for p, v in eq["presets"].items()) + f"; otherwise {density}")
     many = (f"{len(seeds)} seeds ({seeds[0]}..{seeds[-1]}): step s (median), x floor, s to a target and final "
             "accuracy as mean ± sample standard deviation over the seeds; ") if len(seeds) > 1 else ""
-    return (f"P = {report['workers']} workers, one network namespace each, {report['bandwidth']} full duplex per "
-            f"worker (tc tbf both ways" + (f"; link check {link / 1e6:.1f} MB/s" if link else "") + f"); {task}, "
+    hosts = report.get("hosts") or report["workers"]
+    where = ("one network namespace each" if hosts == report["workers"] else
+             f"{hosts} network namespaces (hosts) of {report['workers'] // hosts}")
+    return (f"P = {report['workers']} workers, {where}, {report['bandwidth']} full duplex per "
+            f"namespace (tc tbf both ways" + (f"; link check {link / 1e6:.1f} MB/s" if link else "") + f"); {task}, "
             f"{report['epochs']} epochs, batch {report['batch_size']} per worker, SGD lr {report['lr']} cosine, "
             f"{density}; step = slowest rank, statistics after the first step; {many}"
             f"load average before {report['load_average_before'][0]:.2f}.")
