@@ -92,16 +92,36 @@ def load_model(spec, numel, batch_size, seed, device):
 
 
 # -- the configurations ----------------------------------------------------------------------------------------------
-def configurations(presets, budgets, densities):
-    """``[(label, compression factory)]``: the baselines, then every preset at every budget and density."""
+#: the label of a configuration on two levels: ``<preset>@b<budget>`` + this
+TWO_LEVELS = "@h"
+
+
+def configurations(presets, budgets, densities, two_levels=False):
+    """``[(label, compression factory)]``: the baselines, then every preset at every budget and density, flat, and
+    with ``two_levels`` also on two levels (``hierarchical=True``, label + :data:`TWO_LEVELS`)."""
     import hvd_sparse.torch as hvds
 
     out = [("compute", None), ("dense", lambda: hvds.Compression.none), ("fp16", lambda: hvds.Compression.fp16)]
     for p in presets:
         factory = getattr(hvds.Compression, p)
-        out += [(f"{p}@b{b:g}", lambda f=factory, b=b: f(byte_budget=b)) for b in budgets]
-        out += [(f"{p}@d{d:g}", lambda f=factory, d=d: f(d)) for d in densities]
+        for hierarchical in ((False, True) if two_levels else (False,)):
+            tag = TWO_LEVELS if hierarchical else ""
+            out += [(f"{p}@b{b:g}{tag}", lambda f=factory, b=b, h=hierarchical: f(byte_budget=b, hierarchical=h))
+                    for b in budgets]
+            out += [(f"{p}@d{d:g}{tag}", lambda f=factory, d=d, h=hierarchical: f(d, hierarchical=h))
+                    for d in densities]
     return out
+
+
+def two_levels_possible(hvd):
+    """``(possible, why not)``: whether this job can measure two levels -- its ranks sit several to a host on
+    several hosts, and Horovod lets hvd_sparse add process sets (``HOROVOD_DYNAMIC_PROCESS_SETS=1``)."""
+    if hvd.local_size() < 2 or hvd.cross_size() < 2:
+        return False, None
+    if os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "0").strip().lower() in ("", "0", "false"):
+        return False, ("two levels (hierarchical=True) not measured: launch with HOROVOD_DYNAMIC_PROCESS_SETS=1 so "
+                       "that hvd_sparse can register the hosts' process sets")
+    return True, None
 
 
 def stepper(label, made, compression, lr=0.01):
@@ -291,12 +311,29 @@ def verdict(rows, bandwidth, P):
         text = (f"{where} Horovod's dense step ({_ms(dense)}) is shorter than every preset's, beyond the spread (the "
                 f"fastest preset, {best['name']}: {_ms(best)}): keep Horovod's optimizer. ")
         text += f"{best['name']} would win on links slower than {at:.2f} Gbit/s (docs/choosing.md)." if at else ""
+    text += two_levels_sentence(named, best["name"])
     if best["name"].startswith("topka@d"):
         text += " TopkA's bytes grow with P: past P = 1/density it sends more than dense; a byte_budget scales it."
     elif "@b" in best["name"]:
         text += (" At a byte budget the bytes keep their share of dense's at any number of ranks; the fixed cost grows "
                  "with the ranks: measure again at another P.")
     return text.rstrip()
+
+
+def two_levels_sentence(named, best):
+    """Where the fastest preset was measured flat and on two levels (``<label>`` and ``<label>@h``): which to use,
+    by :func:`hvd_sparse.bench.noise.compare` of their rounds (empty where only one of them ran)."""
+    flat = best[:-len(TWO_LEVELS)] if best.endswith(TWO_LEVELS) else best
+    if flat not in named or flat + TWO_LEVELS not in named:
+        return ""
+    facts = noise.compare(named[flat]["rounds_ms"], named[flat + TWO_LEVELS]["rounds_ms"])
+    if facts["outcome"] == noise.FASTER:
+        return (f" Two levels (hierarchical=True) make {flat} {facts['speedup']:.2f}x faster than flat here, beyond "
+                "the spread: use them.")
+    if facts["outcome"] == noise.SLOWER:
+        return (f" Two levels (hierarchical=True) make {flat} slower than flat here ({facts['speedup']:.2f}x), beyond "
+                "the spread: keep it flat.")
+    return f" Two levels and flat {flat} differ within the noise here."
 
 
 def digits_cnn():
@@ -419,7 +456,10 @@ def _measure_all(args, hvd, say):
     torch.set_num_threads(n)
     say(f"torch threads per rank: {n} (" + ("--threads" if args.threads else
         f"{os.cpu_count()} cores over {hvd.local_size()} ranks on this host; --threads sets it") + ")")
-    configs = configurations(args.presets, args.budgets, args.densities)
+    two, why_not = two_levels_possible(hvd)
+    if why_not:
+        say(why_not)
+    configs = configurations(args.presets, args.budgets, args.densities, two_levels=two)
     made = [load_model(args.model, args.numel, args.batch_size, args.seed, args.device) for _ in configs]
     steppers = [stepper(label, m, compression) for (label, compression), m in zip(configs, made)]
     say(f"{', '.join(label for label, _ in configs)}: rounds of {args.steps} steps each for {args.seconds:g} s "

@@ -180,6 +180,25 @@ def test_advise_decides_on_the_rounds_of_the_slowest_rank_and_the_break_even_lin
     assert decide(rows_of(measured[:3], 2_000_000, 2), 1.25e8)["best"] is None     # fp16 is no preset
 
 
+def test_advise_says_whether_two_levels_pay_on_these_hosts():
+    """Where a preset ran flat and on two levels (``@h``), the verdict says which to use, by the same rule: two
+    levels 2x faster are named, 2% apart is noise, slower is said; without the pair, nothing."""
+    from hvd_sparse.bench.advise import configurations, rows_of, two_levels_sentence
+
+    labels = [label for label, _ in configurations(["topka"], [0.05], [], two_levels=True)]
+    assert labels == ["compute", "dense", "fp16", "topka@b0.05", "topka@b0.05@h"]
+    rng = random.Random(5)
+    base = [("compute", _advise_ranks(rng, 50)), ("dense", _advise_ranks(rng, 100)),
+            ("topka@b0.05", _advise_ranks(rng, 80, 4e5))]
+    said = {}
+    for case, ms in (("faster", 40), ("noise", 79), ("slower", 160)):
+        rows = {r["name"]: r for r in rows_of(base + [("topka@b0.05@h", _advise_ranks(rng, ms, 1e5))],
+                                               2_000_000, 2)}
+        said[case] = two_levels_sentence(rows, "topka@b0.05@h" if ms < 80 else "topka@b0.05")
+    assert len(set(said.values())) == 3 and all(said.values())
+    assert two_levels_sentence({r["name"]: r for r in rows_of(base, 2_000_000, 2)}, "topka@b0.05") == ""
+
+
 def test_advise_break_even_link_speed():
     from hvd_sparse.bench.advise import break_even
 
