@@ -16,41 +16,28 @@ import torch
 import hvd_sparse.torch as hvds
 from hvd_sparse.bench.presets import make, names
 
-from worker_helpers import run_scenarios
+from worker_helpers import data, mlp, run_scenarios
 
 STEPS = 8
 DENSITY = 0.05
 
 
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = torch.nn.Linear(12, 16)
-        self.b = torch.nn.Linear(16, 8)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x))).sum(1)
-
-
 def run(compression):
-    """8 steps of SGD through the optimizer on this rank's data: (raw, reduced) gradients per step, the parameters
-    and the optimizer's statistics."""
-    torch.manual_seed(5)
-    model = Net()
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    """8 steps of SGD through the optimizer on this rank's data: (raw, reduced) gradients per step, the parameters,
+    the layout and the optimizer."""
+    model = mlp(seed=5)
+    params = sorted(model.named_parameters())
     opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                     named_parameters=model.named_parameters(), compression=compression)
-    g = torch.Generator().manual_seed(1000 + hvd.rank())
     raw, red = [], []
-    for _ in range(STEPS):
+    for t in range(STEPS):
         opt.zero_grad()
-        model(torch.randn(8, 12, generator=g)).pow(2).mean().backward()
-        raw.append(torch.cat([p.grad.reshape(-1) for _, p in sorted(model.named_parameters())]).numpy().copy())
+        model(data(t)).pow(2).mean().backward()
+        raw.append(torch.cat([p.grad.reshape(-1) for _, p in params]).numpy().copy())
         opt.step()
-        red.append(torch.cat([p.grad.reshape(-1) for _, p in sorted(model.named_parameters())]).numpy().copy())
-    params = torch.cat([p.detach().reshape(-1) for _, p in sorted(model.named_parameters())]).numpy().copy()
-    layout = [p.numel() for _, p in sorted(model.named_parameters())]
-    return np.array(raw), np.array(red), params, layout, opt
+        red.append(torch.cat([p.grad.reshape(-1) for _, p in params]).numpy().copy())
+    flat = torch.cat([p.detach().reshape(-1) for _, p in params]).numpy().copy()
+    return np.array(raw), np.array(red), flat, [p.numel() for _, p in params], opt
 
 
 def scenario_presets(out):
