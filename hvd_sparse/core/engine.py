@@ -130,6 +130,18 @@ def _host_values(state):
     a = backend_of(state).to_numpy(state)
     return a.item() if a.ndim == 0 else a.tolist()
 
+def fresh_start(unit, saved, now):
+    """A state saved under the topology ``saved`` (None: a flat step) meets ``now``: the residuals are another
+    cut of the gradient, so the unit starts afresh (its error feedback empty, its thresholds and counters as at step
+    0), with a warning; every rank meets the same and starts afresh alike."""
+    def text(where):
+        return ("a flat step (one rank a host)" if where is None else
+                f"{where['hosts']} hosts of {where['ranks_per_host']} ranks")
+    warnings.warn(f"hvd_sparse unit '{unit}': the sparse state was saved under {text(saved)} and is restored under "
+                  f"{text(now)}: its residuals are another cut of the gradient, so the unit's error feedback and "
+                  "thresholds start afresh", RuntimeWarning, stacklevel=3)
+
+
 def gather_over(comm, agreement, unit, compression, entries, steps, obj, like):
     """:meth:`Engine.gather` of ``unit`` over ``comm`` (its :class:`~hvd_sparse.core.comm.Agreement`, preset, entries
     and step counter): every rank's ``obj``, in rank order."""
@@ -530,7 +542,6 @@ class Engine:
         if unit != self.name:
             raise ValueError(f"hvd_sparse unit '{self.name}': the state is of unit {unit!r}")
         if state.get("topology") is not None:
-            from .hierarchy import fresh_start
             fresh_start(self.name, state["topology"], None)
             return
         self.numel = state["numel"]

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 from .comm import AGREE_WORDS, Agreement, agreement_words, agreed, explain, finite, header
 from .context import StepStats
-from .engine import Engine, gather_over
+from .engine import Engine, fresh_start, gather_over
 from .errors import NonFiniteGradientError, RankDisagreementError, disagreement_message
 from .reducers.base import values_of_bits
 from .state import ErrorFeedback
@@ -69,18 +69,6 @@ def clipped(layout, lo, hi):
             out.append(part)
         start += size
     return out or [hi - lo]
-
-
-def fresh_start(unit, saved, now):
-    """A state saved under the topology ``saved`` (None: a flat step) meets ``now``: the residuals are another
-    cut of the gradient, so the unit starts afresh (its error feedback empty, its thresholds and counters as at step
-    0), with a warning; every rank meets the same and starts afresh alike."""
-    def text(where):
-        return ("a flat step (one rank a host)" if where is None else
-                f"{where['hosts']} hosts of {where['ranks_per_host']} ranks")
-    warnings.warn(f"hvd_sparse unit '{unit}': the sparse state was saved under {text(saved)} and is restored under "
-                  f"{text(now)}: its residuals are another cut of the gradient, so the unit's error feedback and "
-                  "thresholds start afresh", RuntimeWarning, stacklevel=3)
 
 
 class TwoLevelEngine:
