@@ -130,6 +130,7 @@ def _host_values(state):
     a = backend_of(state).to_numpy(state)
     return a.item() if a.ndim == 0 else a.tolist()
 
+
 def fresh_start(unit, saved, now):
     """A state saved under the topology ``saved`` (None: a flat step) meets ``now``: the residuals are another
     cut of the gradient, so the unit starts afresh (its error feedback empty, its thresholds and counters as at step
