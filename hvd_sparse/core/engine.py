@@ -66,6 +66,7 @@ from .comm import (AGREE_GATHER, AGREE_PHASE, AGREE_WORDS, COUNT, NOTE, Agreemen
                    fingerprint, finite)
 from .context import Plan, Prefiltered, StepContext, StepStats
 from .errors import NonFiniteGradientError
+from .recipe import stage_at
 from .state import ErrorFeedback
 from .reducers.base import SparseSum
 from .reducers.dense import Dense
@@ -155,6 +156,7 @@ class Engine:
         self.compression = compression
         self.comm = comm
         self.name = name
+        self.stages = compression.stage_sparsifiers()   # the density warm-up's sparsifiers (core/recipe.py)
         self.memory = ErrorFeedback()
         self.sparsifier_state = compression.sparsifier.initial_state() if compression.sparsifier else {}
         self.reducer_state = compression.reducer.initial_state()
@@ -286,17 +288,32 @@ class Engine:
         momentum = getattr(comp, "momentum_correction", 0.0)
         warm = self.steps < warmup
         reducer = _DENSE if warm else comp.reducer
+        sparsifier, since = self._stage(warm, warmup)
         inputs = self.memory.next_velocity(xp, pieces, momentum) if momentum else pieces
         self.comm.meter.reset()
-        sparsifier = comp.sparsifier
-        ctx = StepContext(self.comm.rank, self.comm.size, self.steps - (0 if warm else warmup),
+        ctx = StepContext(self.comm.rank, self.comm.size, self.steps - since,
                           tuple(self.layout) if self.layout is not None else (n,), self.comm,
                           bool(sparsifier is not None and sparsifier.exact_k))
         # A sparse result that goes into the very gradient buffers lets the accumulating pass zero them, too.
         sparse = reducer.sparse_result is True or (reducer.sparse_result == "host" and not xp.on_device(pieces[0]))
         zeroed = bool(sparse and out is not None and inputs is pieces and all(o is p for o, p in zip(out, pieces)))
         return Plan(xp, pieces, n, inputs, reducer, warm, momentum, ctx, zeroed, local_error,
-                     sparsifier.k_for(n) if reducer.sparse else n)
+                     sparsifier.k_for(n) if reducer.sparse else n, sparsifier)
+
+    def _stage(self, warm, warmup):
+        """``(sparsifier, since)``: the sparsifier of this step's stage of the density warm-up (the preset's own
+        after it; :mod:`hvd_sparse.core.recipe`) and the step its stage (or the dense warm-up) began at. The first
+        step of a later stage starts the scheme afresh, as the first sparse step does: thresholds, partitions and
+        ``ctx.step`` as at step 0, on every rank alike (the residual stays)."""
+        comp = self.compression
+        if warm:
+            return comp.sparsifier, 0
+        index, since = stage_at(self.steps, warmup, getattr(comp, "warmup_stage_steps", 0), len(self.stages))
+        sparsifier = self.stages[index] if index < len(self.stages) else comp.sparsifier
+        if index and self.steps == since:
+            self.sparsifier_state = sparsifier.initial_state()
+            self.reducer_state = comp.reducer.initial_state()
+        return sparsifier, since
 
     def _local_error(self, n):
         """What this rank alone knows is wrong with a gradient of ``n`` entries, or None."""
@@ -318,7 +335,7 @@ class Engine:
         preset's the gradient itself. ``finite``: whether ``acc`` is finite when the pass could tell, else None."""
         xp, reducer = plan.xp, plan.reducer
         if reducer.sparse:
-            sparsifier = self.compression.sparsifier
+            sparsifier = plan.sparsifier
             pre = sparsifier.prefilter(self.sparsifier_state, plan.ctx) if reducer.uses_selection else None
             acc, finite, found = self.memory.compensate(xp, plan.inputs, zero_pieces=plan.zeroed,
                                                         select=None if pre is None else (*pre, plan.k))
@@ -366,7 +383,7 @@ class Engine:
             self._open(plan, self._nonfinite)
             u, included, info = reducer.reduce(xp, acc, None, n, self.comm, self.reducer_state, ctx)
             return u, included, dict(info, warmup=True) if plan.warm else info, n
-        sparsifier = self.compression.sparsifier
+        sparsifier = plan.sparsifier
         if not reducer.opens or sparsifier.communicates(self.sparsifier_state, ctx):
             self._open(plan, self._nonfinite)
         idx = None
@@ -398,7 +415,7 @@ class Engine:
             selected, note = self._mine or (plan.k, 0)
             notes = self._notes or ((note,) if self.comm.size == 1 else ())
             ctx = dataclasses.replace(plan.ctx, selected=selected, note=note, notes=notes)
-            self.compression.sparsifier.update(xp, self.sparsifier_state, info, ctx)
+            plan.sparsifier.update(xp, self.sparsifier_state, info, ctx)
         elif plan.warm:
             self.memory.update(xp, acc, included)
         if plan.momentum:

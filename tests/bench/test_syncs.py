@@ -63,3 +63,8 @@ def test_the_guard_the_capacity_and_the_ladder_read_nothing_of_their_own():
     the gather's header: a steady step reads neither a count nor a threshold on its own."""
     c = count(presets.make("oktopk", 0.01), 4, 20_000, 4)
     assert not any(k.startswith(("__int__", "__float__", "item")) for k in c.where), c.where
+
+
+def test_the_density_warmups_stages_read_and_negotiate_as_the_preset():
+    c = count(presets.make("topka", 0.01, warmup_density=0.04, warmup_stage_steps=2), 4, 20_000, 7)
+    assert (max(c.reads[1:]), max(c.collectives)) == STEADY_P4["topka"], (c.reads, c.collectives, c.where)
