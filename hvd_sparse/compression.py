@@ -37,7 +37,7 @@ from .core.validate import HVD_AVERAGE, HVD_SUM, check_positive_int
 
 #: the training options every sparse preset takes, and their defaults
 TRAINING_OPTIONS = {"warmup_dense_steps": 0, "momentum_correction": 0.0, "warmup_density": None,
-                    "warmup_stage_steps": 0, "warmup_factor": 4.0, "hierarchical": None}
+                    "warmup_stage_steps": 0, "warmup_factor": 4.0, "local_clip_norm": None, "hierarchical": None}
 
 #: Reducers by name (``Compression.sparse(..., allreduce=<name>)``).
 REDUCERS = {
@@ -80,6 +80,18 @@ def _check_warmup(start, stage_steps, factor, sparsifier, budgeted):
     return float(start), stage_steps, float(factor)
 
 
+def _check_clip(value, sparse):
+    """``local_clip_norm`` checked: None (off), or a finite number > 0 with a sparse reducer."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{_API}: local_clip_norm must be a number > 0 (the global clipping threshold c: each rank "
+                         f"clips its gradient to c / sqrt(P)) or None, got {value!r}")
+    if not sparse:
+        raise ValueError(f"{_API}: local_clip_norm needs a sparse preset; with a dense exchange clip the gradient "
+                         "yourself (torch.nn.utils.clip_grad_norm_)")
+    return float(value)
+
 
 class SparseCompression:
     """A sparsifier/reducer pair and its options: configuration, frozen once built (set nothing on it; build
@@ -89,14 +101,15 @@ class SparseCompression:
         sparsifier (Sparsifier or None): chooses local entries; ``None`` only for the dense reducer.
         reducer (Reducer): combines the selections of all ranks.
         preset (str): the preset's name, for ``repr`` and logs (default: ``sparse(...)`` of the arguments).
-        warmup_dense_steps, momentum_correction, warmup_density, warmup_stage_steps, warmup_factor: the training
-            options (see ``Compression.topka``).
+        warmup_dense_steps, momentum_correction, warmup_density, warmup_stage_steps, warmup_factor, local_clip_norm:
+            the training options (see ``Compression.topka``).
         byte_budget (float or None): the fraction of a dense allreduce's bytes each rank may send: the sparsifier then
             has the density for P = 1, each engine the one for its P (:meth:`for_size`, :mod:`hvd_sparse.core.budget`).
     """
 
     def __init__(self, sparsifier, reducer, preset=None, *, warmup_dense_steps=0, momentum_correction=0.0,
-                 warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, byte_budget=None, hierarchical=None):
+                 warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
+                 byte_budget=None, hierarchical=None):
         if isinstance(warmup_dense_steps, bool) or not isinstance(warmup_dense_steps, int) or warmup_dense_steps < 0:
             raise ValueError(f"hvd_sparse.Compression: warmup_dense_steps must be an integer >= 0, "
                              f"got {warmup_dense_steps!r}")
@@ -120,6 +133,8 @@ class SparseCompression:
         #: what each stage divides the density by
         self.warmup_density, self.warmup_stage_steps, self.warmup_factor = _check_warmup(
             warmup_density, warmup_stage_steps, warmup_factor, self.sparsifier, byte_budget is not None)
+        #: DGC's local gradient clipping (core/recipe.py): the global threshold c (each rank: c / sqrt(P)); None: off
+        self.local_clip_norm = _check_clip(local_clip_norm, reducer.sparse)
         #: dense allreduce for the first N steps (Engine.step); the sparse schemes start at their step 0 after
         self.warmup_dense_steps = int(warmup_dense_steps)
         #: momentum m of DGC's momentum correction and factor masking (core/state.py); 0.0: off
@@ -386,6 +401,9 @@ _OPTIONS_DOC = """
                 training recipe"). With a byte budget the budget is the last stage's. Default None (off).
             warmup_stage_steps (int): the steps of each stage of the density warm-up (>= 1 with ``warmup_density``).
             warmup_factor (float): what each stage divides the density by, > 1. Default 4.0 (DGC's 25%, 6.25%, ...).
+            local_clip_norm (float or None): DGC's local gradient clipping: each rank scales its gradient g by
+                min(1, c / (sqrt(P)·||g||)) before it enters the velocity and the residual, c this threshold (> 0),
+                on every step, dense warm-up included. Default None (off).
 
         Topology (keyword-only, every sparse preset):
             hierarchical (bool or None): two levels where the ranks sit several to a host: the gradient is summed
@@ -447,7 +465,7 @@ class Compression:
     def oktopk(density=None, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
                max_select_ratio=None, boundaries=None, few_collectives_from=FEW_COLLECTIVES_FROM, byte_budget=None,
                warmup_dense_steps=0, momentum_correction=0.0, warmup_density=None, warmup_stage_steps=0,
-               warmup_factor=4.0, global_fill=False, hierarchical=None):
+               warmup_factor=4.0, local_clip_norm=None, global_fill=False, hierarchical=None):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
         docs/algorithms.md#oktopk): the O(k) sparse allreduce. Each rank selects with a local threshold that is
         exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
@@ -490,7 +508,8 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def topka(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
-              warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, hierarchical=None):
+              warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
+              hierarchical=None):
         """TopkA (Li & Hoefler, PPoPP'22, §5 baseline; docs/algorithms.md#topka): exact local top-k on every
         rank, allgather of the k (index, value) pairs, sum in rank order. Error feedback keeps what was not
         sent. Cost: 2k(P-1) words received per rank per step, growing linearly with P.
@@ -503,7 +522,8 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def topk_dsa(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
-                 warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, hierarchical=None):
+                 warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
+                 hierarchical=None):
         """TopkDSA (SparCML's dynamic sparse allreduce as benchmarked by Li & Hoefler, PPoPP'22;
         docs/algorithms.md#topk_dsa): exact local top-k, sparse reduce-scatter over P equal regions (one
         alltoall), then an allgather of the reduced regions -- sparse, or dense when the reduced nonzeros N reach n/3.
@@ -517,7 +537,8 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def gtopk(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
-              warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, hierarchical=None):
+              warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
+              hierarchical=None):
         """gTopk (Shi et al., ICDCS'19, as benchmarked by Li & Hoefler; docs/algorithms.md#gtopk): exact local
         top-k, then a reduction tree of log2 P rounds, each merging two lists and keeping the top k, and a
         broadcast of the final k entries. Any P (fold-in pre-round when P is not a power of two). Error
@@ -531,7 +552,8 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def gaussiank(density=None, adjust="lstm", *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
-                  warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, hierarchical=None):
+                  warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
+                  hierarchical=None):
         """Gaussiank (Shi et al., 2019, as benchmarked by Li & Hoefler; docs/algorithms.md#gaussiank): threshold
         mu + z·sigma from a Gaussian fit of the accumulator (z = Phi^-1(1 - density/2)), scaled down until at
         least 3k/4 entries pass, then the TopkA exchange (counts + allgatherv). Cost about 2k(P-1) words.
@@ -547,7 +569,7 @@ class Compression:
     @_documents_training_options
     def exdyna(density=None, threshold_rule="proportional", init_threshold="topk_once", *, byte_budget=None,
                warmup_dense_steps=0, momentum_correction=0.0, warmup_density=None, warmup_stage_steps=0,
-               warmup_factor=4.0, hierarchical=None):
+               warmup_factor=4.0, local_clip_norm=None, hierarchical=None):
         """ExDyna (Yoon & Oh, CCGrid'24; docs/algorithms.md#exdyna): the flat gradient is cut into blocks grouped in P
         exclusive partitions that rotate over the ranks every step; each rank selects |acc| >= tau inside its
         partition only (no index is ever selected twice), the indices are allgathered and every rank's values
@@ -572,7 +594,7 @@ class Compression:
     @_documents_training_options
     def dct(density=None, lifespan=1000, *, drift=2.0, byte_budget=None, warmup_dense_steps=0,
             momentum_correction=0.0, warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0,
-            hierarchical=None):
+            local_clip_norm=None, hierarchical=None):
         """DCT-DP (Gupta et al., KDD'21, "Dynamic Communication Thresholding"; docs/algorithms.md#dct): a hard
         threshold per parameter tensor, the K-th largest |acc| of the tensor (K = ceil(density·n_l)),
         recomputed every ``lifespan`` steps, and sooner when the count it passes drifts, and reused in between;
@@ -591,7 +613,7 @@ class Compression:
     @_documents_training_options
     def spardl(density=None, groups=1, *, sag="bruck", selection="lazy", h_mode="adaptive", pack="bitcast",
                byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0, warmup_density=None,
-               warmup_stage_steps=0, warmup_factor=4.0, hierarchical=None):
+               warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None, hierarchical=None):
         """SparDL (ICDE'24; docs/algorithms.md#spardl): Spar-Reduce-Scatter (block-wise top-k/P at every hop, dropped
         values kept as residuals where they fall -- global residual collection), then, with ``groups=d > 1``,
         Spar-All-Gather across d teams, then an all-gather inside each team. SparDL picks its own entries
@@ -623,7 +645,8 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def sparse(sparsifier, allreduce="oktopk", *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
-               warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, hierarchical=None):
+               warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
+               hierarchical=None):
         """Any pairing of a sparsifier and a sparse allreduce, e.g. ``sparse(GaussianK(0.01))`` (Gaussiank
         selection, Ok-Topk's O(k) allreduce) or ``sparse(TopK(0.01), allreduce="topka")``.
 

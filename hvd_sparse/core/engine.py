@@ -66,7 +66,7 @@ from .comm import (AGREE_GATHER, AGREE_PHASE, AGREE_WORDS, COUNT, NOTE, Agreemen
                    fingerprint, finite)
 from .context import Plan, Prefiltered, StepContext, StepStats
 from .errors import NonFiniteGradientError
-from .recipe import stage_at
+from .recipe import clip_local, stage_at
 from .state import ErrorFeedback
 from .reducers.base import SparseSum
 from .reducers.dense import Dense
@@ -150,13 +150,16 @@ class Engine:
         compression (SparseCompression): the sparsifier/reducer pair and its knobs.
         comm (Communicator): this rank's view of the process set.
         name (str): the unit's name, used in messages and state.
+        clip (bool): whether this engine applies the preset's ``local_clip_norm`` (False: its caller clipped each
+            rank's gradient already, as the two-level step does before the host's sum).
     """
 
-    def __init__(self, compression, comm, name="model"):
+    def __init__(self, compression, comm, name="model", clip=True):
         self.compression = compression
         self.comm = comm
         self.name = name
         self.stages = compression.stage_sparsifiers()   # the density warm-up's sparsifiers (core/recipe.py)
+        self.clip = compression.local_clip_norm if clip else None
         self.memory = ErrorFeedback()
         self.sparsifier_state = compression.sparsifier.initial_state() if compression.sparsifier else {}
         self.reducer_state = compression.reducer.initial_state()
@@ -289,7 +292,8 @@ class Engine:
         warm = self.steps < warmup
         reducer = _DENSE if warm else comp.reducer
         sparsifier, since = self._stage(warm, warmup)
-        inputs = self.memory.next_velocity(xp, pieces, momentum) if momentum else pieces
+        inputs = pieces if self.clip is None else clip_local(xp, pieces, self.clip, self.comm.size)
+        inputs = self.memory.next_velocity(xp, inputs, momentum) if momentum else inputs
         self.comm.meter.reset()
         ctx = StepContext(self.comm.rank, self.comm.size, self.steps - since,
                           tuple(self.layout) if self.layout is not None else (n,), self.comm,

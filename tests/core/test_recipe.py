@@ -1,20 +1,22 @@
 """DGC's recipe beyond momentum correction on the simulator (``hvd_sparse/core/recipe.py``): the density warm-up
 (``warmup_density``, ``warmup_stage_steps``, ``warmup_factor``: stages of fixed density down to the preset's, each
-starting the scheme afresh with the residual kept). The stages' k and selections, replica consistency, mass
-conservation, the bytes of every step, checkpoints mid-warm-up."""
+starting the scheme afresh with the residual kept) and local gradient clipping (``local_clip_norm``: each rank's
+gradient scaled by min(1, c / (sqrt(P)·||g||)) before the velocity and the residual). The stages' k and selections,
+replica consistency, mass conservation, the bytes of every step, the exact scaling, checkpoints mid-warm-up, the
+backends' bits and the two-level step."""
 
 import numpy as np
 import pytest
 
 import hvd_sparse
 from hvd_sparse.compression import SparseCompression
-from hvd_sparse.core.recipe import stage_at, stage_densities
+from hvd_sparse.core.recipe import clip_local, stage_at, stage_densities
 from hvd_sparse.core.reducers import Dense
 from hvd_sparse.core.sim import SimulatedWorld
 from hvd_sparse.core.state import SparsityWindow
 from hvd_sparse.testing import simulate
 
-from oracles import assert_mass_conserved, grads, int_grads
+from oracles import NP, assert_mass_conserved, grads, int_grads
 
 C = hvd_sparse.Compression
 CONSERVING = ("oktopk", "topka", "topk_dsa", "gaussiank", "exdyna", "dct")
@@ -37,11 +39,12 @@ def _normal(steps, P, seed):
 
 # -- the options -----------------------------------------------------------------------------------------------------
 def test_options_are_validated_and_named():
-    c = C.topka(0.01, warmup_density=0.25, warmup_stage_steps=100, warmup_factor=2)
-    assert (c.warmup_density, c.warmup_stage_steps, c.warmup_factor) == (0.25, 100, 2.0)
-    assert repr(c) == "Compression.topka(density=0.01, warmup_density=0.25, warmup_stage_steps=100, warmup_factor=2)"
+    c = C.topka(0.01, warmup_density=0.25, warmup_stage_steps=100, warmup_factor=2, local_clip_norm=5)
+    assert (c.warmup_density, c.warmup_stage_steps, c.warmup_factor, c.local_clip_norm) == (0.25, 100, 2.0, 5.0)
+    assert repr(c) == ("Compression.topka(density=0.01, warmup_density=0.25, warmup_stage_steps=100, "
+                       "warmup_factor=2, local_clip_norm=5)")
     off = C.oktopk(0.01)
-    assert (off.warmup_density, off.warmup_stage_steps, off.warmup_factor) == (None, 0, 4.0)
+    assert (off.warmup_density, off.warmup_stage_steps, off.warmup_factor, off.local_clip_norm) == (None, 0, 4.0, None)
     assert off.stage_sparsifiers() == ()
     bad = [(dict(warmup_density=0.0, warmup_stage_steps=5), "warmup_density must be a number in"),
            (dict(warmup_density=1.5, warmup_stage_steps=5), "warmup_density must be a number in"),
@@ -53,15 +56,21 @@ def test_options_are_validated_and_named():
            (dict(warmup_stage_steps=5), "warmup_stage_steps=5 needs warmup_density"),
            (dict(warmup_factor=2.0), "warmup_factor=2.0 needs warmup_density"),
            (dict(warmup_density=0.25, warmup_stage_steps=5, warmup_factor=1.0), "warmup_factor must be a number > 1"),
-           (dict(warmup_density=0.25, warmup_stage_steps=5, warmup_factor=float("inf")), "warmup_factor must be")]
+           (dict(warmup_density=0.25, warmup_stage_steps=5, warmup_factor=float("inf")), "warmup_factor must be"),
+           (dict(local_clip_norm=0.0), "local_clip_norm must be a number > 0"),
+           (dict(local_clip_norm=-1), "local_clip_norm must be a number > 0"),
+           (dict(local_clip_norm=float("nan")), "local_clip_norm must be a number > 0"),
+           (dict(local_clip_norm=True), "local_clip_norm must be a number > 0")]
     for options, message in bad:
         with pytest.raises(ValueError, match=message):
             C.topka(0.01, **options)
+    with pytest.raises(ValueError, match="local_clip_norm needs a sparse preset"):
+        SparseCompression(None, Dense(), local_clip_norm=1.0)
     with pytest.raises(ValueError, match="warmup_density needs a sparse preset"):
         SparseCompression(None, Dense(), warmup_density=0.5, warmup_stage_steps=2)
 
 
-@pytest.mark.parametrize("option", [dict(warmup_density=0.1, warmup_stage_steps=1)])
+@pytest.mark.parametrize("option", [dict(warmup_density=0.1, warmup_stage_steps=1), dict(local_clip_norm=1.0)])
 def test_the_agreement_tells_presets_of_other_recipes_apart(option):
     """The options are in the preset's repr, which the agreement's fingerprint covers: ranks built with different
     recipes raise together instead of exchanging messages of other shapes."""
@@ -163,7 +172,7 @@ def test_a_schedule_of_s_stages_adds_s_message_shapes():
 def test_a_checkpoint_mid_warmup_resumes_bit_for_bit(name, cut):
     P, T = 3, 10
     g = _normal(T, P, seed=5)
-    comp = _make(name, momentum_correction=0.5, **SCHEDULE)
+    comp = _make(name, momentum_correction=0.5, local_clip_norm=40.0, **SCHEDULE)
     full = simulate(comp, g, shapes=SHAPES)
 
     def run(states, steps):
@@ -192,3 +201,127 @@ def test_a_byte_budget_is_the_last_stages():
     assert [c.density_at(t, P) for t in range(0, 10, 2)] == list(stages) + [final]
     with pytest.warns(RuntimeWarning, match="the density warm-up has no stage"):
         C.topka(byte_budget=0.5, warmup_density=0.2, warmup_stage_steps=2).for_size(2).stage_sparsifiers()
+
+
+# -- local gradient clipping -----------------------------------------------------------------------------------------
+def _clip_data(steps, P, seed, aligned=False):
+    """Signed permutations of 1..m times 2^r on rank r: every row of rank r has the norm 2^r·B, B that of 1..m.
+    m = N, or with ``aligned`` N / 2, in the first half of the row, the same on every rank of a step (so that a
+    shard of a host's sum is larger than any rank's gradient)."""
+    rng = np.random.default_rng(seed)
+    m = N // 2 if aligned else N
+    g = np.zeros((steps, P, N), np.float32)
+    for t in range(steps):
+        for r in range(P):
+            if r == 0 or not aligned:
+                row = rng.permutation(np.arange(1, m + 1)) * rng.choice([-1, 1], m)
+            g[t, r, :m] = row * 2.0 ** r
+    return g, float(np.sqrt(np.sum(np.arange(1, m + 1, dtype=np.float64) ** 2)))
+
+
+def _clipped(g, base):
+    """What DGC's rule makes of ``_clip_data`` with c = 1.5·B·sqrt(P): rank 0 within the limit, untouched; rank r > 0
+    scaled by 1.5 / 2^r (exactly, in float32)."""
+    out = g.copy()
+    out[:, 1:] = g[:, 1:] / (2.0 ** np.arange(1, g.shape[1]))[None, :, None] * np.float32(1.5)
+    limit = 1.5 * base
+    assert np.linalg.norm(out[0, 1].astype(np.float64)) == pytest.approx(limit, rel=1e-12)
+    return out, limit
+
+
+def test_clip_local_scales_to_the_limit_and_leaves_a_gradient_within_it():
+    x = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
+    norm = float(np.linalg.norm(x.astype(np.float64)))
+    for P, f in ((1, 0.5), (4, 0.3), (9, 0.9)):
+        c = f * norm * np.sqrt(P)
+        (y,) = clip_local(NP, [x[:1000], x[1000:]], c, P)
+        np.testing.assert_array_equal(y, x * np.float32(c / np.sqrt(P) / norm))
+        assert np.linalg.norm(y.astype(np.float64)) == pytest.approx(c / np.sqrt(P), rel=1e-6)
+        pieces = [x[:1000], x[1000:]]
+        assert clip_local(NP, pieces, 2 * norm * np.sqrt(P), P) is pieces          # within: untouched, no copy
+    bad = x.copy()
+    bad[7] = np.nan
+    assert clip_local(NP, [bad], 1e-3, 4)[0] is bad                     # the non-finite policy sees the NaN
+
+
+@pytest.mark.parametrize("name", EVERY)
+def test_clipping_equals_the_preset_on_the_clipped_gradients_and_conserves_their_mass(name):
+    P, T = 4, 8
+    g, base = _clip_data(T, P, seed=6)
+    want, limit = _clipped(g, base)
+    res = simulate(_make(name, 0.05, local_clip_norm=limit * np.sqrt(P)), g, shapes=SHAPES, average=False)
+    ref = simulate(_make(name, 0.05), want, shapes=SHAPES, average=False)
+    np.testing.assert_array_equal(res.updates, ref.updates)
+    np.testing.assert_array_equal(res.residuals, ref.residuals)
+    if name in CONSERVING:
+        assert_mass_conserved(want, res)
+    assert not np.array_equal(want, g)
+
+
+def test_clipping_comes_before_the_velocity_and_holds_on_dense_steps():
+    P, T = 4, 8
+    g, base = _clip_data(T, P, seed=7)
+    want, limit = _clipped(g, base)
+    opts = dict(momentum_correction=0.5, warmup_dense_steps=2)
+    res = simulate(C.oktopk(0.05, local_clip_norm=limit * np.sqrt(P), **opts), g)
+    ref = simulate(C.oktopk(0.05, **opts), want)
+    np.testing.assert_array_equal(res.updates, ref.updates)
+    np.testing.assert_array_equal(res.velocities, ref.velocities)
+    np.testing.assert_array_equal(res.residuals, ref.residuals)
+    np.testing.assert_array_equal(res.updates[0, 0], want[0].sum(axis=0) / np.float32(P))       # a dense step
+
+
+def test_clipping_on_two_levels_clips_each_ranks_whole_gradient_over_all_ranks():
+    P, T = 4, 6
+    g, base = _clip_data(T, P, seed=8, aligned=True)
+    want, limit = _clipped(g, base)
+    res = simulate(C.topka(0.05, local_clip_norm=limit * np.sqrt(P)), g, local_size=2)
+    ref = simulate(C.topka(0.05), want, local_size=2)
+    np.testing.assert_array_equal(res.updates, ref.updates)
+    np.testing.assert_array_equal(res.residuals, ref.residuals)
+
+
+def test_a_nonfinite_gradient_is_still_skipped_with_clipping():
+    P = 2
+    g = _normal(4, P, seed=9)
+    g[2, 1, 5] = np.inf
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        res = simulate(C.topka(0.1, local_clip_norm=1.0, momentum_correction=0.9), g)
+    assert np.isnan(res.updates[2]).all()
+    np.testing.assert_array_equal(res.residuals[2], res.residuals[1])
+
+
+@pytest.mark.parametrize("backend", ("torch", "tensorflow"))
+@pytest.mark.parametrize("name", ("oktopk", "exdyna", "dct"))
+def test_torch_and_tensorflow_backends_give_the_same_bits(name, backend):
+    pytest.importorskip(backend)
+    g = _normal(9, 3, seed=10)
+    opts = dict(momentum_correction=0.9, local_clip_norm=30.0, **SCHEDULE)
+    a = simulate(_make(name, **opts), g, shapes=SHAPES)
+    b = simulate(_make(name, **opts), g, shapes=SHAPES, backend=backend)
+    np.testing.assert_array_equal(a.updates, b.updates)
+    np.testing.assert_array_equal(a.residuals, b.residuals)
+    np.testing.assert_array_equal(a.velocities, b.velocities)
+
+
+def test_the_device_path_clips_alike_without_a_host_read():
+    torch = pytest.importorskip("torch")
+    from hvd_sparse.bench.syncs import HostReads, as_if_on_a_device
+    from hvd_sparse.core.xp import backend_of
+
+    P, T = 4, 5
+    g, base = _clip_data(T, P, seed=11)
+    want, limit = _clipped(g, base)
+    with as_if_on_a_device():
+        res = simulate(C.topka(0.05, local_clip_norm=limit * np.sqrt(P)), g, backend="torch")
+        x = torch.from_numpy(g[0, 2].copy())
+        reads = HostReads()
+        with reads:
+            y = clip_local(backend_of(x), [x], limit * np.sqrt(P), P)[0]
+        assert reads.reads == 0
+    np.testing.assert_array_equal(y.numpy(), want[0, 2])
+    np.testing.assert_array_equal(res.updates, simulate(C.topka(0.05), want).updates)
+    nan = torch.full((4,), float("nan"))
+    with as_if_on_a_device():
+        assert torch.isnan(clip_local(backend_of(nan), [nan], 1.0, 4)[0]).all()      # a NaN stays one
+
