@@ -13,14 +13,18 @@ communicator meet (docs/design.md#engine). Framework adapters and the simulator 
         5. _emit        u · prescale · postscale / P                  # average (op=Average) or u (op=Sum), grad dtype
 
 The modes are data of the plan, not branches of the step: the dense reducer (the ``dense`` preset, and warm-up
-steps) skips selection and residual; an empty gradient and a local problem stop after the opening. Two options
-of the compression change the step:
+steps) skips selection and residual; an empty gradient and a local problem stop after the opening. Four options
+of the compression change the step (docs/algorithms.md, "The training recipe"):
 
 * ``warmup_dense_steps = N``: the first N steps are a dense allreduce of ``acc`` (every entry is included, so the
   residual stays empty); the sparsifier and reducer neither run nor change state, and their step counter
   (``ctx.step``) starts at 0 on the first sparse step, on every rank alike;
+* ``warmup_density = d0`` (the density warm-up, recipe.py): the sparse steps run in stages of the preset's
+  sparsifier at d0, d0/f, ... down to its own density (:meth:`_stage`); a stage's first step starts the scheme
+  afresh, as the first sparse step does;
 * ``momentum_correction = m``: the velocity ``u = m·u + grad`` replaces ``grad`` above and is zeroed where the
-  step's included set was sent (state.py: ErrorFeedback); the user's optimizer then runs without momentum.
+  step's included set was sent (state.py: ErrorFeedback); the user's optimizer then runs without momentum;
+* ``local_clip_norm = c`` (recipe.py): ``grad`` is first scaled by min(1, c / (sqrt(P)·||grad||)), on every step.
 
 Per-step statistics (selected count, achieved density, words and bytes sent and received) are kept in
 :attr:`Engine.last`.
