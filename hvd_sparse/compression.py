@@ -17,22 +17,27 @@ runs the same whole-model exchange (see ``hvd_sparse/torch/stash.py``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import inspect
+import math
+import numbers
 import os
+import warnings
 import weakref
 
-from .core import budget
+from .core import budget, recipe
 from .core.engine import Engine
 from .core.oktopk import FEW_COLLECTIVES_FROM, OkTopk
 from .core.oktopk.variants import pair as oktopk_pair
 from .core.reducers import Dense, ExDynaReducer, GTopk, Reducer, SparDL, TopkA, TopkDSA
 from .core.sparsifiers import DCT, ExDyna, GaussianK, Sparsifier, TopK
 from .core.state import UnitStates
-from .core.validate import HVD_AVERAGE, HVD_SUM
+from .core.validate import HVD_AVERAGE, HVD_SUM, check_positive_int
 
 #: the training options every sparse preset takes, and their defaults
-TRAINING_OPTIONS = {"warmup_dense_steps": 0, "momentum_correction": 0.0, "hierarchical": None}
+TRAINING_OPTIONS = {"warmup_dense_steps": 0, "momentum_correction": 0.0, "warmup_density": None,
+                    "warmup_stage_steps": 0, "warmup_factor": 4.0, "local_clip_norm": None, "hierarchical": None}
 
 #: Reducers by name (``Compression.sparse(..., allreduce=<name>)``).
 REDUCERS = {
@@ -46,6 +51,48 @@ REDUCERS = {
 }
 
 
+_API = "hvd_sparse.Compression"
+
+
+def _check_warmup(start, stage_steps, factor, sparsifier, budgeted):
+    """``(warmup_density, warmup_stage_steps, warmup_factor)`` checked (a ValueError naming the argument): a density
+    in (0, 1] above the preset's (unless a byte budget sets it per P), with stages of >= 1 step and a factor > 1; or
+    None, 0 and the default factor (off)."""
+    if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not (math.isfinite(factor) and factor > 1):
+        raise ValueError(f"{_API}: warmup_factor must be a number > 1 (what each stage of the density warm-up divides "
+                         f"the density by), got {factor!r}")
+    if start is None:
+        given = [f"{name}={value!r}" for name, value, off in (("warmup_stage_steps", stage_steps, 0),
+                                                              ("warmup_factor", factor, 4.0)) if value != off]
+        if given:
+            raise ValueError(f"{_API}: {', '.join(given)} needs warmup_density (the density of the warm-up's "
+                             "first stage)")
+        return None, 0, float(factor)
+    if isinstance(start, bool) or not isinstance(start, numbers.Real) or not 0.0 < float(start) <= 1.0:
+        raise ValueError(f"{_API}: warmup_density must be a number in (0, 1] (the density of the warm-up's first "
+                         f"stage) or None, got {start!r}")
+    if sparsifier is None:
+        raise ValueError(f"{_API}: warmup_density needs a sparse preset (the dense reducer has no density)")
+    if not budgeted and not float(start) > sparsifier.density:
+        raise ValueError(f"{_API}: warmup_density must be above the preset's density, {sparsifier.density:g} (the "
+                         f"warm-up comes down to it), got {start!r}")
+    stage_steps = check_positive_int(stage_steps, "warmup_stage_steps", _API)
+    return float(start), stage_steps, float(factor)
+
+
+def _check_clip(value, sparse):
+    """``local_clip_norm`` checked: None (off), or a finite number > 0 with a sparse reducer."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{_API}: local_clip_norm must be a number > 0 (the global clipping threshold c: each rank "
+                         f"clips its gradient to c / sqrt(P)) or None, got {value!r}")
+    if not sparse:
+        raise ValueError(f"{_API}: local_clip_norm needs a sparse preset; with a dense exchange clip the gradient "
+                         "yourself (torch.nn.utils.clip_grad_norm_)")
+    return float(value)
+
+
 class SparseCompression:
     """A sparsifier/reducer pair and its options: configuration, frozen once built (set nothing on it; build
     another preset instead). The state of a job that uses it comes from :meth:`reify`.
@@ -54,12 +101,14 @@ class SparseCompression:
         sparsifier (Sparsifier or None): chooses local entries; ``None`` only for the dense reducer.
         reducer (Reducer): combines the selections of all ranks.
         preset (str): the preset's name, for ``repr`` and logs (default: ``sparse(...)`` of the arguments).
-        warmup_dense_steps, momentum_correction: the training options (see ``Compression.topka``).
+        warmup_dense_steps, momentum_correction, warmup_density, warmup_stage_steps, warmup_factor, local_clip_norm:
+            the training options (see ``Compression.topka``).
         byte_budget (float or None): the fraction of a dense allreduce's bytes each rank may send: the sparsifier then
             has the density for P = 1, each engine the one for its P (:meth:`for_size`, :mod:`hvd_sparse.core.budget`).
     """
 
     def __init__(self, sparsifier, reducer, preset=None, *, warmup_dense_steps=0, momentum_correction=0.0,
+                 warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
                  byte_budget=None, hierarchical=None):
         if isinstance(warmup_dense_steps, bool) or not isinstance(warmup_dense_steps, int) or warmup_dense_steps < 0:
             raise ValueError(f"hvd_sparse.Compression: warmup_dense_steps must be an integer >= 0, "
@@ -80,6 +129,12 @@ class SparseCompression:
                             f"got {sparsifier!r}")
         self.sparsifier = sparsifier if reducer.sparse else None
         self.reducer = reducer
+        #: the density warm-up (core/recipe.py): the first stage's density (None: off), each stage's steps, and
+        #: what each stage divides the density by
+        self.warmup_density, self.warmup_stage_steps, self.warmup_factor = _check_warmup(
+            warmup_density, warmup_stage_steps, warmup_factor, self.sparsifier, byte_budget is not None)
+        #: DGC's local gradient clipping (core/recipe.py): the global threshold c (each rank: c / sqrt(P)); None: off
+        self.local_clip_norm = _check_clip(local_clip_norm, reducer.sparse)
         #: dense allreduce for the first N steps (Engine.step); the sparse schemes start at their step 0 after
         self.warmup_dense_steps = int(warmup_dense_steps)
         #: momentum m of DGC's momentum correction and factor masking (core/state.py); 0.0: off
@@ -93,9 +148,9 @@ class SparseCompression:
             self.sparsifier = budget.sparsifier_for(self.byte_budget, sparsifier, reducer, 1, "hvd_sparse.Compression")
         self.size = None        # the number of ranks a byte budget's density was derived for (an engine's twin)
         self.preset = preset or call_text("sparse", {
-            "sparsifier": sparsifier, "allreduce": reducer.name, "warmup_dense_steps": self.warmup_dense_steps,
-            "momentum_correction": self.momentum_correction, "byte_budget": self.byte_budget,
-            "hierarchical": self.hierarchical},
+            "sparsifier": sparsifier, "allreduce": reducer.name,
+            **{name: getattr(self, name) for name in TRAINING_OPTIONS if name != "hierarchical"},
+            "byte_budget": self.byte_budget, "hierarchical": self.hierarchical},
             {**TRAINING_OPTIONS, "byte_budget": None})
         self._shared = None                   # the job of the call sites without an object of their own
         self._reified = weakref.WeakSet()     # the live states made by reify(), for shared_state()'s checks
@@ -158,6 +213,31 @@ class SparseCompression:
                                                                      size, repr(self)))
         object.__setattr__(twin, "size", int(size))
         return twin
+
+    def stage_sparsifiers(self):
+        """The sparsifiers of the density warm-up's stages, in order (core/recipe.py): this preset's, each with a
+        stage's density, down to (not including) its own; empty without a warm-up. For a byte budget, call it on
+        :meth:`for_size`'s twin (the budget's density for its P ends the warm-up; where it is not below
+        ``warmup_density`` there is no stage, with a warning)."""
+        if self.warmup_density is None or self.sparsifier is None:
+            return ()
+        densities = recipe.stage_densities(self.warmup_density, self.sparsifier.density, self.warmup_factor)
+        if not densities:
+            warnings.warn(f"{self!r}: the density warm-up has no stage: the byte budget's density over "
+                          f"{self.size} ranks, {self.sparsifier.density:g}, is not below warmup_density="
+                          f"{self.warmup_density:g}", RuntimeWarning, stacklevel=3)
+        return tuple(dataclasses.replace(self.sparsifier, density=d) for d in densities)
+
+    def density_at(self, step, size=1):
+        """The density that step ``step`` (0-based, counted over the run as the engine counts it) runs at over
+        ``size`` ranks: 1.0 on the dense warm-up steps, then the density warm-up's stages, then :meth:`density_for`
+        ``size``."""
+        if self.sparsifier is None or step < self.warmup_dense_steps:
+            return 1.0
+        bound = self.for_size(size)
+        stages = bound.stage_sparsifiers()
+        index, _ = recipe.stage_at(step, self.warmup_dense_steps, self.warmup_stage_steps, len(stages))
+        return (stages[index] if index < len(stages) else bound.sparsifier).density
 
     def new_engine(self, comm, unit="model"):
         """A fresh per-rank :class:`Engine` of one unit over ``comm``, running :meth:`for_size` ``comm.size``; two
@@ -314,6 +394,16 @@ _OPTIONS_DOC = """
             momentum_correction (float): m > 0 turns on Deep Gradient Compression's momentum correction and
                 momentum factor masking: error feedback accumulates the velocity u = m·u + grad and zeroes u
                 where entries were sent; wrap an optimizer *without* momentum (e.g. SGD(momentum=0)). Default 0.0.
+            warmup_density (float or None): DGC's density warm-up: the sparse steps start at this density, in
+                (0, 1] and above the preset's, and divide it by ``warmup_factor`` every ``warmup_stage_steps``
+                steps while it stays above the preset's density, which then holds (after ``warmup_dense_steps``);
+                each stage starts the scheme afresh at its density, the residual kept (docs/algorithms.md, "The
+                training recipe"). With a byte budget the budget is the last stage's. Default None (off).
+            warmup_stage_steps (int): the steps of each stage of the density warm-up (>= 1 with ``warmup_density``).
+            warmup_factor (float): what each stage divides the density by, > 1. Default 4.0 (DGC's 25%, 6.25%, ...).
+            local_clip_norm (float or None): DGC's local gradient clipping: each rank scales its gradient g by
+                min(1, c / (sqrt(P)·||g||)) before it enters the velocity and the residual, c this threshold (> 0),
+                on every step, dense warm-up included. Default None (off).
 
         Topology (keyword-only, every sparse preset):
             hierarchical (bool or None): two levels where the ranks sit several to a host: the gradient is summed
@@ -352,9 +442,7 @@ def _preset(factory, args, sparsifier, reducer):
     params = inspect.signature(factory).parameters
     defaults = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
     return SparseCompression(sparsifier, reducer, call_text(factory.__name__, args, defaults),
-                             warmup_dense_steps=args["warmup_dense_steps"],
-                             momentum_correction=args["momentum_correction"], byte_budget=args["byte_budget"],
-                             hierarchical=args["hierarchical"])
+                             byte_budget=args["byte_budget"], **{name: args[name] for name in TRAINING_OPTIONS})
 
 
 def _oktopk_pair(args):
@@ -376,7 +464,8 @@ class Compression:
     @_documents_training_options
     def oktopk(density=None, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
                max_select_ratio=None, boundaries=None, few_collectives_from=FEW_COLLECTIVES_FROM, byte_budget=None,
-               warmup_dense_steps=0, momentum_correction=0.0, global_fill=False, hierarchical=None):
+               warmup_dense_steps=0, momentum_correction=0.0, warmup_density=None, warmup_stage_steps=0,
+               warmup_factor=4.0, local_clip_norm=None, global_fill=False, hierarchical=None):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
         docs/algorithms.md#oktopk): the O(k) sparse allreduce. Each rank selects with a local threshold that is
         exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
@@ -419,6 +508,7 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def topka(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
+              warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
               hierarchical=None):
         """TopkA (Li & Hoefler, PPoPP'22, §5 baseline; docs/algorithms.md#topka): exact local top-k on every
         rank, allgather of the k (index, value) pairs, sum in rank order. Error feedback keeps what was not
@@ -432,6 +522,7 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def topk_dsa(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
+                 warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
                  hierarchical=None):
         """TopkDSA (SparCML's dynamic sparse allreduce as benchmarked by Li & Hoefler, PPoPP'22;
         docs/algorithms.md#topk_dsa): exact local top-k, sparse reduce-scatter over P equal regions (one
@@ -446,6 +537,7 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def gtopk(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
+              warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
               hierarchical=None):
         """gTopk (Shi et al., ICDCS'19, as benchmarked by Li & Hoefler; docs/algorithms.md#gtopk): exact local
         top-k, then a reduction tree of log2 P rounds, each merging two lists and keeping the top k, and a
@@ -460,6 +552,7 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def gaussiank(density=None, adjust="lstm", *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
+                  warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
                   hierarchical=None):
         """Gaussiank (Shi et al., 2019, as benchmarked by Li & Hoefler; docs/algorithms.md#gaussiank): threshold
         mu + z·sigma from a Gaussian fit of the accumulator (z = Phi^-1(1 - density/2)), scaled down until at
@@ -475,7 +568,8 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def exdyna(density=None, threshold_rule="proportional", init_threshold="topk_once", *, byte_budget=None,
-               warmup_dense_steps=0, momentum_correction=0.0, hierarchical=None):
+               warmup_dense_steps=0, momentum_correction=0.0, warmup_density=None, warmup_stage_steps=0,
+               warmup_factor=4.0, local_clip_norm=None, hierarchical=None):
         """ExDyna (Yoon & Oh, CCGrid'24; docs/algorithms.md#exdyna): the flat gradient is cut into blocks grouped in P
         exclusive partitions that rotate over the ranks every step; each rank selects |acc| >= tau inside its
         partition only (no index is ever selected twice), the indices are allgathered and every rank's values
@@ -499,7 +593,8 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def dct(density=None, lifespan=1000, *, drift=2.0, byte_budget=None, warmup_dense_steps=0,
-            momentum_correction=0.0, hierarchical=None):
+            momentum_correction=0.0, warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0,
+            local_clip_norm=None, hierarchical=None):
         """DCT-DP (Gupta et al., KDD'21, "Dynamic Communication Thresholding"; docs/algorithms.md#dct): a hard
         threshold per parameter tensor, the K-th largest |acc| of the tensor (K = ceil(density·n_l)),
         recomputed every ``lifespan`` steps, and sooner when the count it passes drifts, and reused in between;
@@ -517,7 +612,8 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def spardl(density=None, groups=1, *, sag="bruck", selection="lazy", h_mode="adaptive", pack="bitcast",
-               byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0, hierarchical=None):
+               byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0, warmup_density=None,
+               warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None, hierarchical=None):
         """SparDL (ICDE'24; docs/algorithms.md#spardl): Spar-Reduce-Scatter (block-wise top-k/P at every hop, dropped
         values kept as residuals where they fall -- global residual collection), then, with ``groups=d > 1``,
         Spar-All-Gather across d teams, then an all-gather inside each team. SparDL picks its own entries
@@ -549,6 +645,7 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def sparse(sparsifier, allreduce="oktopk", *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
+               warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
                hierarchical=None):
         """Any pairing of a sparsifier and a sparse allreduce, e.g. ``sparse(GaussianK(0.01))`` (Gaussiank
         selection, Ok-Topk's O(k) allreduce) or ``sparse(TopK(0.01), allreduce="topka")``.

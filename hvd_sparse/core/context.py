@@ -65,7 +65,8 @@ class Plan(NamedTuple):
     the gradient pieces (``n`` entries), the inputs of error feedback (the pieces, or the momentum-corrected
     velocity), the reducer of this step and whether it is a dense warm-up step, the sparsifier's and reducer's
     context, whether the accumulating pass zeroes the pieces (a sparse result written back into them), a local
-    problem to report on every rank, and the budget k (n for a dense step)."""
+    problem to report on every rank, the budget k (n for a dense step) and the step's sparsifier (the preset's, or
+    its twin of a stage of the density warm-up: :mod:`hvd_sparse.core.recipe`)."""
 
     xp: object
     pieces: list
@@ -78,6 +79,7 @@ class Plan(NamedTuple):
     zeroed: bool
     local_error: object
     k: int
+    sparsifier: object
 
 
 class StepStats(dict):

@@ -13,14 +13,18 @@ communicator meet (docs/design.md#engine). Framework adapters and the simulator 
         5. _emit        u · prescale · postscale / P                  # average (op=Average) or u (op=Sum), grad dtype
 
 The modes are data of the plan, not branches of the step: the dense reducer (the ``dense`` preset, and warm-up
-steps) skips selection and residual; an empty gradient and a local problem stop after the opening. Two options
-of the compression change the step:
+steps) skips selection and residual; an empty gradient and a local problem stop after the opening. Four options
+of the compression change the step (docs/algorithms.md, "The training recipe"):
 
 * ``warmup_dense_steps = N``: the first N steps are a dense allreduce of ``acc`` (every entry is included, so the
   residual stays empty); the sparsifier and reducer neither run nor change state, and their step counter
   (``ctx.step``) starts at 0 on the first sparse step, on every rank alike;
+* ``warmup_density = d0`` (the density warm-up, recipe.py): the sparse steps run in stages of the preset's
+  sparsifier at d0, d0/f, ... down to its own density (:meth:`_stage`); a stage's first step starts the scheme
+  afresh, as the first sparse step does;
 * ``momentum_correction = m``: the velocity ``u = m·u + grad`` replaces ``grad`` above and is zeroed where the
-  step's included set was sent (state.py: ErrorFeedback); the user's optimizer then runs without momentum.
+  step's included set was sent (state.py: ErrorFeedback); the user's optimizer then runs without momentum;
+* ``local_clip_norm = c`` (recipe.py): ``grad`` is first scaled by min(1, c / (sqrt(P)·||grad||)), on every step.
 
 Per-step statistics (selected count, achieved density, words and bytes sent and received) are kept in
 :attr:`Engine.last`.
@@ -66,6 +70,7 @@ from .comm import (AGREE_GATHER, AGREE_PHASE, AGREE_WORDS, COUNT, NOTE, Agreemen
                    fingerprint, finite)
 from .context import Plan, Prefiltered, StepContext, StepStats
 from .errors import NonFiniteGradientError
+from .recipe import clip_local, stage_at
 from .state import ErrorFeedback
 from .reducers.base import SparseSum
 from .reducers.dense import Dense
@@ -162,12 +167,16 @@ class Engine:
         compression (SparseCompression): the sparsifier/reducer pair and its knobs.
         comm (Communicator): this rank's view of the process set.
         name (str): the unit's name, used in messages and state.
+        clip (bool): whether this engine applies the preset's ``local_clip_norm`` (False: its caller clipped each
+            rank's gradient already, as the two-level step does before the host's sum).
     """
 
-    def __init__(self, compression, comm, name="model"):
+    def __init__(self, compression, comm, name="model", clip=True):
         self.compression = compression
         self.comm = comm
         self.name = name
+        self.stages = compression.stage_sparsifiers()   # the density warm-up's sparsifiers (core/recipe.py)
+        self.clip = compression.local_clip_norm if clip else None
         self.memory = ErrorFeedback()
         self.sparsifier_state = compression.sparsifier.initial_state() if compression.sparsifier else {}
         self.reducer_state = compression.reducer.initial_state()
@@ -299,17 +308,33 @@ class Engine:
         momentum = getattr(comp, "momentum_correction", 0.0)
         warm = self.steps < warmup
         reducer = _DENSE if warm else comp.reducer
-        inputs = self.memory.next_velocity(xp, pieces, momentum) if momentum else pieces
+        sparsifier, since = self._stage(warm, warmup)
+        inputs = pieces if self.clip is None else clip_local(xp, pieces, self.clip, self.comm.size)
+        inputs = self.memory.next_velocity(xp, inputs, momentum) if momentum else inputs
         self.comm.meter.reset()
-        sparsifier = comp.sparsifier
-        ctx = StepContext(self.comm.rank, self.comm.size, self.steps - (0 if warm else warmup),
+        ctx = StepContext(self.comm.rank, self.comm.size, self.steps - since,
                           tuple(self.layout) if self.layout is not None else (n,), self.comm,
                           bool(sparsifier is not None and sparsifier.exact_k))
         # A sparse result that goes into the very gradient buffers lets the accumulating pass zero them, too.
         sparse = reducer.sparse_result is True or (reducer.sparse_result == "host" and not xp.on_device(pieces[0]))
         zeroed = bool(sparse and out is not None and inputs is pieces and all(o is p for o, p in zip(out, pieces)))
         return Plan(xp, pieces, n, inputs, reducer, warm, momentum, ctx, zeroed, local_error,
-                     sparsifier.k_for(n) if reducer.sparse else n)
+                     sparsifier.k_for(n) if reducer.sparse else n, sparsifier)
+
+    def _stage(self, warm, warmup):
+        """``(sparsifier, since)``: the sparsifier of this step's stage of the density warm-up (the preset's own
+        after it; :mod:`hvd_sparse.core.recipe`) and the step its stage (or the dense warm-up) began at. The first
+        step of a later stage starts the scheme afresh, as the first sparse step does: thresholds, partitions and
+        ``ctx.step`` as at step 0, on every rank alike (the residual stays)."""
+        comp = self.compression
+        if warm:
+            return comp.sparsifier, 0
+        index, since = stage_at(self.steps, warmup, getattr(comp, "warmup_stage_steps", 0), len(self.stages))
+        sparsifier = self.stages[index] if index < len(self.stages) else comp.sparsifier
+        if index and self.steps == since:
+            self.sparsifier_state = sparsifier.initial_state()
+            self.reducer_state = comp.reducer.initial_state()
+        return sparsifier, since
 
     def _local_error(self, n):
         """What this rank alone knows is wrong with a gradient of ``n`` entries, or None."""
@@ -331,7 +356,7 @@ class Engine:
         preset's the gradient itself. ``finite``: whether ``acc`` is finite when the pass could tell, else None."""
         xp, reducer = plan.xp, plan.reducer
         if reducer.sparse:
-            sparsifier = self.compression.sparsifier
+            sparsifier = plan.sparsifier
             pre = sparsifier.prefilter(self.sparsifier_state, plan.ctx) if reducer.uses_selection else None
             acc, finite, found = self.memory.compensate(xp, plan.inputs, zero_pieces=plan.zeroed,
                                                         select=None if pre is None else (*pre, plan.k))
@@ -379,7 +404,7 @@ class Engine:
             self._open(plan, self._nonfinite)
             u, included, info = reducer.reduce(xp, acc, None, n, self.comm, self.reducer_state, ctx)
             return u, included, dict(info, warmup=True) if plan.warm else info, n
-        sparsifier = self.compression.sparsifier
+        sparsifier = plan.sparsifier
         if not reducer.opens or sparsifier.communicates(self.sparsifier_state, ctx):
             self._open(plan, self._nonfinite)
         idx = None
@@ -411,7 +436,7 @@ class Engine:
             selected, note = self._mine or (plan.k, 0)
             notes = self._notes or ((note,) if self.comm.size == 1 else ())
             ctx = dataclasses.replace(plan.ctx, selected=selected, note=note, notes=notes)
-            self.compression.sparsifier.update(xp, self.sparsifier_state, info, ctx)
+            plan.sparsifier.update(xp, self.sparsifier_state, info, ctx)
         elif plan.warm:
             self.memory.update(xp, acc, included)
         if plan.momentum:

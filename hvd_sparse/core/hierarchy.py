@@ -36,6 +36,7 @@ from .comm import AGREE_WORDS, Agreement, agreement_words, agreed, explain, fini
 from .context import StepStats
 from .engine import Engine, fresh_start, gather_over
 from .errors import NonFiniteGradientError, RankDisagreementError, disagreement_message
+from .recipe import clip_local
 from .reducers.base import values_of_bits
 from .state import ErrorFeedback
 from .xp import backend_of
@@ -91,7 +92,8 @@ class TwoLevelEngine:
         self.topology = topology
         self.name = name
         self.comm = comm            # the whole job's communicator (rank and size), when the caller has one
-        self.inner = Engine(compression.for_size(cross.size), cross, name) if cross.size > 1 else None
+        # the preset's local clipping acts on each rank's whole gradient, before the host's sum (step)
+        self.inner = Engine(compression.for_size(cross.size), cross, name, clip=False) if cross.size > 1 else None
         self.last = StepStats()
         self.shard = (0, 0)
         self.entries = None
@@ -191,6 +193,8 @@ class TwoLevelEngine:
         local, cross = self.topology
         local.meter.reset()
         flat = xp.astype(pieces[0] if len(pieces) == 1 else xp.concat(pieces), xp.float32)
+        if self.compression.local_clip_norm is not None:       # this rank's gradient, over all P = N·L ranks
+            flat = clip_local(xp, [flat], self.compression.local_clip_norm, local.size * cross.size)[0]
         n = xp.numel(flat)
         self.shard = shard_of(n, local.size, local.rank)
         options = (("average", bool(average)), ("prescale", float(prescale)), ("postscale", float(postscale)),

@@ -63,3 +63,15 @@ def test_the_guard_the_capacity_and_the_ladder_read_nothing_of_their_own():
     the gather's header: a steady step reads neither a count nor a threshold on its own."""
     c = count(presets.make("oktopk", 0.01), 4, 20_000, 4)
     assert not any(k.startswith(("__int__", "__float__", "item")) for k in c.where), c.where
+
+
+@pytest.mark.parametrize("name", ["topka", "oktopk"])
+def test_local_clipping_adds_no_host_read_or_collective(name):
+    """The clipping factor stays on the device (``core/recipe.py``): a steady step reads and negotiates as without."""
+    c = count(presets.make(name, 0.01, local_clip_norm=1.0), 4, 20_000, 6)
+    assert (steady(c.reads), steady(c.collectives)) == STEADY_P4[name], (c.reads, c.collectives, c.where)
+
+
+def test_the_density_warmups_stages_read_and_negotiate_as_the_preset():
+    c = count(presets.make("topka", 0.01, warmup_density=0.04, warmup_stage_steps=2), 4, 20_000, 7)
+    assert (max(c.reads[1:]), max(c.collectives)) == STEADY_P4["topka"], (c.reads, c.collectives, c.where)

@@ -6,7 +6,7 @@ Scenarios:
   none        hvd_sparse DistributedOptimizer(Compression.none / fp16) vs Horovod's own: final params of both
   op          hvd_sparse.torch.sparse_allreduce on a 2-D tensor: inputs and outputs
   errors      misuse raises clear errors on every rank (Adasum, sparse_as_dense via horovod, models that differ)
-  options     presets with warmup_dense_steps / momentum_correction (SGD without momentum), 12 steps each
+  options     presets with the training options (SGD without momentum), 12 steps each
 """
 
 import json
@@ -98,13 +98,19 @@ def scenario_presets(out):
     np.savez(out, **res)
 
 
-#: presets with the training options, by name (saved with the results: the test builds the same for the simulator)
-OPTIONS = {"oktopk": dict(warmup_dense_steps=3, momentum_correction=0.5, few_collectives_from=1),
-           "topka": dict(warmup_dense_steps=2, momentum_correction=0.9), "exdyna": dict(momentum_correction=0.9)}
+#: presets with the training options, by name (saved with the results: the test builds the same for the simulator);
+#: the density warm-up's stages end within the 12 steps, and the clipping threshold lies among the gradients' norms
+#: (175-230 on a rank: some steps clipped, some not)
+CLIP = 300.0
+OPTIONS = {"oktopk": dict(warmup_dense_steps=3, momentum_correction=0.5, few_collectives_from=1, warmup_density=0.2,
+                          warmup_stage_steps=3, local_clip_norm=CLIP),
+           "topka": dict(warmup_dense_steps=2, momentum_correction=0.9, warmup_density=0.4, warmup_stage_steps=3,
+                         local_clip_norm=CLIP),
+           "exdyna": dict(momentum_correction=0.9, warmup_density=0.2, warmup_stage_steps=4, local_clip_norm=CLIP)}
 
 
 def scenario_options(out):
-    """Presets with warmup_dense_steps / momentum_correction through the optimizer (SGD without momentum)."""
+    """Presets with the training options (OPTIONS) through the optimizer (SGD without momentum)."""
     from hvd_sparse.bench.presets import make
 
     res = {}

@@ -121,9 +121,14 @@ def test_training_options_through_horovod_equal_simulator(job, preset):
     options = json.loads(str(ranks[0][f"{preset}.options"]))
     grads = np.stack([r[f"{preset}.raw"] for r in ranks], axis=1)
     assert np.isfinite(grads).all()
-    sim = simulate(presets.make(preset, 0.05, **options), grads,
-                   shapes=[(int(m),) for m in ranks[0]["layout"]], backend="torch")
+    shapes = [(int(m),) for m in ranks[0]["layout"]]
+    sim = simulate(presets.make(preset, 0.05, **options), grads, shapes=shapes, backend="torch")
     assert sim.velocities.any()                   # momentum correction ran (the velocity is state)
+    first = options.get("warmup_dense_steps", 0)  # the density warm-up's first stage selects more than the preset
+    assert sim.selected[first].sum() > sim.selected[-1].sum()
+    unclipped = {k: v for k, v in options.items() if k != "local_clip_norm"}
+    plain = simulate(presets.make(preset, 0.05, **unclipped), grads, shapes=shapes, backend="torch")
+    assert not np.array_equal(plain.updates, sim.updates)            # the clipping changed some steps
     for r in range(P):
         assert ranks[r][f"{preset}.params"].tobytes() == ranks[0][f"{preset}.params"].tobytes()
         got = ranks[r][f"{preset}.red"]

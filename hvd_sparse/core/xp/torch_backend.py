@@ -246,6 +246,14 @@ class TorchBackend(KernelOps, _Indexing):
     def item(self, x):
         return x.item() if isinstance(x, self.torch.Tensor) else super().item(x)
 
+    def norm_f64(self, pieces):
+        """On a device: the L2 norm (float64) of ``pieces`` together as a 0-d device tensor, not read (the norms of
+        the pieces, then theirs: ``torch.nn.utils.clip_grad_norm_``'s way); its last bit may differ from the host's."""
+        if not self.on_device(pieces[0]):
+            return super().norm_f64(pieces)
+        vector_norm, f64 = self.torch.linalg.vector_norm, self.torch.float64
+        return vector_norm(self.torch.stack([vector_norm(p, dtype=f64) for p in pieces]))
+
     def nonfinite(self, x):
         """On a device: the bits of ``sum(x·0)`` as an int32 word: ±0 when every entry is finite (no overflow can
         make it otherwise), a NaN's when not (:func:`hvd_sparse.core.comm.finite`)."""
