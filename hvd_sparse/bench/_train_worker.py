@@ -21,7 +21,9 @@ Configurations (:func:`parse_config`):
                       configuration's density instead of ``--density``, e.g. oktopk+d0.03), +b<budget> (no
                       density: the preset's ``byte_budget=budget``, e.g. oktopk+b0.02; not with +d), +fill
                       (oktopk only: ``global_fill=True``, K filled up to k on reuse steps), +h (two levels:
-                      ``hierarchical=True``, with ``--hosts``)
+                      ``hierarchical=True``, with ``--hosts``), +s<d0>x<T> (the density warm-up:
+                      ``warmup_density=d0, warmup_stage_steps=T``, e.g. +s0.25x40), +c<norm> (local gradient
+                      clipping: ``local_clip_norm=norm``, e.g. +c5)
     ddp               torch.nn.parallel.DistributedDataParallel over the gloo process group, no hook
     ddp_powersgd_r<R> the same with the PowerSGD hook, matrix_approximation_rank R, vanilla allreduce for the
                       first ``--powersgd-warmup`` steps (``start_powerSGD_iter``)
@@ -70,12 +72,18 @@ def parse_config(name, presets=None):
             cfg["global_fill"] = True
         elif o == "h":
             cfg["hierarchical"] = True
+        elif re.fullmatch(r"s(0?\.\d+|1(\.0*)?)x[1-9]\d*", o) and 0 < float(o[1:].split("x")[0]) <= 1:
+            d0, steps = o[1:].split("x")
+            cfg["warmup_density"], cfg["warmup_stage_steps"] = float(d0), int(steps)
+        elif re.fullmatch(r"c(\d+(\.\d*)?|\.\d+)", o) and float(o[1:]) > 0:
+            cfg["local_clip_norm"] = float(o[1:])
         elif re.fullmatch(r"[db](0?\.\d+|1(\.0*)?)", o) and 0 < float(o[1:]) <= 1:
             cfg["density" if o[0] == "d" else "byte_budget"] = float(o[1:])
         else:
             raise ValueError(f"configuration {name!r}: unknown option {o!r} (+w<steps>: dense warm-up steps, "
                              "+mc: momentum correction, +d<density>: density in (0, 1], +b<budget>: byte budget "
-                             "in (0, 1], +fill: oktopk's global_fill, +h: two levels)")
+                             "in (0, 1], +fill: oktopk's global_fill, +h: two levels, +s<d0>x<steps>: the density "
+                             "warm-up, +c<norm>: local clipping)")
     if "density" in cfg and "byte_budget" in cfg:
         raise ValueError(f"configuration {name!r}: give +d<density> or +b<budget>, not both")
     if cfg["momentum_correction"] and base == "spardl":
@@ -208,8 +216,9 @@ def sparse_compression(cfg, density, momentum):
         options["momentum_correction"] = momentum
     if cfg.get("global_fill"):
         options["global_fill"] = True
-    if cfg.get("hierarchical"):
-        options["hierarchical"] = True
+    for key in ("hierarchical", "warmup_density", "warmup_stage_steps", "local_clip_norm"):
+        if cfg.get(key):
+            options[key] = cfg[key]
     if "byte_budget" in cfg:                                # +b<budget>: the preset derives its density
         return make(cfg["preset"], None, byte_budget=cfg["byte_budget"], **options)
     return make(cfg["preset"], cfg.get("density", density), **options)

@@ -82,6 +82,19 @@ def test_configuration_names():
         parse_config("dense")                  # the engine's dense reducer is not a baseline users have
 
 
+def test_the_recipes_options_reach_the_preset():
+    """+s<d0>x<steps> (the density warm-up), +c<norm> (local clipping) and +h (two levels) build the preset with
+    them; a warm-up density above 1 is refused."""
+    from hvd_sparse.bench._train_worker import sparse_compression
+
+    comp = sparse_compression(parse_config("exdyna+s0.1x20+c2.5+h"), 0.01, 0.9)
+    assert (comp.warmup_density, comp.warmup_stage_steps, comp.local_clip_norm, comp.hierarchical) == \
+        (0.1, 20, 2.5, True)
+    assert comp.density_at(0, 4) == 0.1 and comp.density_at(20, 4) == pytest.approx(0.025)
+    with pytest.raises(ValueError):
+        parse_config("topka+s2x4")
+
+
 def test_a_budget_option_gives_the_preset_a_byte_budget_instead_of_a_density():
     assert parse_config("oktopk+b0.02") == {"kind": "sparse", "name": "oktopk+b0.02", "preset": "oktopk",
                                             "warmup_dense_steps": 0, "momentum_correction": False,
