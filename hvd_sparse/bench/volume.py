@@ -63,13 +63,26 @@ def peak_memory_mb():
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
-def run_one(algorithm, data, workers, steps, density, progress=None):
-    comp = make_algorithm(algorithm, density)
+def engines_of(comp, workers, local_size):
+    """``(world, comms, engines)`` of P simulated ranks: flat, or two levels of ``local_size`` ranks a host
+    (``TwoLevelEngine``: its ``topology`` holds the communicators inside and between the hosts, whose meters count
+    apart)."""
     world = SimulatedWorld(workers)
     comms = world.communicators()
-    engines = [comp.new_engine(c) for c in comms]
+    if not local_size or local_size == 1 or comp.hierarchical is False:
+        return world, comms, [comp.new_engine(c) for c in comms]
+    from ..core.hierarchy import Topology, TwoLevelEngine
+
+    tops = [Topology(*pair) for pair in world.two_levels(local_size)]
+    return world, comms, [TwoLevelEngine(comp, t) for t in tops]
+
+
+def run_one(algorithm, data, workers, steps, density, progress=None, local_size=None):
+    comp = make_algorithm(algorithm, density)
+    world, comms, engines = engines_of(comp, workers, local_size)
     for e in engines:
         e.layout = list(data.layout)
+    inside = np.zeros((steps, workers), np.int64)
     recv = np.zeros((steps, workers), np.int64)
     selected = np.zeros((steps, workers), np.int64)
     special = np.zeros(steps, bool)
@@ -82,8 +95,11 @@ def run_one(algorithm, data, workers, steps, density, progress=None):
             g = np.array(data.grad(t, r), np.float32)       # a private copy: the step writes its result into it
             eng.step(g, out=[g])                             # (no n-sized output per rank: P = 1024 fits)
             del g
-            recv[t, r] = eng.last["recv_words"]
-            phases[t][r] = dict(comm.meter.recv_words)
+            across = eng.last.get("across")                 # two levels: the words between the hosts
+            recv[t, r] = eng.last["recv_words"] if across is None else across["recv_words"]
+            inside[t, r] = 0 if across is None else eng.last["inside"]["recv_words"]
+            meter = comm.meter if across is None else eng.topology.cross.meter
+            phases[t][r] = dict(meter.recv_words)
             selected[t, r] = eng.last["selected"]
             if r == 0:
                 info = eng.last["info"]
@@ -98,11 +114,13 @@ def run_one(algorithm, data, workers, steps, density, progress=None):
     t_max, r_max = np.unravel_index(np.argmax(np.where(mask[:, None], recv, -1)), recv.shape)
     k = max(1, int(density * data.n))
     base = algorithm.split("[")[0]
-    bound = TABLE1[base](n, k, workers)[1] if base in TABLE1 else None
+    L = local_size if hasattr(engines[0], "topology") else 1
+    # two levels: the preset over N = P / L ranks on a shard of n / L at the same density
+    bound = TABLE1[base](n / L, k / L, workers // L)[1] if base in TABLE1 else None
     top = phases[t_max][r_max]
     total = max(1, sum(top.values()))
     partitioned = getattr(comp.sparsifier, "partitioned", False)
-    dens = selected.sum(axis=1) / n if partitioned else selected.mean(axis=1) / n
+    dens = selected.sum(axis=1) / n if partitioned else selected.mean(axis=1) / (n / L)     # two levels: of a shard
     phase_steps = {}
     for t in np.flatnonzero(mask):
         for p in dict.fromkeys(q for d in phases[t] for q, w in d.items() if w):
@@ -114,6 +132,8 @@ def run_one(algorithm, data, workers, steps, density, progress=None):
         "recv_words_max_steady": int(steady.max()),
         "density_mean": float(dens.mean()),
         "recv_words_mean_steady": float(steady.mean()),
+        "local_size": L,
+        "inside_recv_words_mean": float(inside.mean()),
         "steady_steps": int((~special).sum()),
         "steady_over_bound": None if bound is None else
         [int(t) for t in np.flatnonzero(mask & (recv.max(axis=1) > bound))],
@@ -124,7 +144,7 @@ def run_one(algorithm, data, workers, steps, density, progress=None):
     }
 
 
-def run(algorithms, data, workers, steps, density, verbose=True):
+def run(algorithms, data, workers, steps, density, verbose=True, local_size=None):
     k = max(1, int(density * data.n))
     results = []
     for alg in algorithms:
@@ -135,7 +155,7 @@ def run(algorithms, data, workers, steps, density, verbose=True):
                 print(f"\r  {alg:<10} step {t}/{steps}  ({time.perf_counter() - t0:.0f} s)", end="",
                       file=sys.stderr, flush=True)
 
-        res = run_one(alg, data, workers, steps, density, progress)
+        res = run_one(alg, data, workers, steps, density, progress, local_size)
         res["seconds"] = round(time.perf_counter() - t0, 2)
         if verbose:
             print(file=sys.stderr)
@@ -147,16 +167,19 @@ def run(algorithms, data, workers, steps, density, verbose=True):
 def markdown(report):
     n, k, P = report["numel"], report["k"], report["workers"]
     unit = k * (P - 1) / P if P > 1 else 1.0
+    L = report["results"][0].get("local_size", 1) if report["results"] else 1
+    where = "" if L == 1 else (f"; two levels, {L} ranks a host: the words between the hosts (Table 1: the preset "
+                               f"over {P // L} ranks on a shard of n/{L})")
     lines = [f"Words received per rank per step: P = {P}, n = {n:,}, k = {k:,} "
              f"(density {report['density']}), {report['steps']} steps; u = k(P-1)/P = {unit:,.0f}; "
-             f"peak memory {report.get('peak_memory_mb', 0):,.0f} MB.", "",
+             f"peak memory {report.get('peak_memory_mb', 0):,.0f} MB{where}.", "",
              "| algorithm | recv words max | recv words mean | max, steady steps | steady max / k "
              "| Table 1 (best .. worst) | density | steady max / u | steady mean / u | phases of the steady max "
              "| steady steps over Table 1 |",
              "|---|---:|---:|---:|---:|---|---:|---:|---:|---|---:|"]
     for r in sorted(report["results"], key=lambda r: r["recv_words_max_steady"]):
         t1 = TABLE1.get(r["algorithm"].split("[")[0])
-        ref = "" if t1 is None else " .. ".join(f"{v:,.0f}" for v in sorted(set(t1(n, k, P))))
+        ref = "" if t1 is None else " .. ".join(f"{v:,.0f}" for v in sorted(set(t1(n / L, k / L, P // L))))
         lines.append(f"| {r['algorithm']} | {r['recv_words_max']:,} | {r['recv_words_mean']:,.0f} | "
                      f"{r['recv_words_max_steady']:,} | {r['recv_words_max_steady'] / k:.2f} | {ref} | "
                      f"{r['density_mean']:.4f} | {r['recv_words_max_steady'] / unit:.2f} | "
@@ -264,6 +287,10 @@ def add_arguments(v):
                    help="synthetic; recorded: the digits CNN (n = 38,282); recorded-mlp: a 448,778-parameter "
                         "MLP trained on digits (regenerated deterministically, see bench/data.py)")
     v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--local-size", type=cli.positive_int, default=None,
+                   help="two levels: L ranks a host (P / L hosts): the words counted are those between the hosts "
+                        "(inside the host apart: inside_recv_words_mean), Table 1 that of the preset over P / L ranks "
+                        "on a shard of n / L")
     v.add_argument("--json", metavar="FILE", help="write the report as JSON")
     v.add_argument("--plot", metavar="FILE",
                    help="save a PNG: steady words received per rank vs P (log-log, Table 1 dashed) for a list "
@@ -318,7 +345,9 @@ def main(args):
             src = data.RecordedGradients(P, args.steps, seed=args.seed)
         else:
             src = data.MLPGradients(P, seed=args.seed)
-        report = run(algorithms, src, P, args.steps, density, verbose=not args.quiet)
+        if args.local_size and P % args.local_size:
+            raise SystemExit(f"hvd_sparse.bench volume: --local-size {args.local_size} must divide P = {P}")
+        report = run(algorithms, src, P, args.steps, density, verbose=not args.quiet, local_size=args.local_size)
         report["data"] = args.data
         reports.append(report)
     if len(reports) == 1:

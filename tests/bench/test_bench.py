@@ -29,6 +29,23 @@ def test_volume_cli_writes_the_documented_json(tmp_path, capsys):
     assert "| topka |" in capsys.readouterr().out
 
 
+def test_volume_counts_two_levels_between_and_inside_the_hosts(tmp_path):
+    """--local-size 2 at P = 8 (4 hosts of 2), n = 80,000, k = 800: TopkA receives 2(k/L)(N-1) words from the other
+    hosts, Ok-Topk at most 6(k/L)(N-1)/N, and inside the host 2n(L-1)/L values plus the L - 1 headers of 9 words;
+    the density is the shard's; an L that does not divide P is refused."""
+    out = tmp_path / "v.json"
+    assert main(["volume", "--workers", "8", "--local-size", "2", "--numel", "80000", "--steps", "4", "--algorithms",
+                 "topka,oktopk", "--json", str(out), "--quiet"]) == 0
+    rows = {r["algorithm"]: r for r in json.loads(out.read_text())["results"]}
+    k, L, N, n = 800, 2, 4, 80000
+    assert rows["topka"]["recv_words_max"] == 2 * (k // L) * (N - 1)
+    assert rows["oktopk"]["recv_words_max_steady"] <= 6 * (k / L) * (N - 1) / N
+    assert rows["topka"]["inside_recv_words_mean"] == 2 * n * (L - 1) / L + 9 * (L - 1)
+    assert rows["topka"]["density_mean"] == 0.01 and rows["topka"]["local_size"] == L
+    with pytest.raises(SystemExit):
+        main(["volume", "--workers", "8", "--local-size", "3", "--numel", "8000", "--quiet"])
+
+
 def test_volume_cli_rejects_unknown_algorithms():
     with pytest.raises(SystemExit):
         main(["volume", "--workers", "2", "--algorithms", "topka,nope"])
