@@ -8,6 +8,7 @@ Scenarios:
   misuse   wrapping twice raises; a preset shared by two models through the tape raises
   bpps     backward_passes_per_step=2: Compression.none (averaged) next to a bpps=1 run on double batches, and
            a sparse preset (summed), with what reached the reduction and the final weights
+  two_levels  (two hosts: -H localhost:2,127.0.0.1:2) model.fit with TopkA and Ok-Topk at hierarchical=True
   checkpoint  oktopk: 12 uninterrupted steps vs 6 steps -> tf.train.Checkpoint with SparseState (one file per
            rank) -> a rebuilt model/optimizer/preset restored -> 6 more; a cold restart (no SparseState); the
            errors of restoring the other rank's file and of restoring into another preset
@@ -79,6 +80,14 @@ def scenario_fit(out):
     for name in ["none"] + (wanted.split(",") if wanted else names()):
         comp = hvds.Compression.none if name == "none" else make(name, DENSITY)
         res[f"{name}.raw"], res[f"{name}.red"], res[f"{name}.weights"] = fit(comp)
+    res["layout"] = np.array([int(np.prod(v.shape)) for v in keras_mlp().trainable_variables])
+    np.savez(out, **res)
+
+
+def scenario_two_levels(out):
+    res = {}
+    for name in ("topka", "oktopk"):
+        res[f"{name}.raw"], res[f"{name}.red"], res[f"{name}.weights"] = fit(make(name, DENSITY, hierarchical=True))
     res["layout"] = np.array([int(np.prod(v.shape)) for v in keras_mlp().trainable_variables])
     np.savez(out, **res)
 
