@@ -140,9 +140,10 @@ def test_measured_boundaries_split_the_histogram_evenly():
 @pytest.mark.parametrize("control", ["band", "ladder"])
 def test_measured_boundaries_and_the_ladder_sum_do_not_change_results(P, tp, control):
     """``measured`` boundaries (this step's histogram, in the step's opening; at fewer than 2P² entries, k = 15
-    here for P = 3 and 5, the smoothed load instead) and the ladder's counts in the gather's header: the same updates
-    and residuals, bit for bit, as the paper's boundaries, the same boundaries on every rank, and exactly the words
-    they add to the messages, the same on every step."""
+    here for P = 3 and 5, the smoothed load instead) and the ladder's counts below Γ in the gather's header (those
+    from Γ up the receivers count in the pairs): the same updates and residuals, bit for bit, as the paper's
+    boundaries, the same boundaries on every rank, and exactly the words they add to the messages, the same on
+    every step."""
     from hvd_sparse.core.oktopk.exchange import HISTOGRAM_FROM, LADDER_STEPS
 
     g = int_grads(14, P, 300, seed=80 + P)
@@ -159,7 +160,7 @@ def test_measured_boundaries_and_the_ladder_sum_do_not_change_results(P, tp, con
             rw = res["phases"][t][0]["recv_words"]
             histogram = b == "measured" and 15 >= HISTOGRAM_FROM * P * P
             assert rw.get("histogram", 0) == (2 * P * (P - 1) if histogram else 0)
-            head = (len(LADDER_STEPS) if control == "ladder" else 1) + (b == "measured")   # counts, load
+            head = (LADDER_STEPS.index(0) if control == "ladder" else 0) + (b == "measured")  # counts below Γ, load
             assert rw["gather.head"] == head * (P - 1)
     offsets = [runs["measured"]["info"][t][0]["offsets"] for t in range(14)]
     assert any(o != offsets[0] for o in offsets[1:])                    # the measured boundaries do move

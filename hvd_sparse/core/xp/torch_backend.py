@@ -451,7 +451,7 @@ class TorchBackend(KernelOps, _Indexing):
             return super().ladder_counts(x, ths, rule)
         return self._passing(x.abs(), self._bounds(ths, rule, x))
 
-    def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True):
+    def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True, start=0):
         """The host's rule on the device: the counts at every rung in one sorted search (:meth:`_passing`); the
         rungs that still pass more than a limit are a prefix (the counts fall as the threshold rises), so their
         number is the first rung within it; one compare and a padded compaction. Whether the rung taken still
@@ -459,7 +459,8 @@ class TorchBackend(KernelOps, _Indexing):
         (:meth:`_largest`: a ``torch.topk`` and a running count of ties) are computed on every call where ``cap``
         is less than the input, and taken where it does: about twenty operations more, and no read."""
         if self.host(x) is not None:
-            return super().select_capped(x, ths, rule, cap, fill, base=base, guard=guard, counts=counts, tally=tally)
+            return super().select_capped(x, ths, rule, cap, fill, base=base, guard=guard, counts=counts, tally=tally,
+                                         start=start)
         mag = x.abs()
         bounds = self._bounds(ths, rule, x)
         J = self.numel(bounds)
@@ -474,7 +475,7 @@ class TorchBackend(KernelOps, _Indexing):
                 trigger, limit, most = guard
                 climb = ((passing[1:most + 1] > limit).sum() + 1).clamp_(max=most)
                 j = self.torch.maximum(j, climb * (passing[0] > trigger))
-            j = self.torch.minimum(j, ((passing > 0).sum() - 1).clamp_(min=0))       # not past the last nonempty
+            j = self.torch.minimum(j, (passing > 0).sum() - 1).clamp_(min=start)     # not past the last nonempty
             mask = mag >= self.torch.take(bounds, j)
             count = passed = self.torch.take(passing, j)
         if cap < self.numel(x):                 # past the ladder's top the cap largest stay, chosen where it overflows
