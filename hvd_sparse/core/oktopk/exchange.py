@@ -9,8 +9,9 @@ fixed-shape collectives per step (docs/algorithms.md#the-wire).
         regions.plan     off = mean of the proposals (repartition steps) | even split of the summed histogram
                          ("measured") | the last step's (they follow it: regions.follow)
       2 _split           rho = region r of the sum of the selections: one alltoall of S's pairs (a message of the
-                         selection's capacity every step; the unused slots go to this rank itself), the sources
-                         added in rank order on the received support (xp.merge_add_padded)
+                         selection's capacity every step; the unused slots go to this rank itself), at most s to
+                         an owner (split_capacity·k/P: its largest; the rest stays out of S), the sources added in
+                         rank order on the received support (xp.merge_add_padded)
       3 _gather          every owner sends its pairs at Γ, or at the first rung above that fits c (c =
                          gather_capacity·k/P; reev: its c largest), its counts below Γ (the ladder's Γ/f) and its
                          load (regions that follow it) in the message's header: one collective of one shape (a
@@ -39,7 +40,11 @@ Departures from the paper, for fixed shapes (docs/algorithms.md#oktopk):
     On a device every owner sends c pairs, padding included (counting them would make the host wait); on the host,
     where the count is free, only its real ones, in an alltoall whose shape is fixed all the same (the rest of the
     message goes to the owner itself). Volume: 2|S|(P-1)/P + at most 2c(P-1) data words, <= 6k(P-1)/P while
-    |S| <= k and c <= 2k/P; gather_capacity is 1.5 (measured: the owners' share of G, docs/algorithms.md#the-wire);
+    |S| <= k and c <= 2k/P; gather_capacity is 1.5, 1.25 in the library's preset (measured: the owners' share of G,
+    docs/algorithms.md#the-wire);
+  * the library's preset sends an owner at most s = 1.25k/P pairs of a rank's selection in the split (the paper
+    sends them all): no owner receives more than 2s(P-1) words however the regions lie, so a steady step receives
+    at most (P-1)(2s + 2c + 2) words on the host, within 6k(P-1)/P from k/P = 6;
   * the re-evaluation takes the exact top-k of the gathered candidates (the owners' top-c), the reuse step
     decides its rung from the owners' counts, in the gather itself (in its header below Γ; on the host the pairs
     sent from Γ up are their own count): the same two collectives on every step;
@@ -67,8 +72,9 @@ from .selection import band_adjust, max_select_ratio_option, select_rule_option,
 BOUNDARY_POLICIES = ("periodic", "result", "load", "measured")
 FEW_COLLECTIVES_FROM = 1024         # k/P from which "measured" regions follow the load instead of a histogram
 #: "measured" regions count a histogram only from k >= this·P²: the allgathered histogram's 2P(P-1) words a rank
-#: are then at most half the split's 2k(P-1)/P (below, a split balanced by the load of the last steps costs less)
-HISTOGRAM_FROM = 2
+#: are then at most a quarter of k(P-1)/P (below, a split balanced by the load of the last steps and capped by the
+#: split capacity costs less: docs/algorithms.md#oktopk)
+HISTOGRAM_FROM = 8
 #: exponents j of the Γ ladder Γ·f^j (global_control="ladder"): the owners count their sums at every rung and send
 #: those from Γ (j = 0) up; the count at Γ/f lets Γ come down a rung (docs/algorithms.md#oktopk)
 LADDER_STEPS = tuple(range(-1, 8))
@@ -211,6 +217,10 @@ class OkTopk(Reducer):
             k): an owner with more pairs at the threshold keeps its c largest in G. On a device every owner sends c
             (the padding crosses); on the host its real ones. None: more than an owner ever holds (nothing is cut;
             for studies, at many times the words on a device). Default 1.5 (measured: docs/algorithms.md).
+        split_capacity (float or None): s, the most pairs a rank sends each other owner in the split, in units of
+            k/P: where its selection holds more in a region, its s largest there go and the rest stays in its
+            residual, so no owner receives more than 2s(P-1) words however the regions lie. None (default, the
+            paper): the whole selection. The ``Compression.oktopk`` preset: measured, docs/algorithms.md#oktopk.
         boundaries (str): how the regions follow the selection: ``"periodic"`` (default, paper), ``"result"``,
             ``"load"`` or ``"measured"`` (the ``Compression.oktopk`` preset); each rule is described in
             :class:`~hvd_sparse.core.oktopk.regions.Regions`, the policy object built from these options.
@@ -233,7 +243,7 @@ class OkTopk(Reducer):
         few_collectives_from (int or None): at k >= this·P (k/P: the same on every rank) ``measured`` regions
             count no histogram (2P(P-1) words a step in the opening) and follow the smoothed load instead (the
             ``load`` rule, a good forecast at many entries per region). None: never. Default 1024. They do the same
-            below k = 2·P² (``HISTOGRAM_FROM``), where the histogram would cost more than half the split.
+            below k = 8·P² (``HISTOGRAM_FROM``), where the histogram would cost more than a quarter of k(P-1)/P.
 
     Per-rank state: ``t`` (sparse steps so far), ``gamma`` (Γ, identical on all ranks), ``offsets``
     (o_0..o_P, Python ints, identical on all ranks), ``size`` (P). Info returned each step: ``K`` (the entries
@@ -250,6 +260,8 @@ class OkTopk(Reducer):
     _: dataclasses.KW_ONLY
     gather_capacity: float = real(1.5, 0.0, low_incl=False, allow_none=True,
                                   fix="e.g. 1.5 (the pairs per owner, in k/P; None: never cut)")
+    split_capacity: float = real(None, 0.0, low_incl=False, allow_none=True,
+                                 fix="e.g. 1.25 (the pairs a rank sends one owner, in k/P; None: all)")
     global_band_lo: float = real(0.75, 0.0, fix="e.g. 0.75")
     global_band_hi: float = real(1.25, 0.0, fix="e.g. 1.25")
     global_relax: float = real(1.01, 1.0, fix="e.g. 1.01 (1.0 disables)")
@@ -283,6 +295,11 @@ class OkTopk(Reducer):
     def initial_state(self):
         return {"t": 0, "gamma": None, "offsets": None, "size": None}
 
+    def split_limit(self, k, P):
+        """s: the most pairs a rank sends one other owner in the split (``split_capacity``·k/P, at least 1), or None:
+        its whole part of the selection."""
+        return None if self.split_capacity is None else max(1, math.ceil(self.split_capacity * k / P))
+
     def owner_capacity(self, k, P):
         """c: the pairs each owner sends in the gather: at most k (G holds no more after a re-evaluation or on a
         reuse step of the ladder); ``gather_capacity`` None: 2·P·k, more than an owner ever holds (nothing is cut:
@@ -305,7 +322,7 @@ class OkTopk(Reducer):
         """
         step, offsets = self._start(xp, acc, k, comm, state)
         placed = self._open(xp, idx, state, ctx, step, offsets)
-        region, load = self._split(xp, idx, comm, ctx, step, placed)
+        region, load, idx = self._split(xp, idx, comm, ctx, step, placed)
         gathered = self._gather(xp, region, load, comm, step)
         chosen = self._select(xp, gathered, step)
         return self._finish(xp, idx, state, step, placed, gathered, chosen)
@@ -321,7 +338,7 @@ class OkTopk(Reducer):
         t, gamma = state["t"], state["gamma"]
         reev = t % self.threshold_period == 0 or gamma is None or not math.isfinite(gamma)
         # many entries per region (k, P: the same on every rank): the last steps' load forecasts the next one well;
-        # few entries per rank (k < 2P²): the histogram's 2P(P-1) words would be more than half the split
+        # few entries per rank (k < 8P²): the histogram's 2P(P-1) words would be more than a quarter of k(P-1)/P
         few = P > 1 and (self.few_collectives_from is not None and k >= self.few_collectives_from * P
                          or k < HISTOGRAM_FROM * P * P)
         return Step(P=P, r=comm.rank, n=n, k=k, t=t, gamma=gamma, reev=reev, few=few), offsets
@@ -336,13 +353,15 @@ class OkTopk(Reducer):
         return Placement(offsets=placed, repart=repart, edges=edges, hist=hist, own=counts[step.r])
 
     def _split(self, xp, idx, comm, ctx, step, placed):
-        """``(region, load)``: region r of the sum of the selections (:class:`~hvd_sparse.core.xp.fixed.RegionSums`)
-        and the pairs it received. One alltoall of the selection's whole capacity as (index, value bits) rows: the
-        pairs of region q to rank q, the padding to this rank itself (so the message has the same shape every step,
-        and no padding crosses the wire); the sources added in rank order."""
+        """``(region, load, idx)``: region r of the sum of the selections
+        (:class:`~hvd_sparse.core.xp.fixed.RegionSums`), the pairs it received and the selection as it was sent
+        (:meth:`_cap_split`). One alltoall of the selection's whole capacity as (index, value bits) rows: the pairs of
+        region q to rank q, the padding to this rank itself (so the message has the same shape every step, and no
+        padding crosses the wire); the sources added in rank order."""
         r, offsets = step.r, placed.offsets
         splits = region_split(xp, idx, offsets)                 # the step's second host read: the send splits
-        cap, own = xp.numel(idx), placed.own
+        idx, splits = self._cap_split(xp, idx, ctx, splits, step)
+        cap, own = xp.numel(idx), sum(splits)
         lo = sum(splits[:r + 1])                                # regions 0..r, the padding, regions r+1..P-1
         order = np.concatenate([np.arange(lo), np.arange(own, cap), np.arange(lo, own)])
         pairs = xp.take(idx, xp.asarray(order, xp.index_dtype, like=idx))
@@ -357,7 +376,19 @@ class OkTopk(Reducer):
                   for p in ([(m, True)] if q != r else [(m - (cap - own), True), (cap - own, False)])]
         r_idx, r_bits = xp.unbind(xp.transpose(recv))
         r_val = values_of_bits(xp, r_bits)
-        return xp.region_sums(r_idx, r_val, pieces, offsets[r], offsets[r + 1], step.n), load
+        return xp.region_sums(r_idx, r_val, pieces, offsets[r], offsets[r + 1], step.n), load, idx
+
+    def _cap_split(self, xp, idx, ctx, splits, step):
+        """``(idx, splits)``: the selection as the split sends it: at most s = ``split_capacity``·k/P pairs to each
+        other owner, its largest magnitudes there (ties by the lower index), the rest replaced by the padding (n):
+        they stay in this rank's residual (I = S ∩ G of what was sent). Unchanged where no other owner's part
+        exceeds s (known on the host from the splits: nothing more to compute), or without a split capacity."""
+        s, r = self.split_limit(step.k, step.P), step.r
+        if s is None or all(m <= s for q, m in enumerate(splits) if q != r):
+            return idx, splits
+        caps, cap = [m if q == r else min(m, s) for q, m in enumerate(splits)], xp.numel(idx)
+        pos = xp.largest_in_runs(xp.take(ctx.padded, idx), splits + [cap - sum(splits)], caps + [0], cap)
+        return xp.take(xp.concat([idx, xp.full(1, step.n, xp.index_dtype, like=idx)], like=idx), pos), caps
 
     def _gather(self, xp, region, load, comm, step):
         """Every owner's pairs (ascending index; padding: n, 0.0) and, in the message's header, its counts and its

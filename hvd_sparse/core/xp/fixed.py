@@ -210,6 +210,20 @@ class FixedOps:
         out[:pos.size] = pos
         return self.asarray(out, self.index_dtype, like=mask)
 
+    def largest_in_runs(self, x, lengths, caps, fill):
+        """Positions (ascending) of the entries of ``x`` each run keeps, padded with ``fill`` to the length of ``x``:
+        run j (``lengths[j]`` consecutive entries, host ints) keeps its ``caps[j]`` largest magnitudes, ties by the
+        lower position (a stable sort by run, then by descending magnitude)."""
+        mag, lengths = np.abs(self._np(x)), np.asarray(lengths, np.int64)
+        order = np.lexsort((-mag, np.repeat(np.arange(lengths.size), lengths)))     # by run, the largest first
+        rank = np.arange(mag.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)    # the place in its run
+        keep = np.zeros(mag.size, bool)
+        keep[order] = rank < np.repeat(np.asarray(caps, np.int64), lengths)
+        out = np.full(mag.size, fill, np.int64)
+        kept = np.flatnonzero(keep)
+        out[:kept.size] = kept
+        return self.asarray(out, self.index_dtype, like=x)
+
     def topk_padded(self, x, k):
         """``(indexes, threshold, count)``: :meth:`topk`'s exact top-k of ``|x|`` (ascending, ties by the lower
         index, zeros never; fewer than k when fewer are nonzero) padded with ``numel(x)`` to exactly k entries, the

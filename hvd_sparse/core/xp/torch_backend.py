@@ -349,6 +349,22 @@ class TorchBackend(KernelOps, _Indexing):
             return super().compact(mask, size, fill)
         return self.torch.nonzero_static(mask, size=size, fill_value=fill).reshape(-1)
 
+    def largest_in_runs(self, x, lengths, caps, fill):
+        """On a device: two stable sorts (by descending magnitude, then by run) put every run's entries largest
+        first, ties by the lower position; each keeps its first ``caps[j]``; a padded compaction (no read)."""
+        if self.host(x) is not None:
+            return super().largest_in_runs(x, lengths, caps, fill)
+        torch, m = self.torch, self.numel(x)
+        run = self.asarray(np.repeat(np.arange(len(lengths)), lengths), torch.int64, like=x)
+        by_mag = torch.sort(x.abs(), descending=True, stable=True).indices
+        order = by_mag[torch.sort(run[by_mag], stable=True).indices]
+        starts = np.cumsum(lengths) - np.asarray(lengths)
+        first = self.asarray(np.repeat(starts, lengths), torch.int64, like=x)        # each position's run start
+        limit = self.asarray(np.repeat(np.asarray(caps, np.int64), lengths), torch.int64, like=x)
+        rank = torch.arange(m, device=x.device) - first               # order's entries are grouped by run, in order
+        keep = torch.zeros(m, dtype=torch.bool, device=x.device).index_put_((order,), rank < limit)
+        return self.compact(keep, m, fill)
+
     def topk_padded(self, x, k):
         """The device's exact top-k: the k-th magnitude by ``torch.topk``, then every entry above it and the tied
         ones of the lowest indexes up to k, by masks and a running count (the host's rule, without a sort)."""
