@@ -112,6 +112,18 @@ def test_smoothed_load_boundaries_keep_the_split_balanced_at_ten_entries_per_reg
     assert drift.max() > 1.7 and np.median(drift) > np.median(smoothed)             # drifts further
 
 
+def test_the_repartition_is_the_floor_of_the_mean_proposal_also_past_int64_sums():
+    """The paper's repartition: boundary j is the floor of the mean of the ranks' j-th proposals, exactly, also where
+    their sum would not fit int64 (indexes near 2^62 from 8 ranks)."""
+    from hvd_sparse.core.oktopk.regions import repartition
+
+    rng = np.random.default_rng(3)
+    for P, n in ((2, 10), (5, 1000), (8, 2**62)):
+        rows = [sorted(int(x) for x in rng.integers(0, n, P - 1, dtype=np.int64)) for _ in range(P)]
+        want = [0] + [sum(row[j] for row in rows) // P for j in range(P - 1)] + [n]
+        assert repartition(rows, n) == want
+
+
 def test_smoothed_load_boundaries_are_an_even_split_of_the_average():
     from hvd_sparse.core.oktopk.regions import smoothed_load_boundaries
 
