@@ -308,14 +308,17 @@ def oktopk_reference(g, density, tp=32, sp=None, rd=None):
         else:
             used = gam
             G = None
-            if rdk["global_control"] == "ladder":      # smallest gam·f^j (j = -2..6) with count <= k
-                ladder = [gam * rdk["ladder_factor"] ** j for j in range(-2, 7)]
+            if rdk["global_control"] == "ladder":      # smallest gam·f^j (j = -1..7) with count <= k
+                ladder = [gam * rdk["ladder_factor"] ** j for j in range(-1, 8)]
                 counts = [int((rule_mask(rho, th, rdk["select_rule"]) & (rho != 0)).sum()) for th in ladder]
                 j = next((j for j, c in enumerate(counts) if c <= k), len(ladder) - 1)
-                used = ladder[j]
-                if j and counts[j] < k < counts[j - 1] and (rdk["global_fill"] or counts[j] == 0):
-                    G = ref_topk(np.where(rule_mask(rho, ladder[j - 1], rdk["select_rule"]), rho, 0), k)  # fill
-            total = counts[j] if G is not None else None       # what passed at the rung, before a fill or cut
+                at = max(j, 1)                          # the owners send from gam (rung 1) up: G keeps those
+                used = ladder[at]
+                if at > 1 and counts[at] < k < counts[at - 1] and (rdk["global_fill"] or counts[at] == 0):
+                    G = ref_topk(np.where(rule_mask(rho, ladder[at - 1], rdk["select_rule"]), rho, 0), k)  # fill
+                # gam takes the rung (below gam: for the next step), one below gam where gam's own holds none
+                nxt = ladder[0] if j == 1 and counts[1] == 0 else ladder[j]
+            total = counts[at] if G is not None else None       # what passed at the rung, before a fill or cut
             if G is None:
                 G = rule_mask(rho, used, rdk["select_rule"]) & (rho != 0)
                 total = int(G.sum())
@@ -323,7 +326,7 @@ def oktopk_reference(g, density, tp=32, sp=None, rd=None):
                 G = ref_topk(np.where(G, rho, 0), k)
                 gam = float(np.abs(rho[G]).min())
             elif rdk["global_control"] == "ladder":
-                gam = used
+                gam = nxt
             else:
                 gam = band(gam, int(G.sum()), k, rdk["global_band_lo"], rdk["global_band_hi"],
                            rdk["global_relax"], rdk["global_tighten"])

@@ -34,9 +34,9 @@ topk_dsa   TOPK_DSA_WORDS         2k(P−1)/P in the reduce-scatter, then its sh
 gtopk      4                      every rank but rank 0 sends its k pairs once and rank 0 broadcasts k pairs:
                                   4k(P−1)/P on average over the ranks (rank 0 alone sends 2k(P−1))
 oktopk     3 + 2·g                its |S| ≈ k pairs in the split (2k(P−1)/P), g·k/P pairs to P−1 ranks in the
-                                  gather (g = ``gather_capacity``, 1.5; None: 2P²; on the host only the owners'
-                                  real pairs, fewer), and about k(P−1)/P of control words (the histogram,
-                                  proposals and the gather's header)
+                                  gather (g = ``gather_capacity``, 1.25 in the library preset; None: 2P²; on the
+                                  host only the owners' real pairs, fewer), and about k(P−1)/P of control words
+                                  (the histogram, proposals and the gather's header)
 exdyna     3P                     per slot of its capacity (c = 2·k/P): the index to P−1 ranks and the allreduce
                                   of the values at all P·c slots (on the host at the union's real entries, about
                                   k, in one of a ladder of sizes: fewer)
@@ -54,10 +54,10 @@ preset     P = 4   P = 8   P = 64  P = 256 why not 1
 topka      1.00    1.00    0.998   0.973   exact (k = ⌊d·n⌋ rounds down)
 topk_dsa   0.915   0.908   0.883   0.825   N varies with the data (table: 40-step means of b = 0.01-0.2, ~8% margin)
 gtopk      1.00    1.00    1.00    1.00    exact
-oktopk     0.682   0.710   0.833   1.157   the split carries |S| ≈ 0.9k, the host's gather the owners' real
-                                           pairs (a device's, c = ⌈1.5k/P⌉ each: 0.812, 0.829, 0.895, 1.24); at
-                                           P = 256 (k/P = 6.5) the gather's header (10 words an owner) exceeds the
-                                           model's allowance
+oktopk     0.686   0.701   0.711   0.895   the split carries |S| ≈ 0.9k, the host's gather the owners' real
+                                           pairs (a device's, c = ⌈1.25k/P⌉ each: 0.798, 0.811, 0.875, 1.23); at
+                                           P = 256 (k/P = 7.1) a device's gather header (11 words an owner)
+                                           exceeds the model's allowance
 exdyna     0.775   0.765   0.748   0.749   its indices' capacity is sent whatever it selects; the host's values at
                                            the union's real entries (a device's at all P·c slots: 1.00, 0.998,
                                            0.999, 0.999)
@@ -71,7 +71,7 @@ sends one entry per rank, f(P)·(P−1)/P words, more than the budget (n below a
 n is not known when the density is derived.
 
 Limits of the model: the per-step control words (Ok-Topk's histogram, the gather's header) do not scale with k, so
-where k/P is small they add to the volume (Ok-Topk at k/P = 6.5: 1.16 of the budget on the host, 1.24 on a device); int64 indices (n > 2^31 − 2) make a pair 12 bytes, not 8; the model is
+where k/P is small they add to the volume (Ok-Topk at k/P = 7.1: 0.90 of the budget on the host, 1.23 on a device); int64 indices (n > 2^31 − 2) make a pair 12 bytes, not 8; the model is
 the library's Ok-Topk variant: "paper" and "ref_*", without its count controllers, select more than k for tens of
 steps (their capacity, 1.25k, bounds them). SparDL with ``groups`` > 1 stays below its bound (P = 64, groups = 4:
 0.64 of the budget; P = 8, groups = 2: 0.88, and 1.00 with ``sag="recursive"``).

@@ -85,6 +85,44 @@ def test_select_capped_climbs_the_ladder_until_the_selection_fits(rule, cap):
     assert int(first[2]) == j and first[3].tolist() == counts[:3]
 
 
+@pytest.mark.parametrize("th, cap", [(0.25, 4000), (0.25, 400), (0.25, 10), (2.7, 10)])
+def test_select_capped_from_a_start_rung_counts_the_rungs_below_it(th, cap):
+    """``start``: the selection begins at that rung (never below it, even where a lower one fits or where it passes
+    none), and the counts still cover the rungs below it, on every path alike (Ok-Topk's owners count Γ/f, send from
+    Γ). th = 2.7: the rungs from the start pass none, the one below 22."""
+    x = data(4)
+    factors = (1.0, 1.5, 2.25, 3.375)
+    idx, count, rung, counted = same(on_every_path(
+        lambda xp, a: xp.select_capped(a, xp.ladder(th, factors, a), "ge_nonzero", cap, -1, counts=4, start=1), x))
+    mag = np.abs(x)
+    counts = [int(rule_mask(NP, mag, th * f, "ge_nonzero").sum()) for f in factors]
+    j = next((i for i in range(1, 4) if counts[i] <= cap), 3)
+    j = min(j, max(1, sum(c > 0 for c in counts) - 1))
+    want = largest_first(mag, np.flatnonzero(rule_mask(NP, mag, th * factors[j], "ge_nonzero")), cap)
+    assert counted.tolist() == counts and int(rung) == j and int(count) == want.size
+    np.testing.assert_array_equal(idx, np.concatenate([want, np.full(cap - want.size, -1)]))
+    assert (counts[0] <= cap) == (cap == 4000) and (counts[1] == 0 < counts[0]) == (th == 2.7)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_largest_in_runs_keeps_each_runs_largest_ties_by_the_lower_position(seed):
+    """Ok-Topk's split capacity: each run of consecutive entries keeps its ``caps[j]`` largest magnitudes (ties by the
+    lower position; runs that fit keep everything, empty runs and caps of 0 included), the positions ascending and
+    padded with ``fill``, on every path alike."""
+    x = data(5 + seed, 600)
+    rng = np.random.default_rng(seed)
+    lengths = rng.multinomial(600, rng.dirichlet(np.ones(12))).tolist()
+    caps = [int(rng.integers(0, m + 3)) for m in lengths]
+    pos = same(on_every_path(lambda xp, a: (xp.largest_in_runs(a, lengths, caps, -1),), x))[0]
+    mag, start, want = np.abs(x), 0, []
+    for m, c in zip(lengths, caps):
+        want.append(start + largest_first(mag[start:start + m], np.arange(m), c))
+        start += m
+    want = np.concatenate(want)
+    np.testing.assert_array_equal(pos, np.concatenate([want, np.full(600 - want.size, -1)]))
+    assert 0 < want.size < 600
+
+
 @pytest.mark.parametrize("cap", [1, 5, 40])
 def test_a_selection_past_the_ladder_keeps_the_largest_wherever_they_are(cap):
     """A cut keeps the largest magnitudes, not the lowest indexes: here the largest lie at the end of the buffer,

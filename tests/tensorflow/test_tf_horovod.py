@@ -73,7 +73,7 @@ def test_sparse_allreduce_op_equals_simulator(job, mode):
 
 @pytest.mark.parametrize("mode", ["eager", "graph"])
 def test_oktopk_op_on_a_moving_load_equals_simulator(job, mode):
-    """Ok-Topk's default on a load that moves every step (k = 6 < 2P²: its regions follow the load the owners
+    """Ok-Topk's default on a load that moves every step (k = 6 < 8P²: its regions follow the load the owners
     report): the regions move after the first step, and every rank gets the simulator's bits."""
     P, res = job
     ranks = res["op"]

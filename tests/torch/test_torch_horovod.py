@@ -105,7 +105,7 @@ def test_every_preset_through_horovod_equals_simulator(job, preset):
     assert np.isfinite(grads).all()
     sim = simulate(presets.make(preset, 0.05), grads, shapes=[(int(m),) for m in ranks[0]["layout"]],
                    backend="torch")
-    if preset == "oktopk":   # the run made every message of the default: at k >= 2P², the histogram in the opening
+    if preset == "oktopk":   # the run made every message of the default: at k >= 8P², the histogram in the opening
         from hvd_sparse.core.oktopk.exchange import HISTOGRAM_FROM
 
         ran = {p for step in sim.phases for ph in step for p in ph["calls"]}

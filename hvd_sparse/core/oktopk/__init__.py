@@ -11,10 +11,11 @@ threshold period, τ the repartition period; t counts this unit's sparse steps f
     S = {i : |a_i| >= L}                        selection: S, padded to its capacity (1.25k), ascending
     off = repartition every τ steps             regions.Regions.opening/plan: the proposals (or a histogram of S)
                                                 ride in the step's opening; every rank places the same regions
-    ρ = region r of Σ_p S_p  (split-reduce)     exchange.OkTopk._split: one alltoall of S's pairs, added in rank
-                                                order
-    reev: G = top-k of allgather(ρ), Γ = its    exchange.OkTopk._gather: one collective of at most c = 1.5k/P
-          k-th magnitude                        pairs per owner (its counts at Γ's rungs in the header);
+    ρ = region r of Σ_p S_p  (split-reduce)     exchange.OkTopk._split: one alltoall of S's pairs (the library's
+                                                preset: at most s = 1.25k/P to an owner), added in rank order
+    reev: G = top-k of allgather(ρ), Γ = its    exchange.OkTopk._gather: one collective of at most c pairs per
+          k-th magnitude                        owner (1.25k/P in the library's preset), from Γ up (its count
+                                                below Γ in the header);
     else: G = allgatherv({|ρ| >= Γ}), Γ moves   exchange.OkTopk._select: the top-k (reev) or the pairs at Γ's rung
     ε = a; ε[S ∩ G] = 0                         exchange.OkTopk._finish: I = S ∩ G (the engine zeroes I in ε)
     L, Γ follow |S| and K (the authors' code)   selection.ThresholdReuse.update (L), exchange.Band / Ladder (Γ)

@@ -32,11 +32,13 @@ class Variant:
 #: the variants by name
 VARIANTS = {
     # the library's default: the paper's algorithm and balancing, exact-k selection, controllers that keep |S| <= k
-    # and K <= k on reuse steps and boundaries that split each step's load evenly (the 6k(P-1)/P bound's assumptions)
+    # and K <= k on reuse steps, boundaries that split each step's load evenly (the 6k(P-1)/P bound's assumptions)
+    # and at most 1.25k/P pairs from a rank to an owner in the split and from an owner in the gather (the bound
+    # however the regions and Γ lie: docs/algorithms.md#oktopk)
     "library": Variant(
         local=dict(guard_ratio=1.15, guard_factor=1.03, guard_iters=30, guard_target=1.05, band_lo=0.95,
                    band_relax=1.03),
-        exchange=dict(global_control="ladder", boundaries="measured")),
+        exchange=dict(global_control="ladder", boundaries="measured", split_capacity=1.25, gather_capacity=1.25)),
     # the paper's: periodic exact re-evaluation only (no guard or band controllers), balancing iff max c_j > 4·avg
     "paper": Variant(
         local=dict(guard_ratio=None, band_relax=1.0, band_tighten=1.0),

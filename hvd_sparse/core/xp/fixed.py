@@ -59,6 +59,15 @@ def rung_counts(mag, bounds):
     return np.ascontiguousarray(np.cumsum(hist[::-1])[::-1][1:])
 
 
+def run_rung_counts(mag, bounds, lengths):
+    """:func:`rung_counts` of each run of ``mag`` (consecutive runs of ``lengths``): a (runs, bounds) int64 table in
+    one sorted search."""
+    runs, B = len(lengths), len(bounds)
+    reached = np.searchsorted(bounds, mag, side="right") + (B + 1) * np.repeat(np.arange(runs), lengths)
+    hist = np.bincount(reached, minlength=runs * (B + 1)).reshape(runs, B + 1)
+    return np.cumsum(hist[:, ::-1], axis=1)[:, ::-1][:, 1:]
+
+
 def compress(mask, *arrays):
     """``tuple(a[mask] for a in arrays)`` (numpy, 1-D) by positions: ``np.flatnonzero`` once, then a ``take`` per
     array. numpy's boolean indexing branches on every entry, and on a mask without long runs (a threshold's
@@ -216,6 +225,20 @@ class FixedOps:
         out[:pos.size] = pos
         return self.asarray(out, self.index_dtype, like=mask)
 
+    def largest_in_runs(self, x, lengths, caps, fill):
+        """Positions (ascending) of the entries of ``x`` each run keeps, padded with ``fill`` to the length of ``x``:
+        run j (``lengths[j]`` consecutive entries, host ints) keeps its ``caps[j]`` largest magnitudes, ties by the
+        lower position (a stable sort by run, then by descending magnitude)."""
+        mag, lengths = np.abs(self._np(x)), np.asarray(lengths, np.int64)
+        order = np.lexsort((-mag, np.repeat(np.arange(lengths.size), lengths)))     # by run, the largest first
+        rank = np.arange(mag.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)    # the place in its run
+        keep = np.zeros(mag.size, bool)
+        keep[order] = rank < np.repeat(np.asarray(caps, np.int64), lengths)
+        out = np.full(mag.size, fill, np.int64)
+        kept = np.flatnonzero(keep)
+        out[:kept.size] = kept
+        return self.asarray(out, self.index_dtype, like=x)
+
     def topk_padded(self, x, k):
         """``(indexes, threshold, count)``: :meth:`topk`'s exact top-k of ``|x|`` (ascending, ties by the lower
         index, zeros never; fewer than k when fewer are nonzero) padded with ``numel(x)`` to exactly k entries, the
@@ -259,12 +282,12 @@ class FixedOps:
         bounds = lower_bounds(self._np(ths), rule)
         return self.asarray(rung_counts(np.abs(self._np(x)), bounds), self.index_dtype, like=x)
 
-    def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True):
+    def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True, start=0):
         """``(indexes, count, rung)``: the entries ``rule`` selects from ``|x|`` at the first threshold of the
-        ascending ``ths`` (:meth:`ladder`), at most ``cap`` of them. When more pass, the threshold climbs the
-        ladder until at most ``cap`` pass; past its last rung, or where the next rung would pass none (ties), the
-        ``cap`` largest magnitudes of the last rung that passes any (:func:`largest`; ``count`` then says how many
-        were kept). Either way the largest magnitudes stay. ``guard``: None, or
+        ascending ``ths`` (:meth:`ladder`) from rung ``start`` on, at most ``cap`` of them. When more pass, the
+        threshold climbs the ladder until at most ``cap`` pass; past its last rung, or where the next rung would pass
+        none (ties), the ``cap`` largest magnitudes of the last rung from ``start`` that passes any (:func:`largest`;
+        ``count`` then says how many were kept). Either way the largest magnitudes stay. ``guard``: None, or
         ``(trigger, limit, most)``: when more than ``trigger`` pass at the first rung,
         the threshold first climbs to the first rung from 1 on (at most rung ``most``) where at most ``limit`` pass
         (ThresholdReuse's guard). ``indexes``: ascending, plus ``base``, padded with ``fill`` to exactly ``cap``;
@@ -275,10 +298,10 @@ class FixedOps:
         ths = [float(t) for t in self._np(ths)]
         bounds = lower_bounds(ths, rule)
         passing = rung_counts(mag, bounds) if len(ths) > 1 else [int(np.count_nonzero(mag >= bounds[0]))]
-        j = first_fit(passing, cap)
+        j = max(start, first_fit(passing, cap))
         if guard is not None and passing[0] > guard[0]:
             j = max(j, min(guard[2], 1 + first_fit(passing[1:guard[2] + 1], guard[1])))
-        j = min(j, max(0, int(np.count_nonzero(np.asarray(passing) > 0)) - 1))    # not past the last nonempty
+        j = min(j, max(start, int(np.count_nonzero(np.asarray(passing) > 0)) - 1))    # not past the last nonempty
         pos = np.flatnonzero(mag >= bounds[j])
         if pos.size > cap:                                      # still too many: the cap largest stay
             pos = pos[largest(mag[pos], cap)]

@@ -118,14 +118,15 @@ class KernelOps(GenericOps):
             keep[np.flatnonzero(mag == th)[:need]] = True       # ties: the lower indexes
         return self.from_numpy(compress(keep, cand)[0]), float(th)
 
-    def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True):
+    def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True, start=0):
         """:meth:`FixedOps.select_capped` by the fused kernel for a float32 CPU buffer: a rung's count is one read
         pass; the climb to the first rung that fits gallops (1, 2, 4, ... rungs, then halves), since the counts fall
         as the threshold rises; then one selecting pass (else the host implementation). ``counts``: those rungs
         are counted first, one pass each."""
         view = native.f32_view(self, x)
         if view is None:
-            return super().select_capped(x, ths, rule, cap, fill, base=base, guard=guard, counts=counts, tally=tally)
+            return super().select_capped(x, ths, rule, cap, fill, base=base, guard=guard, counts=counts, tally=tally,
+                                         start=start)
         ths = [float(t) for t in self._np(ths)]
         seen = {j: native.count(view, ths[j], rule) for j in range(min(counts, len(ths)))}
 
@@ -134,11 +135,11 @@ class KernelOps(GenericOps):
                 seen[j] = native.count(view, ths[j], rule)
             return seen[j]
 
-        j = 0
+        j = start
         if guard is not None and count(0) > guard[0]:       # the guard's climb: at least one rung, to its limit
             j = first_within(count, guard[1], 1, guard[2])
         j = first_within(count, cap, j, len(ths) - 1)        # then the capacity's
-        if j and count(j) == 0:                             # ties: not to a rung that passes none
+        if j > start and count(j) == 0:                     # ties: not to a rung that passes none
             j -= 1
         if count(j) > cap:                                  # past the ladder's top: the cap largest stay
             idx, vals = native.select(view, ths[j], rule, base=base, values=True, expect=count(j))

@@ -357,6 +357,22 @@ class TorchBackend(KernelOps, _Indexing):
             return super().compact(mask, size, fill)
         return self.torch.nonzero_static(mask, size=size, fill_value=fill).reshape(-1)
 
+    def largest_in_runs(self, x, lengths, caps, fill):
+        """On a device: two stable sorts (by descending magnitude, then by run) put every run's entries largest
+        first, ties by the lower position; each keeps its first ``caps[j]``; a padded compaction (no read)."""
+        if self.host(x) is not None:
+            return super().largest_in_runs(x, lengths, caps, fill)
+        torch, m = self.torch, self.numel(x)
+        run = self.asarray(np.repeat(np.arange(len(lengths)), lengths), torch.int64, like=x)
+        by_mag = torch.sort(x.abs(), descending=True, stable=True).indices
+        order = by_mag[torch.sort(run[by_mag], stable=True).indices]
+        starts = np.cumsum(lengths) - np.asarray(lengths)
+        first = self.asarray(np.repeat(starts, lengths), torch.int64, like=x)        # each position's run start
+        limit = self.asarray(np.repeat(np.asarray(caps, np.int64), lengths), torch.int64, like=x)
+        rank = torch.arange(m, device=x.device) - first               # order's entries are grouped by run, in order
+        keep = torch.zeros(m, dtype=torch.bool, device=x.device).index_put_((order,), rank < limit)
+        return self.compact(keep, m, fill)
+
     def topk_padded(self, x, k):
         """The device's exact top-k: the k-th magnitude by ``torch.topk``, then every entry above it and the tied
         ones of the lowest indexes up to k, by masks and a running count (the host's rule, without a sort)."""
@@ -459,7 +475,7 @@ class TorchBackend(KernelOps, _Indexing):
             return super().ladder_counts(x, ths, rule)
         return self._passing(x.abs(), self._bounds(ths, rule, x))
 
-    def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True):
+    def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True, start=0):
         """The host's rule on the device: the counts at every rung in one sorted search (:meth:`_passing`); the
         rungs that still pass more than a limit are a prefix (the counts fall as the threshold rises), so their
         number is the first rung within it; one compare and a padded compaction. Whether the rung taken still
@@ -467,7 +483,8 @@ class TorchBackend(KernelOps, _Indexing):
         (:meth:`_largest`: a ``torch.topk`` and a running count of ties) are computed on every call where ``cap``
         is less than the input, and taken where it does: about twenty operations more, and no read."""
         if self.host(x) is not None:
-            return super().select_capped(x, ths, rule, cap, fill, base=base, guard=guard, counts=counts, tally=tally)
+            return super().select_capped(x, ths, rule, cap, fill, base=base, guard=guard, counts=counts, tally=tally,
+                                         start=start)
         mag = x.abs()
         bounds = self._bounds(ths, rule, x)
         J = self.numel(bounds)
@@ -482,7 +499,7 @@ class TorchBackend(KernelOps, _Indexing):
                 trigger, limit, most = guard
                 climb = ((passing[1:most + 1] > limit).sum() + 1).clamp_(max=most)
                 j = self.torch.maximum(j, climb * (passing[0] > trigger))
-            j = self.torch.minimum(j, ((passing > 0).sum() - 1).clamp_(min=0))       # not past the last nonempty
+            j = self.torch.minimum(j, (passing > 0).sum() - 1).clamp_(min=start)     # not past the last nonempty
             mask = mag >= self.torch.take(bounds, j)
             count = passed = self.torch.take(passing, j)
         if cap < self.numel(x):                 # past the ladder's top the cap largest stay, chosen where it overflows
