@@ -17,7 +17,7 @@ parameters -- it times, each configuration from the same weights and the same ba
 one step = a barrier (not timed), zero_grad, forward, backward, ``optimizer.step()`` and, on a GPU, a device
 synchronize; a step's time is the slowest rank's. Each configuration first runs ``--warmup`` steps, not timed;
 then the configurations take turns in rounds, ``--steps`` steps each, in their order, then the reverse, and so on
-(a load that comes and goes falls on all of them alike): at least ten rounds, the fewest whose spread
+(a load that comes and goes falls on all of them alike): at least twenty rounds, the fewest pairs
 :mod:`hvd_sparse.bench.noise` trusts, then rounds until ``--seconds`` are spent or ``--rounds`` run. A round's
 step is the median of its steps; a configuration's step the median of its rounds, with their quartiles as its
 spread. Every rank runs torch with ``--threads`` threads (default: the host's cores over the ranks on it, so that
@@ -26,11 +26,13 @@ and the bandwidth of an allreduce of ``--probe-mb`` megabytes (bytes a rank send
 the seconds).
 
 Rank 0 prints the progress, then a table (step and quartiles, time beyond compute, speedup over dense, whether the
-difference from dense exceeds the spread, bytes a rank sends per step) and a verdict: the fastest preset and how
-much faster than dense it is where the rounds tell them apart (:mod:`hvd_sparse.bench.noise`; otherwise "no
-measurable difference"), and the link speed at which that changes, from the cost model of docs/choosing.md (time
-beyond compute = a fixed cost + bytes / bandwidth, the fixed cost of each configuration taken from its measured time
-and the probed bandwidth). ``--json`` and ``--markdown`` write the report; the JSON keeps every round's steps.
+difference from dense counts, bytes a rank sends per step) and a verdict: the fastest preset and how
+much faster than dense it is where the rounds tell them apart (:mod:`hvd_sparse.bench.noise`, paired round by
+round: the 99% confidence interval of the median per-round speedup, by the sign test, on one side of 1; otherwise
+"no measurable difference"), and the link speed at which that changes, from the cost model of docs/choosing.md
+(time beyond compute = a fixed cost + bytes / bandwidth, the fixed cost of each configuration taken from its
+measured time and the probed bandwidth). The table's speedup is that median per-round speedup.
+``--json`` and ``--markdown`` write the report; the JSON keeps every round's steps.
 """
 
 from __future__ import annotations
@@ -161,7 +163,7 @@ def order(n, r):
 
 def measure(steppers, steps, warmup, seconds, rounds, say=lambda r, elapsed: None, every=5.0):
     """Every configuration's steps on this rank, in rounds (:func:`order`), ``steps`` steps each, after ``warmup``
-    of each not kept: at least :data:`hvd_sparse.bench.noise.MIN_SAMPLES` rounds (``rounds`` if fewer), then until
+    of each not kept: at least :data:`hvd_sparse.bench.noise.MIN_PAIRS` rounds (``rounds`` if fewer), then until
     the slowest rank has spent ``seconds`` or ``rounds`` are done. Returns per configuration its seconds per round
     (a list of ``steps``), per configuration its mean bytes sent per step (None for the baselines), and the seconds
     the slowest rank spent in the rounds; ``say(rounds done, seconds)`` after the first round and then every
@@ -181,7 +183,7 @@ def measure(steppers, steps, warmup, seconds, rounds, say=lambda r, elapsed: Non
         if elapsed >= said + every:
             said = elapsed
             say(r, elapsed)
-        if r >= rounds or (r >= noise.MIN_SAMPLES and elapsed >= seconds):
+        if r >= rounds or (r >= noise.MIN_PAIRS and elapsed >= seconds):
             return times, [statistics.fmean(b) if b else None for b in sent], elapsed
 
 
@@ -230,9 +232,10 @@ def slowest(seconds):
 def rows_of(measured, numel, P):
     """Table rows from ``[(label, every rank's (seconds per round, sent))]``: a step's time is the slowest rank's, a
     round's the median of its steps; a row has the rounds' median (``step_ms``) and quartiles (``q1_ms``,
-    ``q3_ms``), the rounds (``rounds_ms``) and their steps (``steps_ms``), and ``against_dense``, the
-    :func:`hvd_sparse.bench.noise.compare` outcome of its rounds against dense's (``below_compute``: faster than
-    compute alone, beyond the spread of both). Dense and fp16 send the ring's 2n(P-1)/P words of 4 and 2 bytes."""
+    ``q3_ms``), the rounds (``rounds_ms``) and their steps (``steps_ms``), and ``speedup_vs_dense`` and
+    ``against_dense``, the :func:`hvd_sparse.bench.noise.compare` speedup and outcome of its rounds against dense's,
+    paired round by round (``below_compute``: faster than compute alone by the same rule). Dense and fp16 send the ring's 2n(P-1)/P words
+    of 4 and 2 bytes."""
     from .loop import ring_allreduce_bytes
 
     rows = []
@@ -249,10 +252,10 @@ def rows_of(measured, numel, P):
     floor, dense = (next(r for r in rows if r["name"] == name) for name in ("compute", "dense"))
     for r in rows:
         r["beyond_compute_ms"] = r["step_ms"] - floor["step_ms"]
-        r["speedup_vs_dense"] = dense["step_ms"] / r["step_ms"]
-        r["against_dense"] = noise.compare(dense["rounds_ms"], r["rounds_ms"])["outcome"]
-        r["below_compute"] = (r is not floor
-                              and noise.compare(floor["rounds_ms"], r["rounds_ms"])["outcome"] == noise.FASTER)
+        against = noise.compare(dense["rounds_ms"], r["rounds_ms"], paired=True)
+        r["speedup_vs_dense"], r["against_dense"] = against["speedup"], against["outcome"]
+        r["below_compute"] = (r is not floor and noise.compare(floor["rounds_ms"], r["rounds_ms"],
+                                                               paired=True)["outcome"] == noise.FASTER)
     return rows
 
 
@@ -272,7 +275,7 @@ def decide(rows, bandwidth):
     (None: no crossing, or no preset)."""
     named = {r["name"]: r for r in rows}
     samples = {name: r["rounds_ms"] for name, r in named.items()}
-    facts = noise.decide(samples, "dense", [n for n in named if n not in BASELINES], floor="compute")
+    facts = noise.decide(samples, "dense", [n for n in named if n not in BASELINES], floor="compute", paired=True)
     at = break_even(named[facts["best"]], named["dense"], bandwidth) if facts["best"] else None
     return {**facts, "break_even_gbit": None if at is None else at * 8 / 1e9}
 
@@ -292,24 +295,25 @@ def verdict(rows, bandwidth, P):
         return f"{where} Horovod's dense step takes {dense['step_ms']:.1f} ms; no preset was measured."
     if facts["below_floor"]:
         return (f"{where} the step times are noise: {', '.join(facts['below_floor'])} measured faster than compute "
-                "alone, beyond the spread of both, which no exchange can be. Measure again on a quieter machine or "
-                "for longer (--seconds).")
+                "alone, round by round beyond the noise, which no exchange can be. Measure again on a quieter "
+                "machine or for longer (--seconds).")
     best, at = named[facts["best"]], facts["break_even_gbit"]
     if not facts["enough"]:
         return (f"{where} {len(dense['rounds_ms'])} rounds are too few to tell the configurations apart: "
-                f"{noise.MIN_SAMPLES} are needed (--rounds).")
+                f"{noise.MIN_PAIRS} are needed (--rounds).")
     if facts["wins"]:
-        text = (f"{where} {best['name']} is {facts['speedup']:.2f}x faster per step than Horovod's dense optimizer "
-                f"({facts['low']:.2f}x to {facts['high']:.2f}x from quartile to quartile; {_ms(best)} against "
-                f"{_ms(dense)}, with {best['sent_bytes'] / max(dense['sent_bytes'], 1):.3f} of its bytes). ")
+        text = (f"{where} {best['name']} is {facts['speedup']:.2f}x faster per step than Horovod's dense optimizer in "
+                f"the median round ({facts['low']:.2f}x to {facts['high']:.2f}x with 99% confidence; {_ms(best)} "
+                f"against {_ms(dense)}, with {best['sent_bytes'] / max(dense['sent_bytes'], 1):.3f} of its bytes). ")
         text += (f"Dense would catch up on links faster than {at:.1f} Gbit/s (docs/choosing.md)." if at else
                  "It stays ahead on faster links too: its fixed cost is not above dense's.")
     elif facts["outcome"] == noise.NOISE:
         text = (f"{where} within the noise of this machine: no measurable difference between the fastest preset, "
                 f"{best['name']} ({_ms(best)}), and Horovod's dense step ({_ms(dense)}): keep Horovod's optimizer.")
     else:
-        text = (f"{where} Horovod's dense step ({_ms(dense)}) is shorter than every preset's, beyond the spread (the "
-                f"fastest preset, {best['name']}: {_ms(best)}): keep Horovod's optimizer. ")
+        text = (f"{where} Horovod's dense step ({_ms(dense)}) is shorter than every preset's, round by round beyond "
+                f"the noise (the fastest preset, {best['name']}, at {facts['speedup']:.2f}x its speed: {_ms(best)}): "
+                "keep Horovod's optimizer. ")
         text += f"{best['name']} would win on links slower than {at:.2f} Gbit/s (docs/choosing.md)." if at else ""
     text += two_levels_sentence(named, best["name"])
     if best["name"].startswith("topka@d"):
@@ -326,13 +330,13 @@ def two_levels_sentence(named, best):
     flat = best[:-len(TWO_LEVELS)] if best.endswith(TWO_LEVELS) else best
     if flat not in named or flat + TWO_LEVELS not in named:
         return ""
-    facts = noise.compare(named[flat]["rounds_ms"], named[flat + TWO_LEVELS]["rounds_ms"])
+    facts = noise.compare(named[flat]["rounds_ms"], named[flat + TWO_LEVELS]["rounds_ms"], paired=True)
     if facts["outcome"] == noise.FASTER:
-        return (f" Two levels (hierarchical=True) make {flat} {facts['speedup']:.2f}x faster than flat here, beyond "
-                "the spread: use them.")
+        return (f" Two levels (hierarchical=True) make {flat} {facts['speedup']:.2f}x faster than flat here, round by "
+                "round beyond the noise: use them.")
     if facts["outcome"] == noise.SLOWER:
-        return (f" Two levels (hierarchical=True) make {flat} slower than flat here ({facts['speedup']:.2f}x), beyond "
-                "the spread: keep it flat.")
+        return (f" Two levels (hierarchical=True) make {flat} slower than flat here ({facts['speedup']:.2f}x), "
+                "round by round beyond the noise: keep it flat.")
     return f" Two levels and flat {flat} differ within the noise here."
 
 
@@ -378,7 +382,7 @@ def add_arguments(p):
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--seconds", type=cli.positive_float, default=60.0,
                    help="time for the rounds of steps: at least %d rounds run, then rounds until this is spent "
-                        "(default: 60)" % noise.MIN_SAMPLES)
+                        "(default: 60)" % noise.MIN_PAIRS)
     p.add_argument("--rounds", type=cli.positive_int, default=100,
                    help="at most this many rounds, however short they are (default: 100)")
     p.add_argument("--steps", type=cli.positive_int, default=5,
@@ -463,7 +467,7 @@ def _measure_all(args, hvd, say):
     made = [load_model(args.model, args.numel, args.batch_size, args.seed, args.device) for _ in configs]
     steppers = [stepper(label, m, compression) for (label, compression), m in zip(configs, made)]
     say(f"{', '.join(label for label, _ in configs)}: rounds of {args.steps} steps each for {args.seconds:g} s "
-        f"(at least {min(noise.MIN_SAMPLES, args.rounds)} rounds, at most {args.rounds})")
+        f"(at least {min(noise.MIN_PAIRS, args.rounds)} rounds, at most {args.rounds})")
     times, sent, elapsed = measure(steppers, args.steps, args.warmup, args.seconds, args.rounds,
                                    lambda r, spent: say(f"round {r}: {spent:.0f} s"))
     say(f"{len(times[0])} rounds in {elapsed:.0f} s")

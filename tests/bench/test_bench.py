@@ -128,6 +128,42 @@ def test_a_real_twofold_difference_is_found_and_a_tenth_either_way_is_within_the
     assert few["outcome"] == noise.NOISE and few["speedup"] > 1.5           # too few samples to tell
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_paired_rounds_tell_a_third_apart_through_a_drift_that_hides_it_from_the_quartiles(seed):
+    """Rounds that share a drift (a load that comes and goes, here a factor of 0.5 to 2 per round): the unpaired
+    quartiles overlap, the confidence interval of the median per-round speedup lies below 1; the same distribution on
+    both sides stays within the noise, and fewer than MIN_PAIRS pairs never count."""
+    from hvd_sparse.bench import noise
+
+    rng = random.Random(seed)
+    drift = [2 ** rng.uniform(-1, 1) for _ in range(60)]
+    dense = [d * x for d, x in zip(drift, _noisy(rng, 100, n=60, sigma=0.1))]
+    slower = [d * x for d, x in zip(drift, _noisy(rng, 135, n=60, sigma=0.1))]
+    same = [d * x for d, x in zip(drift, _noisy(rng, 100, n=60, sigma=0.1))]
+    assert noise.compare(dense, slower)["outcome"] == noise.NOISE
+    found = noise.compare(dense, slower, paired=True)
+    assert found["outcome"] == noise.SLOWER and found["low"] < found["speedup"] < found["high"] < 1
+    assert noise.compare(slower, dense, paired=True)["outcome"] == noise.FASTER
+    assert noise.compare(dense, same, paired=True)["outcome"] == noise.NOISE
+    few = noise.MIN_PAIRS - 1
+    assert noise.compare(dense[:few], slower[:few], paired=True)["outcome"] == noise.NOISE
+    with pytest.raises(ValueError, match="unequal"):
+        noise.compare(dense, slower[:-1], paired=True)
+    facts = noise.decide({"dense": dense, "a": slower}, "dense", ["a"], paired=True)
+    assert (facts["outcome"], facts["wins"], facts["enough"]) == (noise.SLOWER, False, True)
+
+
+def test_the_median_interval_is_the_sign_tests():
+    """The 99% interval of the median of n samples: from the j-th smallest to the j-th largest, j the largest with
+    2·P(Binomial(n, 1/2) < j) <= 1% (n = 20: j = 4; n = 100: j = 37, the textbook's order statistics)."""
+    from hvd_sparse.bench.noise import median_interval
+
+    assert median_interval(range(20)) == (3, 9.5, 16) and median_interval(range(100)) == (36, 49.5, 63)
+    assert median_interval([5]) == (5, 5, 5)
+    with pytest.raises(ValueError):
+        median_interval([])
+
+
 def test_quartiles_are_those_of_the_samples():
     from hvd_sparse.bench.noise import quartiles
 
@@ -156,7 +192,7 @@ def test_the_fastest_candidate_wins_only_beyond_the_spread_and_never_below_the_f
     assert facts["best"] is None and not facts["wins"] and noise.sentence(facts, "dense") == ""
 
 
-def _advise_ranks(rng, ms, sent=None, rounds=12, steps=3):
+def _advise_ranks(rng, ms, sent=None, rounds=30, steps=3):
     """What two ranks' :func:`advise.measure` gives for one configuration: seconds per round and step (rank 1 one
     millisecond slower on every step) and bytes."""
     mine = [[ms * rng.lognormvariate(0, 0.1) / 1e3 for _ in range(steps)] for _ in range(rounds)]
@@ -246,7 +282,7 @@ def test_advise_takes_turns_in_rounds_until_the_time_is_spent(monkeypatch):
     assert ran[:3] == ["a", "b", "c"]                                         # the warm-up
     assert ran[3:3 + 24] == ["a"] * 2 + ["b"] * 2 + ["c"] * 2 + ["c"] * 2 + ["b"] * 2 + ["a"] * 2 + \
         ["a"] * 2 + ["b"] * 2 + ["c"] * 2 + ["c"] * 2 + ["b"] * 2 + ["a"] * 2
-    assert len(times[0]) == noise.MIN_SAMPLES and elapsed >= 3.0                 # 0.6 s a round: 10 rounds
+    assert len(times[0]) == noise.MIN_PAIRS and elapsed >= 3.0        # 3 s after 5 rounds, but 20 pairs at least
     assert all(len(r) == 2 for t in times for r in t) and sent == [None, 8.0, 8.0]
     times, _, _ = advise.measure([stepper("a"), stepper("b")], steps=1, warmup=1, seconds=0.5, rounds=3)
     assert len(times[0]) == 3                                               # --rounds below the minimum: as asked
