@@ -174,8 +174,9 @@ class HorovodCommunicator:
         return name if bucket is None else f"{name}.{bucket}"
 
     def _guarded(self, fn, *args):
-        """``fn(*args)``, whose last argument is the collective's ``kw``; Horovod's shutdown becomes
-        ``PeerFailureError`` naming the collective as Horovod knows it."""
+        """``fn(*args)``, whose last argument is the collective's ``kw``, its wall time added to the meter's
+        ``seconds``; Horovod's shutdown becomes ``PeerFailureError`` naming the collective as Horovod knows it."""
+        start = time.perf_counter()
         try:
             return fn(*args)
         except Exception as e:      # noqa: BLE001 - only Horovod's shutdown is translated, the rest re-raised
@@ -189,6 +190,8 @@ class HorovodCommunicator:
                 f"hvd_sparse: collective '{args[-1]['name']}' failed on rank {self.rank}: Horovod "
                 "shut down because another rank failed or was killed (its own error comes first in the log, and "
                 f"horovodrun names it); this rank stops too. Horovod said: {e}") from e
+        finally:
+            self.meter.seconds += time.perf_counter() - start
 
     def allreduce(self, x, op, phase, bucket=None):
         xp = backend_of(x)

@@ -6,7 +6,9 @@ On the ranks of one host (one job: every rank is local), the median over ``--rep
 of: Horovod's ``allreduce`` of n float32, its ``reducescatter`` of n and ``allgather`` of n/L (what
 a dense two-level step would call), and the two phases of hvd_sparse's two-level step (``TwoLevelEngine``: the
 scatter -- one alltoall of the shards behind their headers and the local-rank-order sums -- and the gather), run on a
-single host (N = 1, the step's dense case) so that nothing crosses hosts. A barrier (an allreduce of one value)
+single host (N = 1, the step's dense case) so that nothing crosses hosts, and the two phases together beside
+Horovod's reducescatter and allgather together (the gather starts when this rank's sums are done and waits for the
+other ranks' there, where Horovod's allgather starts after a barrier). A barrier (an allreduce of one value)
 starts every call alike. docs/benchmarks.md ("Two levels on emulated hosts") has the numbers of this machine.
 """
 
@@ -55,6 +57,8 @@ def main():
         engine.step(x)
         parts.append(engine.last["seconds"])
     ours = {phase: statistics.median(p[phase] for p in parts) for phase in ("scatter", "gather")}
+    ours["both"] = statistics.median(p["scatter"] + p["gather"] for p in parts)
+    horovod["reducescatter+allgather"] = horovod["reducescatter"] + horovod["allgather"]
     if hvd.rank() == 0:
         print(f"n = {args.numel:,}, {hvd.size()} ranks on one host, median of {args.repeat}, seconds: Horovod "
               + ", ".join(f"{k} {v:.3f}" for k, v in horovod.items()) + "; two levels "

@@ -19,7 +19,7 @@ Horovod's ``synchronize`` and take the cores of ranks still inside their timed s
         recv_bytes[t], selected[t] = optimizer.sparse_stats()   (sparse presets)
 
 Each host's local rank 0 reads its namespace's shaped link's byte counters before the first measured step and
-after the last (:func:`link_bytes`); a two-level step's parts come from ``sparse_stats()["seconds"]``.
+after the last (:func:`link_bytes`); a sparse step's parts come from ``sparse_stats()["seconds"]``.
 Rank 0 gathers every rank's records and writes them to ``--out`` (JSON); the parent computes the statistics.
 """
 
@@ -102,7 +102,8 @@ def measure(args, name, layout, data):
     sparse = hasattr(optimizer, "sparse_stats")
     T = args.warmup + args.steps
     seconds, recv, selected, special = [0.0] * T, [0.0] * T, [0] * T, [False] * T
-    parts = {"scatter": [0.0] * T, "across": [0.0] * T, "gather": [0.0] * T}      # a two-level step's phases
+    # a sparse step's parts: the time inside its collectives; on two levels the host's and the hosts' phases
+    parts = {k: [0.0] * T for k in ("collectives", "scatter", "across", "across_collectives", "gather")}
     link_start = None
     barrier = torch.zeros(1)
     profiler = None

@@ -61,7 +61,8 @@ def parse_config(name, presets=None):
     base, *opts = name.split("+")
     if base not in known:
         raise ValueError(f"unknown configuration {name!r}: choose from {', '.join(FIXED)}, ddp_powersgd_r<rank>, "
-                         f"or a preset ({', '.join(known)}) with options +w<steps>, +mc, +d<density>, +b<budget>")
+                         f"or a preset ({', '.join(known)}) with options +w<steps>, +mc, +d<density>, +b<budget>, "
+                         "+s<d0>x<steps>, +c<norm>, +fill, +h")
     cfg = {"kind": "sparse", "name": name, "preset": base, "warmup_dense_steps": 0, "momentum_correction": False}
     for o in opts:
         if re.fullmatch(r"w\d+", o):

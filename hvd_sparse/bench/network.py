@@ -47,8 +47,14 @@ step's time is the max over ranks):
     link_sent_bytes_per_step, link_recv_bytes_per_step   bytes through a host's shaped link each way per measured
                           step, mean over the hosts: the veth's kernel counters (every packet, headers included),
                           read by each host's local rank 0 around the measured steps
-    step_parts_seconds_median   a two-level step's parts (scatter inside the host, the exchange across the hosts,
-                          gather inside the host), the median over steps of the slowest rank's
+    step_parts_seconds_median   a sparse step's parts, the median over steps of the slowest rank's: the time
+                          inside its collectives (``collectives``: the wire and the waits); on two levels the
+                          scatter inside the host, the step across the hosts (``across``, of which
+                          ``across_collectives`` inside the collectives between the hosts, the rest the shard's
+                          selection and error feedback) and the gather inside the host
+    step_parts_fastest_rank_seconds_median   the same parts, the median over steps of the fastest rank's: for the
+                          collectives the rank that came last to them, whose time is the exchange without a wait
+                          for the others
 
 Below its table the Markdown names the fastest preset against dense where the steps tell them apart, and says "no
 measurable difference" where they do not (:mod:`hvd_sparse.bench.noise`: the rule of ``bench advise``).

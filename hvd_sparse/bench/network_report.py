@@ -32,12 +32,14 @@ def summarize(raw, workers, numel, rate, warmup, hosts=None):
         special = [t for t, s in enumerate(run.get("special", [])[warmup:]) if s]
         steps = len(secs)
         links = [b for b in run.get("link_bytes", []) if b[0] >= 0]       # (sent, received) of each host's link
-        parts = {phase[len("seconds_"):]: statistics.median([max(col) for col in zip(*run[phase])][warmup:])
-                 for phase in run if phase.startswith("seconds_") and any(map(any, run[phase]))}
+        phases = [phase for phase in run if phase.startswith("seconds_") and any(map(any, run[phase]))]
+        parts, fastest = ({phase[len("seconds_"):]: statistics.median([pick(col) for col in zip(*run[phase])][warmup:])
+                           for phase in phases} for pick in (max, min))
         rows.append({
             "link_sent_bytes_per_step": statistics.fmean(b[0] for b in links) / steps if links else None,
             "link_recv_bytes_per_step": statistics.fmean(b[1] for b in links) / steps if links else None,
             "step_parts_seconds_median": parts or None,
+            "step_parts_fastest_rank_seconds_median": fastest or None,
             "algorithm": run["algorithm"],
             "step_seconds_median": statistics.median(secs),
             "step_seconds_mean": statistics.fmean(secs),
@@ -91,7 +93,10 @@ def markdown(report):
         sp = "" if r["speedup_vs_dense"] is None else f"{r['speedup_vs_dense']:.2f}x"
         link = ("" if r.get("link_sent_bytes_per_step") is None else
                 f"{_mb(r['link_sent_bytes_per_step'])} / {_mb(r['link_recv_bytes_per_step'])}")
-        parts = ", ".join(f"{k} {v:.3f}" for k, v in (r.get("step_parts_seconds_median") or {}).items())
+        fastest = r.get("step_parts_fastest_rank_seconds_median") or {}
+        parts = ", ".join(f"{k} {v:.3f}" + (f" ({fastest[k]:.3f} on the last rank in)" if k.endswith("collectives")
+                                             else "")
+                          for k, v in (r.get("step_parts_seconds_median") or {}).items())
         lines.append(f"| {r['algorithm']} | {r['step_seconds_median']:.3f} | {r['step_seconds_mean']:.3f} | {sp} | "
                      f"{_mb(r['recv_bytes_mean'])} | {r['wire_seconds']:.3f} | {r['density_mean']:.4f} | {link} | "
                      f"{parts} |")

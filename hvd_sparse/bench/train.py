@@ -214,7 +214,9 @@ def add_arguments(p):
                    help=f"comma-separated configurations (default: {','.join(DEFAULT_CONFIGS)}); a sparse preset "
                         "takes options: oktopk+w<N> (N dense warm-up steps), oktopk+mc (momentum correction), "
                         "oktopk+d<density> (its own density), oktopk+b<budget> (byte_budget=budget instead of a "
-                        "density)")
+                        "density), oktopk+s<d0>x<T> (the density warm-up: T steps at each of d0, d0/4, ... above "
+                        "the density), oktopk+c<norm> (local gradient clipping), oktopk+fill (global_fill), "
+                        "oktopk+h (two levels, with --hosts); options combine: topka+mc+s0.1x11")
     p.add_argument("--equal-bytes", type=equal_bytes_reference, default=None, metavar="PRESET@DENSITY",
                    help="before the jobs, give every sparse configuration without +d or +b the density at which "
                         "its preset sends, measured on the simulator, the bytes PRESET sends at DENSITY, e.g. "

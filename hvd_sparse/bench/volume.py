@@ -167,7 +167,7 @@ def run(algorithms, data, workers, steps, density, verbose=True, local_size=None
 def markdown(report):
     n, k, P = report["numel"], report["k"], report["workers"]
     unit = k * (P - 1) / P if P > 1 else 1.0
-    L = report["results"][0].get("local_size", 1) if report["results"] else 1
+    L = max((r.get("local_size", 1) for r in report["results"]), default=1)     # dense runs flat: L = 1
     where = "" if L == 1 else (f"; two levels, {L} ranks a host: the words between the hosts (Table 1: the preset "
                                f"over {P // L} ranks on a shard of n/{L})")
     lines = [f"Words received per rank per step: P = {P}, n = {n:,}, k = {k:,} "
@@ -179,7 +179,8 @@ def markdown(report):
              "|---|---:|---:|---:|---:|---|---:|---:|---:|---|---:|"]
     for r in sorted(report["results"], key=lambda r: r["recv_words_max_steady"]):
         t1 = TABLE1.get(r["algorithm"].split("[")[0])
-        ref = "" if t1 is None else " .. ".join(f"{v:,.0f}" for v in sorted(set(t1(n / L, k / L, P // L))))
+        Lr = r.get("local_size", 1)
+        ref = "" if t1 is None else " .. ".join(f"{v:,.0f}" for v in sorted(set(t1(n / Lr, k / Lr, P // Lr))))
         lines.append(f"| {r['algorithm']} | {r['recv_words_max']:,} | {r['recv_words_mean']:,.0f} | "
                      f"{r['recv_words_max_steady']:,} | {r['recv_words_max_steady'] / k:.2f} | {ref} | "
                      f"{r['density_mean']:.4f} | {r['recv_words_max_steady'] / unit:.2f} | "

@@ -95,9 +95,11 @@ MAX = "max"
 
 
 class VolumeMeter:
-    """Counts words and bytes this rank sends and receives, per phase, since the last :meth:`reset`."""
+    """Counts words and bytes this rank sends and receives, per phase, since the last :meth:`reset`; ``seconds``:
+    the wall time spent inside the collectives (the wire and the wait for the other ranks; a communicator that
+    runs real collectives adds it, the simulator's stay at 0)."""
 
-    __slots__ = ("sent_words", "recv_words", "sent_bytes", "recv_bytes", "calls")
+    __slots__ = ("sent_words", "recv_words", "sent_bytes", "recv_bytes", "calls", "seconds")
 
     def __init__(self):
         self.reset()
@@ -108,6 +110,7 @@ class VolumeMeter:
         self.sent_bytes = collections.Counter()
         self.recv_bytes = collections.Counter()
         self.calls = collections.Counter()
+        self.seconds = 0.0
 
     def add(self, phase, sent_words, recv_words, itemsize, calls=1):
         """Record what ``phase`` moved; ``calls``: the negotiated collectives it took (0 for the second and later

@@ -86,4 +86,6 @@ class StepStats(dict):
     """Statistics of the last step: ``n, k, selected, density, sent_bytes, recv_bytes, sent_words,
     recv_words, collectives`` (the algorithm's traffic), ``control_bytes`` and ``control_collectives`` (the
     agreement's header words; a collective that carried nothing else), ``skipped`` (``True`` when a non-finite
-    gradient skipped the step) and ``nonfinite_ranks``."""
+    gradient skipped the step), ``nonfinite_ranks`` and ``seconds`` (the wall time of the step's parts:
+    ``collectives``, the time inside them; on two levels also ``scatter``, ``across``, ``across_collectives``,
+    ``gather``)."""

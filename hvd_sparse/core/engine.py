@@ -446,10 +446,10 @@ class Engine:
     def _traffic(self):
         """The step's traffic from the meter: the algorithm's words, bytes and collectives, and apart the
         agreement's (``control_bytes``: the header words; ``control_collectives``: an opening that carried nothing
-        else)."""
+        else); ``seconds``: ``{"collectives": the wall time inside them}`` (0 in the simulator)."""
         meter = self.comm.meter
         return dict(meter.totals(exclude=(AGREE_PHASE,)), control_bytes=meter.sent_bytes[AGREE_PHASE],
-                    control_collectives=meter.calls[AGREE_PHASE])
+                    control_collectives=meter.calls[AGREE_PHASE], seconds={"collectives": meter.seconds})
 
     @staticmethod
     def _emit(xp, u, scale, pieces, out, zeroed=False):

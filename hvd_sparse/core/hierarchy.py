@@ -20,7 +20,8 @@ sends one selection per host and shard, and runs the preset's own algorithm unch
 The density keeps its meaning: local rank j selects d·m of its shard, a host's ranks d·n together. L = 1 is the
 flat step (callers build the :class:`Engine` itself); N = 1 is a dense allreduce inside the host (step 2 is the
 one host's sum); ``last["seconds"]`` has each part's wall time (``scatter``, ``across``, ``gather``; on a device the
-time to queue it). The sums of step 1 are added by the receiving rank in local-rank order, so a simulator and a
+time to queue it) and, of ``across``, the time inside the collectives between the hosts (``across_collectives``:
+the wire and the wait; the rest is the shard's selection and error feedback). The sums of step 1 are added by the receiving rank in local-rank order, so a simulator and a
 Horovod job give the same bits; the volume meter counts what crosses inside the host (``local``) apart from what
 crosses between the hosts (``cross``): ``Engine.last`` reports both.
 """
@@ -211,8 +212,9 @@ class TwoLevelEngine:
         across = time.perf_counter()
         full = local.allgather(u, "gather")
         self.last = self._stats(n, flagged)
+        inner = self.inner.last["seconds"]["collectives"] if self.inner is not None else 0.0
         self.last["seconds"] = {"scatter": scattered - start, "across": across - scattered,
-                                "gather": time.perf_counter() - across}
+                                "across_collectives": inner, "gather": time.perf_counter() - across}
         if self.last.get("skipped"):
             self.skipped_steps += 1
         else:

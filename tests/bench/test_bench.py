@@ -10,6 +10,7 @@ import pytest
 from hvd_sparse.bench.__main__ import main
 from hvd_sparse.bench.data import RecordedGradients, SyntheticGradients
 from hvd_sparse.bench.presets import names
+from hvd_sparse.bench.volume import markdown
 
 
 def test_volume_cli_writes_the_documented_json(tmp_path, capsys):
@@ -35,9 +36,13 @@ def test_volume_counts_two_levels_between_and_inside_the_hosts(tmp_path):
     the density is the shard's; an L that does not divide P is refused."""
     out = tmp_path / "v.json"
     assert main(["volume", "--workers", "8", "--local-size", "2", "--numel", "80000", "--steps", "4", "--algorithms",
-                 "topka,oktopk", "--json", str(out), "--quiet"]) == 0
-    rows = {r["algorithm"]: r for r in json.loads(out.read_text())["results"]}
+                 "dense,topka,oktopk", "--json", str(out), "--quiet"]) == 0
+    report = json.loads(out.read_text())
+    rows = {r["algorithm"]: r for r in report["results"]}
     k, L, N, n = 800, 2, 4, 80000
+    table = {line.split(" | ")[0][2:]: line.split(" | ")[5] for line in markdown(report).splitlines()
+             if line.startswith("| topka |")}
+    assert rows["dense"]["local_size"] == 1 and table["topka"] == f"{2 * (k // L) * (N - 1):,}"  # its own Table 1
     assert rows["topka"]["recv_words_max"] == 2 * (k // L) * (N - 1)
     assert rows["oktopk"]["recv_words_max_steady"] <= 6 * (k / L) * (N - 1) / N
     assert rows["topka"]["inside_recv_words_mean"] == 2 * n * (L - 1) / L + 9 * (L - 1)

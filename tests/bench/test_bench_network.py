@@ -226,8 +226,10 @@ def test_two_hosts_of_two_carry_less_across_their_links_with_two_levels(tmp_path
     flat, two = ({r["algorithm"]: r for r in report["results"]}[a] for a in ("topka", "topka@h"))
     assert 0 < two["link_sent_bytes_per_step"] < 0.6 * flat["link_sent_bytes_per_step"]
     assert 0 < two["link_recv_bytes_per_step"] < 0.6 * flat["link_recv_bytes_per_step"]
-    assert set(two["step_parts_seconds_median"]) == {"scatter", "across", "gather"}
-    assert flat["step_parts_seconds_median"] is None
+    parts = two["step_parts_seconds_median"]
+    assert set(parts) == {"scatter", "across", "across_collectives", "gather"}
+    assert 0 < parts["across_collectives"] < parts["across"]
+    assert set(flat["step_parts_seconds_median"]) == {"collectives"}
     assert flat["density_mean"] == two["density_mean"] == 0.01
 
 
