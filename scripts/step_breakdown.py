@@ -48,7 +48,7 @@ def main():
     from hvd_sparse import horovod_comm
     from hvd_sparse.core import engine, state
     from hvd_sparse.core.oktopk import OkTopk, ThresholdReuse
-    from hvd_sparse.torch import optimizer as torch_optimizer
+    from hvd_sparse.torch import job as torch_job
     from hvd_sparse.torch.comm import allgather_object, wait
 
     torch.set_num_threads(1)
@@ -99,7 +99,7 @@ def main():
     # collectives"), and the adapter's read of what is trained now
     timed(engine.Engine, "_open", AGREEMENT)
     timed(engine.Engine, "declare", LAYOUT)
-    timed(torch_optimizer._SparseDistributedOptimizer, "_hvds_params", LAYOUT)
+    timed(torch_job.SparseJob, "params", LAYOUT)
 
     layout = synthetic_layout(args.numel)
     params = [(name, torch.nn.Parameter(torch.zeros(shape))) for name, shape in layout]

@@ -7,6 +7,7 @@
 """
 
 from . import elastic
+from .amp import GradScaler
 from ..compression import register_horovod_adapter
 from .compression import Compression
 from .functions import broadcast_object, broadcast_optimizer_state, broadcast_parameters
@@ -18,5 +19,5 @@ from . import stash  # noqa: E402
 register_horovod_adapter("torch", stash.compress)   # a preset as compression= of horovod.torch.DistributedOptimizer
 elastic.register()      # hvd.elastic.TorchState keeps hvd_sparse optimizers' per-rank state (see elastic.py)
 
-__all__ = ["Compression", "DistributedOptimizer", "broadcast_object", "broadcast_optimizer_state",
+__all__ = ["Compression", "DistributedOptimizer", "GradScaler", "broadcast_object", "broadcast_optimizer_state",
            "broadcast_parameters", "sparse_allreduce"]

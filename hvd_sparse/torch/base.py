@@ -20,7 +20,7 @@ _API = "hvd_sparse.torch.DistributedOptimizer"
 
 class SparseOptimizer:
     """Mixed into the optimizer class :func:`~hvd_sparse.torch.DistributedOptimizer` builds (which sets
-    ``_compression``, ``_hvds_states``, ``_hvds_engine()``, ``_hvds_exchanges`` and ``process_set``)."""
+    ``process_set`` and ``_hvds``, its :class:`~hvd_sparse.torch.job.SparseJob`)."""
 
     def sparse_stats(self, average=False):
         """Statistics of the last exchange on this rank: ``n, k, selected, density, sent_bytes,
@@ -31,11 +31,11 @@ class SparseOptimizer:
         such call and over the ranks, for ``SummaryWriter.add_scalars`` (see :mod:`hvd_sparse.torch.stats`)."""
         if average:
             return averaged_stats(self)
-        return dict(self._hvds_engine().last) if self._hvds_exchanges else {}
+        return dict(self._hvds.engine().last) if self._hvds.exchanges else {}
 
     def residual_norm(self):
         """L2 norm of this rank's error-feedback residual."""
-        return self._hvds_engine().residual_norm()
+        return self._hvds.engine().residual_norm()
 
     def sparse_state_dict(self):
         """This rank's sparsification state (residual, thresholds, partitions, counters) for a checkpoint.
@@ -44,33 +44,30 @@ class SparseOptimizer:
         it is deliberately not part of ``state_dict()``, which Horovod's ``broadcast_optimizer_state`` would
         overwrite with rank 0's residuals. Arrays are CPU tensors, so ``torch.load`` reads the file with its defaults
         (``weights_only=True``)."""
-        self._hvds_engine()                      # the state of step 0 before the first step
-        return to_tensors(self._hvds_states.state_dict(self.process_set.rank(), self.process_set.size()))
+        self._hvds.engine()                      # the state of step 0 before the first step
+        return to_tensors(self._hvds.states.state_dict(self.process_set.rank(), self.process_set.size()))
 
     def skipped_steps(self):
         """Steps skipped on this rank (and every other) because a gradient was not finite."""
-        return self._hvds_engine().skipped_steps
+        return self._hvds.engine().skipped_steps
 
     def load_sparse_state_dict(self, state):
         """Restore :meth:`sparse_state_dict`; the run then continues bit for bit as if never interrupted.
         Raises ValueError (restoring nothing) for a state of another rank, another number of ranks or another
         compression (scheme, density, periods), as ``hvd_sparse.tensorflow.SparseState`` does."""
         state = to_arrays(state)
-        self._hvds_states.load_state_dict(state, self.process_set.rank(), self.process_set.size(),
-                                                 f"{_API}.load_sparse_state_dict")
-        self._hvds_loaded(state["units"])
+        self._hvds.states.load_state_dict(state, self.process_set.rank(), self.process_set.size(),
+                                          f"{_API}.load_sparse_state_dict")
+        self._hvds.loaded(state["units"])
 
     def _hvds_snapshot(self):
         """This rank's units, unchecked (hvd_sparse.torch.elastic's commit); None before the first step."""
-        return self._hvds_states.snapshot() or None
+        return self._hvds.states.snapshot() or None
 
     def _hvds_restore(self, units):
         """Roll back to :meth:`_hvds_snapshot` unchecked (hvd_sparse.torch.elastic, across a world change)."""
-        self._hvds_states.restore(units)
-        self._hvds_loaded(units)
-
-    def _hvds_loaded(self, units):
-        self._hvds_exchanges = max(self._hvds_exchanges, 1 if units.get("model", {}).get("steps") else 0)
+        self._hvds.states.restore(units)
+        self._hvds.loaded(units)
 
 
 def to_tensors(state):

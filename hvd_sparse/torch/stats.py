@@ -36,10 +36,11 @@ def averaged_stats(optimizer):
     ps = optimizer.process_set
     if not in_process_set(ps, hvd.rank()):
         return {}
-    norm = optimizer._hvds_engine().residual_norm() if optimizer._hvds_exchanges else 0.0
+    job = optimizer._hvds
+    norm = job.engine().residual_norm() if job.exchanges else 0.0
 
     def sum_over_ranks(local):
         return hvd.allreduce(torch.tensor(local, dtype=torch.float64), op=hvd.Sum, name=STATS_NAME,
                              process_set=ps).tolist()
 
-    return optimizer._hvds_window.average(norm, ps.size(), sum_over_ranks)     # filled by every exchange
+    return job.window.average(norm, ps.size(), sum_over_ranks)     # filled by every exchange

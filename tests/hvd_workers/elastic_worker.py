@@ -41,7 +41,7 @@ def main(outdir, policy):
             if state.step == KILL_AT and host == "127.0.0.1":
                 os.kill(os.getpid(), signal.SIGKILL)        # dies before the exchange the others are in
             opt.step()
-            records.append((state.step, hvd.size(), opt._hvds_engine().steps, opt.residual_norm()))
+            records.append((state.step, hvd.size(), opt._hvds.engine().steps, opt.residual_norm()))
             state.step += 1
             state.commit()
 

@@ -280,7 +280,7 @@ def broadcast_resume(outdir):
     if hvd.rank() == 0:                  # rank 0 resumed its optimizer state from a checkpoint, rank 1 did not
         opt.load_state_dict(_sgd_state_with_momentum(model))
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    engine_before = opt._hvds_has_engine()
+    engine_before = opt._hvds.has_engine()
     for t in range(STEPS):
         train_step(model, opt, t)
     bufs = np.concatenate([opt.state[p]["momentum_buffer"].reshape(-1).numpy() for p in model.parameters()])

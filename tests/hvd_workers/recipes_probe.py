@@ -24,24 +24,46 @@ def broadcast_optimizer_state():
     comp = hvds.Compression.topka(0.5)
     model, opt = model_and_opt(comp)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
-    return {"state_created": bool(opt.state_dict()["state"]), "exchanges": opt._hvds_exchanges,
-            "engine": opt._hvds_states.get("model") is not None}
+    return {"state_created": bool(opt.state_dict()["state"]), "exchanges": opt._hvds.exchanges,
+            "engine": opt._hvds.states.get("model") is not None,
+            "own_attributes": sorted(a for a in vars(opt) if a.startswith("_hvds"))}
 
 
-def grad_scaler():
-    """The plain GradScaler pattern: GradScaler.step is found as the caller, its found-inf record written."""
+def grad_scaler(kind=torch.amp.GradScaler, reads=None):
+    """The plain GradScaler pattern: torch's GradScaler.step is found as the caller (hvd_sparse's says so), its
+    found-inf record written. ``reads``: a list that :func:`counting_frames` fills, emptied before each step."""
     model, opt = model_and_opt(hvds.Compression.topka(0.5))
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
-    scales = []
+    scaler = kind("cpu", init_scale=2.0 ** 8)
+    scales, frames = [], []
     for t in range(3):
         opt.zero_grad()
         scaler.scale(model(torch.ones(2, 6)).pow(2).mean()).backward()
         if t == 1:
             model.weight.grad.view(-1)[0] = float("inf")
+        if reads is not None:
+            del reads[:]
         scaler.step(opt)
+        frames.append(None if reads is None else len(reads))
         scaler.update()
         scales.append(scaler.get_scale())
-    return {"scales": scales, "skipped": opt.skipped_steps()}
+    return {"scales": scales, "skipped": opt.skipped_steps(), "frames": frames}
+
+
+def counting_frames(fn):
+    """``fn(reads)`` with every ``sys._getframe`` call made from hvd_sparse's code appended to ``reads``."""
+    real, reads = sys._getframe, []
+
+    def counted(depth=0):
+        caller = real(1)
+        if "hvd_sparse" in caller.f_code.co_filename and "recipes_probe" not in caller.f_code.co_filename:
+            reads.append(caller.f_code.co_name)
+        return real(depth + 1)
+
+    sys._getframe = counted
+    try:
+        return fn(reads)
+    finally:
+        sys._getframe = real
 
 
 def frames_read():
@@ -68,10 +90,10 @@ def frames_read():
     finally:
         sys._getframe = real
     before = [p.detach().clone() for p in model.parameters()]
-    exchanges = opt._hvds_exchanges
+    exchanges = opt._hvds.exchanges
     hvd.broadcast_optimizer_state(opt, root_rank=0)      # an optimizer with state, gradients still set
     stepped = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    out["broadcast_with_state"] = {"stepped": stepped, "exchanges": opt._hvds_exchanges - exchanges}
+    out["broadcast_with_state"] = {"stepped": stepped, "exchanges": opt._hvds.exchanges - exchanges}
     return out
 
 
@@ -91,5 +113,8 @@ def compressing_optimizer():
 if __name__ == "__main__":
     hvd.init()
     print("RESULT " + json.dumps({"broadcast_optimizer_state": broadcast_optimizer_state(),
-                                  "grad_scaler": grad_scaler(), "frames_read": frames_read(),
+                                  "grad_scaler": grad_scaler(),
+                                  "hvds_grad_scaler": counting_frames(lambda r: grad_scaler(hvds.GradScaler, r)),
+                                  "torch_grad_scaler": counting_frames(lambda r: grad_scaler(reads=r)),
+                                  "frames_read": frames_read(),
                                   "compressing_optimizer": compressing_optimizer()}))

@@ -250,7 +250,7 @@ def die(outdir, preset, how):
         model(data(t)).pow(2).mean().backward()
         opt.step()
         if t == 0:
-            engine = opt._hvds_engine()
+            engine = opt._hvds.engine()
             engine.comm = _DieMidStep(engine.comm, engine, outdir, how)
     save(outdir, f"{how}-{preset}", params=flat(model))       # not reached: the job must end first
 

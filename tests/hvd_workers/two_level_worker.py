@@ -44,7 +44,7 @@ def scenario_presets(out):
     res = {}
     for name in names():
         raw, red, params, layout, opt = run(make(name, DENSITY, hierarchical=True))
-        last = opt._hvds_engine().last
+        last = opt._hvds.engine().last
         res[f"{name}.raw"], res[f"{name}.red"], res[f"{name}.params"] = raw, red, params
         res[f"{name}.across"] = last.get("across", {}).get("recv_words", -1)
         res[f"{name}.inside"] = last.get("inside", {}).get("recv_words", -1)
@@ -56,7 +56,7 @@ def scenario_auto(out):
     kinds = {}
     for label, hierarchical in (("auto", None), ("flat", False)):
         *_, opt = run(make("topka", DENSITY, hierarchical=hierarchical))
-        kinds[label] = type(opt._hvds_engine()).__name__
+        kinds[label] = type(opt._hvds.engine()).__name__
     np.savez(out, auto=kinds["auto"], flat=kinds["flat"])
 
 

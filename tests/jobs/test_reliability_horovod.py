@@ -167,13 +167,13 @@ opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), nam
                                 compression=hvds.Compression.oktopk(0.1), elastic_residuals=POLICY)
 def step():
     opt.zero_grad(); model(torch.ones(4, 30)).sum().backward(); opt.step()
-    return opt._hvds_engine().memory.residual.clone()
+    return opt._hvds.engine().memory.residual.clone()
 first = step()
 second = step()
-old = opt._hvds_engine()
+old = opt._hvds.engine()
 old.comm.size, old.comm.rank = 3, 2        # as if built before the world shrank (elastic reset without a sync)
 third = step()
-new = opt._hvds_engine()
+new = opt._hvds.engine()
 assert new is not old and (new.comm.rank, new.comm.size) == (0, 1) and new.steps == 1, new.steps
 # drop: the rebuilt engine starts from an empty residual, exactly like the first step; keep: from the old one
 assert torch.equal(third, first) == (POLICY == "drop"), (POLICY, third, first)

@@ -26,11 +26,20 @@ def probe():
 
 
 def test_horovods_broadcast_optimizer_state_is_recognised_and_runs_no_exchange(probe):
-    assert probe["broadcast_optimizer_state"] == {"state_created": True, "exchanges": 0, "engine": False}
+    assert probe["broadcast_optimizer_state"] == {"state_created": True, "exchanges": 0, "engine": False,
+                                                  "own_attributes": ["_hvds"]}     # the job in one object
 
 
 def test_grad_scaler_step_is_found_and_its_skip_recorded(probe):
-    assert probe["grad_scaler"] == {"scales": [256.0, 128.0, 128.0], "skipped": 1}
+    assert probe["grad_scaler"] == {"scales": [256.0, 128.0, 128.0], "skipped": 1, "frames": [None] * 3}
+
+
+def test_hvd_sparse_grad_scaler_records_the_skip_and_reads_no_frame(probe):
+    """hvd_sparse.torch.GradScaler hands itself to the optimizer: the same scales and skip as torch's, found from
+    its frame (one read of sys._getframe a step, counted from hvd_sparse's code), and no frame read at all."""
+    assert probe["hvds_grad_scaler"] == {"scales": [256.0, 128.0, 128.0], "skipped": 1, "frames": [0, 0, 0]}
+    assert probe["torch_grad_scaler"]["scales"] == [256.0, 128.0, 128.0]
+    assert all(f >= 1 for f in probe["torch_grad_scaler"]["frames"])        # the counter sees the shim's read
 
 
 def test_a_step_reads_no_frame_and_horovod_steps_only_optimizers_without_state(probe):

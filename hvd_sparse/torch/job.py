@@ -1,0 +1,208 @@
+"""The sparse exchange of one :func:`hvd_sparse.torch.DistributedOptimizer`: one object, :class:`SparseJob`, that
+holds what the exchange needs from step to step -- the unit's states (residual, thresholds, counters), the
+parameters' names, the backward hooks and their pass counts, the kinds of gradients every rank has seen, the
+statistics window, the GradScaler stepping the optimizer -- and runs the exchange. The optimizer keeps Horovod's
+attributes (``backward_passes_per_step``, ``op``, ``process_set``, ``sparse_as_dense``, ``_synchronized``, ...) and
+one more, ``_hvds``, the job; the code that needs the job takes it as an argument.
+
+An exchange (:meth:`SparseJob.exchange`, from ``optimizer.synchronize()``):
+
+1. the parameters that take part now (:meth:`SparseJob.params`), each gradient dense or torch.sparse
+   (:meth:`SparseJob.split`; which parameters have torch.sparse gradients is learnt from every rank);
+2. one engine step over the dense gradients, in place (:meth:`SparseJob.exchange_dense`);
+3. Horovod's own sparse allreduce for each torch.sparse gradient.
+"""
+
+from __future__ import annotations
+
+import horovod.torch as hvd
+import torch
+
+from ..core.state import SparsityWindow
+from .comm import HorovodTorchCommunicator
+
+
+class SparseJob:
+    """The sparse exchange of one optimizer and everything it keeps (module docstring).
+
+    Args:
+        compression: the sparse preset.
+        names: ``{id(p): name}`` of the named parameters (the exchange's order is by name).
+        owner: the prefix of the collectives' names (``model``, ``model.1``, ...: unique per optimizer).
+        process_set: the ranks that take part.
+        scale: ``(prescale, postscale, average)`` of the reduction (``core.validate.scale_factors``).
+        nonfinite: ``"skip"`` or ``"raise"``; check_every: the consistency check's period (0: off);
+        elastic_residuals: ``"keep"`` or ``"drop"`` at an elastic reset.
+    """
+
+    def __init__(self, compression, names, owner, process_set, scale, nonfinite, check_every, elastic_residuals):
+        self.compression = compression
+        self.states = compression.reify()        # the unit's residual, thresholds, counters
+        self.names = names
+        self.owner = owner
+        self.process_set = process_set
+        self.scale = scale
+        self.nonfinite = nonfinite
+        self.check_every = check_every
+        self.elastic_residuals = elastic_residuals
+        self.window = SparsityWindow()           # the exchanges since the last sparse_stats(average=True)
+        self.passes = {}                         # parameter -> backward passes since the last exchange
+        self.grad_accs = []                      # the hooked gradient accumulators (kept alive)
+        self.sparse_dims = {}                    # name -> sparse_dim, of parameters whose gradient was torch.sparse
+        self.seen = set()                        # names of parameters some rank has had a gradient of
+        self.unseen_somewhere = True             # ask every rank which kinds it saw (agree_gradient_kinds)
+        self.exchanges = 0
+        self.steps = 0                           # optimizer steps taken (the consistency check's clock)
+        self.skip_step = False                   # the last exchange skipped a non-finite step on every rank
+        self.scaler = None                       # the hvd_sparse.torch.GradScaler stepping the optimizer now
+
+    # -- parameters and hooks ------------------------------------------------------------------------
+    def params(self, param_groups):
+        """``[(name, p)]``: the parameters exchanged now -- those of ``param_groups`` that require grad (Horovod's
+        ``_requires_update``), in name order. Read at every exchange, so a group added with ``add_param_group`` or
+        a parameter frozen or unfrozen since construction takes part from the next step on. A parameter without a
+        name from ``named_parameters`` is ``allreduce.noname.<group>.<index>``."""
+        seen, out = set(), []
+        for i, group in enumerate(param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((self.names.get(id(p), f"allreduce.noname.{i}.{j}"), p))
+        out.sort(key=lambda t: t[0])
+        return out
+
+    def hook(self, params, limit):
+        """Count the backward passes of every parameter of ``params`` that has no hook yet; ``limit()``: the
+        passes allowed before an exchange (the optimizer's ``backward_passes_per_step``, read at each pass)."""
+        for _, p in params:
+            if p not in self.passes:
+                self.passes[p] = 0
+                grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]
+                grad_acc.register_hook(self._counter(p, limit))
+                self.grad_accs.append(grad_acc)
+
+    def _counter(self, p, limit):
+        def hook(*_):
+            if self.passes[p] >= limit():
+                raise AssertionError("Gradients were computed more than backward_passes_per_step times "
+                                     "before call to step(). Increase backward_passes_per_step to "
+                                     "accumulate gradients locally.")
+            self.passes[p] += 1
+        return hook
+
+    def reset_passes(self):
+        for p in self.passes:
+            self.passes[p] = 0
+
+    # -- the engine ----------------------------------------------------------------------------------
+    def engine(self):
+        return self.states.engine("model", lambda: HorovodTorchCommunicator(self.process_set, self.owner))
+
+    def current_engine(self):
+        """The engine, rebuilt first if the world changed without a sync (hvd.elastic skips sync() after a graceful
+        host removal)."""
+        engine = self.engine()
+        if (engine.comm.rank, engine.comm.size) != (self.process_set.rank(), self.process_set.size()):
+            self.elastic_reset()
+            engine = self.engine()
+        return engine
+
+    def has_engine(self):
+        return self.states.get("model") is not None
+
+    def elastic_reset(self):
+        """After an elastic reset (hvd_sparse.torch.elastic): a fresh engine over the current process set --
+        partitions, thresholds and counters start afresh on every rank alike -- and this rank's residual kept
+        or dropped by the ``elastic_residuals`` policy. The kinds of gradients are learnt again from every rank (a
+        joining rank starts knowing none). Returns whether there was an engine to reset."""
+        self.unseen_somewhere = True
+        if not self.has_engine():
+            return False
+        self.states.reset(self.elastic_residuals == "keep")
+        self.reset_passes()
+        self.skip_step = False
+        self.exchanges = 0
+        return True
+
+    def loaded(self, units):
+        """A restored state (a checkpoint, an elastic rollback) counts as an exchange when it has taken a step."""
+        self.exchanges = max(self.exchanges, 1 if units.get("model", {}).get("steps") else 0)
+
+    # -- the exchange --------------------------------------------------------------------------------
+    def exchange(self, params, op, sparse_as_dense):
+        """Reduce the gradients of ``params`` (:meth:`params`: those that take part now) and write them into
+        ``p.grad`` (module docstring, steps 1-3); the pass counts start again, also after an error every rank
+        raised."""
+        self.skip_step = False
+        try:
+            dense_params, sparse_params = self.split(params, sparse_as_dense)
+            if dense_params:
+                self.exchange_dense(dense_params, sparse_params)
+            for name, p in sparse_params:
+                handle = hvd.sparse_allreduce_async(p.grad, name=f"hvd_sparse.{self.owner}.sparse_grad.{name}",
+                                                    op=op, process_set=self.process_set)
+                p.grad = handle()
+        finally:            # also after an error every rank raised (RankDisagreementError): a new backward may start
+            self.reset_passes()
+        self.exchanges += 1
+
+    def split(self, params, sparse_as_dense):
+        """``(dense, sparse)`` lists of ``(name, p)``: a parameter whose gradient has been a torch.sparse tensor on
+        any rank goes through Horovod's sparse allreduce (an empty sparse gradient where it has none), the others
+        through the engine (zeros where they have no gradient, as in Horovod)."""
+        if self.unseen_somewhere and params and self.process_set.size() > 1:
+            self.agree_gradient_kinds(params, sparse_as_dense)
+        dense_params, sparse_params = [], []
+        for name, p in params:
+            if p.grad is not None and p.grad.is_sparse and not sparse_as_dense:
+                self.sparse_dims[name] = p.grad.sparse_dim()
+            if name in self.sparse_dims:
+                dims = self.sparse_dims[name]
+                if p.grad is None:          # unused this step: an empty sparse gradient, so it still takes part
+                    p.grad = torch.sparse_coo_tensor(torch.zeros((dims, 0), dtype=torch.int64),
+                                                     torch.zeros((0,) + tuple(p.shape[dims:]), dtype=p.dtype),
+                                                     p.shape, device=p.device)
+                elif not p.grad.is_sparse:
+                    p.grad = p.grad.to_sparse(dims)
+                sparse_params.append((name, p))
+            else:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)     # unused on this rank: contributes zeros, as in Horovod
+                dense_params.append((name, p))
+        return dense_params, sparse_params
+
+    def agree_gradient_kinds(self, params, sparse_as_dense):
+        """Which parameters have torch.sparse gradients, learnt from every rank: a rank on which a sparse embedding
+        got no gradient cannot tell it from a dense parameter it did not use. The kinds seen here are gathered from
+        every rank (``Engine.gather``: protected like the agreement, so ranks stepping different optimizers raise
+        instead of hanging), at the first exchange and then as long as some rank has a parameter that no rank has
+        seen a gradient of -- a decision taken from the gathered data, so the same on every rank."""
+        mine = {"sparse": {n: p.grad.sparse_dim() for n, p in params
+                           if p.grad is not None and p.grad.is_sparse and not sparse_as_dense},
+                "seen": [n for n, p in params if p.grad is not None], "params": [n for n, _ in params]}
+        every = self.current_engine().gather(mine, like=params[0][1].detach())
+        for other in every:
+            self.sparse_dims.update(other["sparse"])
+            self.seen.update(other["seen"])
+        self.unseen_somewhere = any(set(other["params"]) - self.seen for other in every)
+
+    def exchange_dense(self, dense_params, sparse_params):
+        """One engine step over the dense gradients, read in place and written back into ``p.grad`` (sparse --
+        ``sparse_as_dense`` -- and non-contiguous gradients through a dense contiguous copy)."""
+        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad.contiguous() for _, p in dense_params]
+        flats = [g.view(-1) for g in grads]
+        prescale, postscale, average = self.scale
+        engine = self.current_engine()
+        # What is exchanged, agreed on by every rank at the engine's first collective (a change -- a group added, a
+        # parameter frozen or unfrozen -- starts the engine afresh, residuals carried by name).
+        engine.declare([(n, tuple(p.shape), p.dtype) for n, p in dense_params],
+                       notes=(("sparse gradients", tuple(sorted(n for n, _ in sparse_params))),))
+        engine.step(flats, average=average, prescale=prescale, postscale=postscale, nonfinite=self.nonfinite,
+                    out=flats)
+        self.skip_step = engine.last["skipped"]       # the engine warned, naming the ranks
+        self.window.add(engine.last)                  # for sparse_stats(average=True)
+        for (_, p), g in zip(dense_params, grads):
+            if p.grad.is_sparse:
+                p.grad = g.to_sparse()
+            elif g is not p.grad:
+                p.grad.copy_(g)
