@@ -234,8 +234,8 @@ def rows_of(measured, numel, P):
     round's the median of its steps; a row has the rounds' median (``step_ms``) and quartiles (``q1_ms``,
     ``q3_ms``), the rounds (``rounds_ms``) and their steps (``steps_ms``), and ``speedup_vs_dense`` and
     ``against_dense``, the :func:`hvd_sparse.bench.noise.compare` speedup and outcome of its rounds against dense's,
-    paired round by round (``below_compute``: faster than compute alone by the same rule). Dense and fp16 send the ring's 2n(P-1)/P words
-    of 4 and 2 bytes."""
+    paired round by round (``below_compute``: faster than compute alone by the same rule). Dense and fp16 send the
+    ring's 2n(P-1)/P words of 4 and 2 bytes."""
     from .loop import ring_allreduce_bytes
 
     rows = []

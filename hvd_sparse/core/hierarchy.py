@@ -21,9 +21,10 @@ The density keeps its meaning: local rank j selects d·m of its shard, a host's 
 flat step (callers build the :class:`Engine` itself); N = 1 is a dense allreduce inside the host (step 2 is the
 one host's sum); ``last["seconds"]`` has each part's wall time (``scatter``, ``across``, ``gather``; on a device the
 time to queue it) and, of ``across``, the time inside the collectives between the hosts (``across_collectives``:
-the wire and the wait; the rest is the shard's selection and error feedback). The sums of step 1 are added by the receiving rank in local-rank order, so a simulator and a
-Horovod job give the same bits; the volume meter counts what crosses inside the host (``local``) apart from what
-crosses between the hosts (``cross``): ``Engine.last`` reports both.
+the wire and the wait; the rest is the shard's selection and error feedback). The sums of step 1 are added by the
+receiving rank in local-rank order, so a simulator and a Horovod job give the same bits; the volume meter counts
+what crosses inside the host (``local``) apart from what crosses between the hosts (``cross``): ``Engine.last``
+reports both.
 """
 
 from __future__ import annotations
