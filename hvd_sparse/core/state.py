@@ -78,7 +78,7 @@ class ErrorFeedback:
     ``acc`` and swaps the two buffers. TensorFlow tensors are immutable: there each step makes new ones.
     """
 
-    __slots__ = ("residual", "velocity", "padded", "_base", "_spare", "_found", "_views")
+    __slots__ = ("residual", "velocity", "padded", "_base", "_spare", "_found", "_views", "_velocity_bufs")
 
     def __init__(self):
         self.residual = None    # the first n values of _base (or an array of n, restored or replaced)
@@ -88,6 +88,7 @@ class ErrorFeedback:
         self._spare = None
         self._found = ()        # entries the last add pass selected, per piece (sizes the next one's output)
         self._views = {}        # id of a buffer of n + 1 -> (the buffer, its first n values): made once each
+        self._velocity_bufs = None   # (the velocity's buffer of n + 1, the next one's), when they are ours
 
     def _first_n(self, buf, n):
         """``buf[:n]``, the same view every step (a device pays for each view it makes)."""
@@ -99,21 +100,47 @@ class ErrorFeedback:
         return held[1]
 
     def next_velocity(self, xp, pieces, momentum):
-        """``[momentum·u + concat(pieces)]`` (float32, a new array), the input of :meth:`compensate` in place of
-        the gradient pieces; ``u`` itself changes only in :meth:`commit_velocity` (a skipped step leaves it)."""
+        """``[momentum·u + concat(pieces)]`` (float32), the input of :meth:`compensate` in place of the gradient
+        pieces; ``u`` itself changes only in :meth:`commit_velocity` (a skipped step leaves it). Where arrays are
+        mutable it is written into the spare of two buffers of n + 1 (the other holds ``u``), in the two passes
+        ``u·momentum``, then ``+ grad``, the same bits as new arrays."""
         flat = xp.astype(pieces[0] if len(pieces) == 1 else xp.concat(pieces), xp.float32)
         u = self.velocity
-        if u is not None and type(u) is not type(flat):     # restored from a checkpoint (numpy)
+        if u is None:
+            return [xp.copy(flat)]
+        if type(u) is not type(flat):                       # restored from a checkpoint (numpy)
             u = xp.asarray(np.array(u, copy=True), xp.float32, like=flat)
-        return [xp.copy(flat) if u is None else xp.add(xp.mul(u, momentum), flat)]
+        if not xp.mutable:
+            return [xp.add(xp.mul(u, momentum), flat)]
+        n = xp.numel(flat)
+        bufs = self._velocity_bufs
+        if bufs is None or type(bufs[1][0]) is not type(flat) or xp.numel(bufs[1][0]) != n + 1 \
+                or getattr(bufs[1][0], "device", None) != getattr(flat, "device", None):
+            buf = xp.stream_buffer(n + 1, flat)
+            bufs = self._velocity_bufs = (None, (buf, buf[:n]))
+        out = bufs[1][1]
+        xp.mul_into(u, momentum, out)
+        return [xp.add_into(out, flat, out)]
 
     def commit_velocity(self, xp, velocity, included):
         """``u = velocity`` with momentum factor masking: ``u[included] = 0`` (``included`` may hold the padding
-        index n), except when every entry was sent (``included`` is ALL: a dense step)."""
+        index n), except when every entry was sent (``included`` is ALL: a dense step). A velocity written into the
+        spare buffer (:meth:`next_velocity`) is masked there, with its zero at index n, and the buffers swap."""
+        n = xp.numel(velocity)
+        bufs = self._velocity_bufs
+        if bufs is not None and velocity is bufs[1][1]:
+            if included is not ALL:
+                xp.put_(bufs[1][0], included, 0.0)
+            spare = bufs[0]
+            if spare is None:
+                buf = xp.stream_buffer(n + 1, velocity)
+                spare = (buf, buf[:n])
+            self._velocity_bufs = (bufs[1], spare)
+            self.velocity = velocity
+            return
         if included is ALL:
             self.velocity = velocity
             return
-        n = xp.numel(velocity)
         ext = xp.put_(xp.concat([velocity, xp.zeros(1, xp.float32, like=velocity)], like=velocity), included, 0.0)
         self.velocity = ext[:n]
 
