@@ -78,7 +78,8 @@ class ErrorFeedback:
     ``acc`` and swaps the two buffers. TensorFlow tensors are immutable: there each step makes new ones.
     """
 
-    __slots__ = ("residual", "velocity", "padded", "_base", "_spare", "_found", "_views", "_velocity_bufs")
+    __slots__ = ("residual", "velocity", "padded", "_base", "_spare", "_found", "_views", "_velocity_base",
+                 "_velocity_spare")
 
     def __init__(self):
         self.residual = None    # the first n values of _base (or an array of n, restored or replaced)
@@ -88,7 +89,8 @@ class ErrorFeedback:
         self._spare = None
         self._found = ()        # entries the last add pass selected, per piece (sizes the next one's output)
         self._views = {}        # id of a buffer of n + 1 -> (the buffer, its first n values): made once each
-        self._velocity_bufs = None   # (the velocity's buffer of n + 1, the next one's), when they are ours
+        self._velocity_base = None    # (buffer of n + 1, its first n values) that holds the velocity, when ours
+        self._velocity_spare = None   # the same, that the next step's velocity is written into
 
     def _first_n(self, buf, n):
         """``buf[:n]``, the same view every step (a device pays for each view it makes)."""
@@ -113,12 +115,13 @@ class ErrorFeedback:
         if not xp.mutable:
             return [xp.add(xp.mul(u, momentum), flat)]
         n = xp.numel(flat)
-        bufs = self._velocity_bufs
-        if bufs is None or type(bufs[1][0]) is not type(flat) or xp.numel(bufs[1][0]) != n + 1 \
-                or getattr(bufs[1][0], "device", None) != getattr(flat, "device", None):
+        spare = self._velocity_spare
+        if spare is None or type(spare[0]) is not type(flat) or xp.numel(spare[0]) != n + 1 \
+                or getattr(spare[0], "device", None) != getattr(flat, "device", None):
             buf = xp.stream_buffer(n + 1, flat)
-            bufs = self._velocity_bufs = (None, (buf, buf[:n]))
-        out = bufs[1][1]
+            spare = self._velocity_spare = (buf, buf[:n])
+            self._velocity_base = None
+        out = spare[1]
         xp.mul_into(u, momentum, out)
         return [xp.add_into(out, flat, out)]
 
@@ -127,15 +130,14 @@ class ErrorFeedback:
         index n), except when every entry was sent (``included`` is ALL: a dense step). A velocity written into the
         spare buffer (:meth:`next_velocity`) is masked there, with its zero at index n, and the buffers swap."""
         n = xp.numel(velocity)
-        bufs = self._velocity_bufs
-        if bufs is not None and velocity is bufs[1][1]:
+        spare = self._velocity_spare
+        if spare is not None and velocity is spare[1]:
             if included is not ALL:
-                xp.put_(bufs[1][0], included, 0.0)
-            spare = bufs[0]
-            if spare is None:
+                xp.put_(spare[0], included, 0.0)
+            if self._velocity_base is None:
                 buf = xp.stream_buffer(n + 1, velocity)
-                spare = (buf, buf[:n])
-            self._velocity_bufs = (bufs[1], spare)
+                self._velocity_base = (buf, buf[:n])
+            self._velocity_base, self._velocity_spare = spare, self._velocity_base
             self.velocity = velocity
             return
         if included is ALL:

@@ -2,11 +2,13 @@
 hvd_sparse.torch.recipes reads from the interpreter's frames, each exercised end to end. Prints one JSON object."""
 
 import json
+import os
 import sys
 
 import horovod.torch as hvd
 import torch
 
+import hvd_sparse
 import hvd_sparse.torch as hvds
 from hvd_sparse.torch import recipes
 
@@ -50,12 +52,13 @@ def grad_scaler(kind=torch.amp.GradScaler, reads=None):
 
 
 def counting_frames(fn):
-    """``fn(reads)`` with every ``sys._getframe`` call made from hvd_sparse's code appended to ``reads``."""
+    """``fn(reads)`` with every ``sys._getframe`` call made from hvd_sparse's package appended to ``reads``."""
     real, reads = sys._getframe, []
+    package = os.path.dirname(os.path.abspath(hvd_sparse.__file__)) + os.sep     # hvd_sparse/, not the tests
 
     def counted(depth=0):
         caller = real(1)
-        if "hvd_sparse" in caller.f_code.co_filename and "recipes_probe" not in caller.f_code.co_filename:
+        if os.path.abspath(caller.f_code.co_filename).startswith(package):
             reads.append(caller.f_code.co_name)
         return real(depth + 1)
 
