@@ -332,6 +332,9 @@ SPARSE_ONLY = {
     "nonfinite": ("skip", "the dense allreduce passes a NaN or Inf on to every rank; no step is skipped or raised"),
     "elastic_residuals": ("keep", "the dense path keeps no residual"),
     "consistency_check_every": (0, "the result is Horovod's own optimizer, which has no such check"),
+    "bucket_cap_mb": (None, "Horovod's optimizer launches each gradient from its hook and fuses what is ready up to "
+                            "HOROVOD_FUSION_THRESHOLD"),
+    "min_compression_rate": (None, "nothing is compressed"),
 }
 
 

@@ -136,10 +136,11 @@ class HorovodCommunicator:
     that failed first rather than a survivor.
     """
 
-    def __init__(self, hvd, process_set, unit):
+    def __init__(self, hvd, process_set, unit, shared_tag=None):
         self._hvd = hvd
         self.process_set = process_set
         self.unit = unit
+        self.shared_tag = shared_tag
         self.rank = process_set.rank()
         self.size = process_set.size()
         self.meter = VolumeMeter()
@@ -162,14 +163,18 @@ class HorovodCommunicator:
         sets = host_process_sets(self._hvd, required)
         if sets is None:
             return None
-        return Topology(type(self)(sets[0], self.unit), type(self)(sets[1], self.unit))
+        return Topology(type(self)(sets[0], self.unit, shared_tag=self.shared_tag),
+                        type(self)(sets[1], self.unit, shared_tag=self.shared_tag))
 
     def name(self, phase, bucket=None):
         """The Horovod name of ``phase``'s collective: ``hvd_sparse.<unit>.<phase>``, unique per unit, except for
         the agreement step's phases, which every unit of the process set shares (``hvd_sparse.agree``, ...: see
-        the agreement below); a collective of one of a ladder of sizes adds its rung (``.<bucket>``), since
-        Horovod's response cache holds one shape per name."""
+        the agreement below; a communicator with a ``shared_tag``, a bucket's, shares them with the units of its
+        tag only: ``hvd_sparse.agree.b0``); a collective of one of a ladder of sizes adds its rung
+        (``.<bucket>``), since Horovod's response cache holds one shape per name."""
         shared = SHARED_NAMES.get(phase)
+        if shared and self.shared_tag:
+            shared = f"{shared}.{self.shared_tag}"
         name = f"hvd_sparse.{shared}" if shared else f"hvd_sparse.{self.unit}.{phase}"
         return name if bucket is None else f"{name}.{bucket}"
 

@@ -14,6 +14,10 @@ For each algorithm in turn, on the same gradients (:class:`SharedGradients`, bit
         t0; optimizer.step(); seconds[t] = now - t0          # exchange + write-back + SGD update
         hvd.allreduce(one value)                             # nobody draws the next gradient meanwhile
 
+With ``--backward S`` the gradients come through a synthetic backward instead (:func:`synthetic_backward`: a sleep of
+S·n_i/n per layer, in reverse layer order, then the layer's gradient, so that the optimizer's hooks fire as in
+training), and the step is timed from the start of backward: ``seconds[t]`` = backward + what the step still adds.
+
 The barriers wait without spinning (``hvd_sparse.torch.comm.wait``): a rank that is done would otherwise spin in
 Horovod's ``synchronize`` and take the cores of ranks still inside their timed step (on 2 cores for 4 ranks).
         recv_bytes[t], selected[t] = optimizer.sparse_stats()   (sparse presets)
@@ -36,7 +40,7 @@ from .cli import worker_parser, write_json
 from .layouts import model_layout, synthetic_layout
 from .network import PROGRESS
 from .network_report import DENSE_POLL
-from .presets import torch_compression
+from .presets import overlapped, torch_compression
 from .shm import SharedGradients
 
 
@@ -49,7 +53,33 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--data", required=True, help="directory written by shm.write_gradient_data")
     p.add_argument("--profile", default=None, help="write cProfile top functions to <PROFILE>.rank<r>.txt")
+    p.add_argument("--backward", type=float, default=0.0, help="seconds of the synthetic backward (0: none)")
     return p.parse_args(argv)
+
+
+def synthetic_backward(params, grads, seconds):
+    """Run a backward of ``seconds`` that uses no CPU: one autograd node per parameter of ``params`` (``(name, p)``
+    in layer order), chained so that backward visits them in reverse order; each sleeps its share of ``seconds``
+    (in proportion to its size) and hands its parameter the gradient of ``grads`` (same order), through the
+    parameter's gradient accumulator (whose hooks fire as in training)."""
+    import torch
+
+    class Layer(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, h, p, grad, delay):
+            ctx.grad, ctx.delay = grad, delay
+            return h.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(ctx.delay)
+            return g, ctx.grad, None, None
+
+    n = sum(p.numel() for _, p in params)
+    h = torch.zeros(())
+    for (_, p), grad in zip(params, grads):
+        h = Layer.apply(h, p, grad, seconds * p.numel() / n)
+    h.backward()
 
 
 @contextlib.contextmanager
@@ -94,14 +124,16 @@ def measure(args, name, layout, data):
     from hvd_sparse.torch.comm import wait
 
     rank = hvd.rank()
-    compression = torch_compression(name, args.density, horovod=("dense", DENSE_POLL))
+    preset, overlap = overlapped(name)
+    compression = torch_compression(preset, args.density, horovod=("dense", DENSE_POLL))
     partitioned = bool(getattr(getattr(compression, "sparsifier", None), "partitioned", False))
     params = [(pname, torch.nn.Parameter(torch.zeros(shape))) for pname, shape in layout]
     optimizer = torch.optim.SGD([p for _, p in params], lr=args.lr)
-    optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=params, compression=compression)
+    optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=params, compression=compression,
+                                          **({"overlap": True} if overlap else {}))
     sparse = hasattr(optimizer, "sparse_stats")
     T = args.warmup + args.steps
-    seconds, recv, selected, special = [0.0] * T, [0.0] * T, [0] * T, [False] * T
+    seconds, recv, selected, special, backward = [0.0] * T, [0.0] * T, [0] * T, [False] * T, [0.0] * T
     # a sparse step's parts: the time inside its collectives; on two levels the host's and the hosts' phases
     parts = {k: [0.0] * T for k in ("collectives", "scatter", "across", "across_collectives", "gather")}
     link_start = None
@@ -110,10 +142,11 @@ def measure(args, name, layout, data):
     buf = np.empty(data.n, np.float32)              # this rank's gradient, rewritten every step
     for t in range(T):
         flat = torch.from_numpy(data.grad(t, rank, out=buf))
-        off = 0
+        off, grads = 0, []
         for _, p in params:                         # the optimizer's order (sorted by name): no copy
             m = p.numel()
-            p.grad = flat[off:off + m].view(p.shape)
+            grads.append(flat[off:off + m].view(p.shape))
+            p.grad = None if args.backward else grads[-1]
             off += m
         if args.profile and t == args.warmup:
             import cProfile
@@ -124,6 +157,9 @@ def measure(args, name, layout, data):
         if profiler is not None:
             profiler.enable()
         t0 = time.perf_counter()
+        if args.backward:
+            synthetic_backward(params, grads, args.backward)
+            backward[t] = time.perf_counter() - t0
         optimizer.step()
         seconds[t] = time.perf_counter() - t0
         if profiler is not None:
@@ -148,12 +184,13 @@ def measure(args, name, layout, data):
         _write_profile(profiler, f"{args.profile}.{name}.rank{rank}.txt", name, rank, args.steps)
     tag = f"hvd_sparse.bench.network.{name}"
     gathered = {}
-    for key, values, dtype in (("seconds", seconds, torch.float64), ("recv_bytes", recv, torch.float64),
+    for key, values, dtype in (("seconds", seconds, torch.float64), ("backward", backward, torch.float64),
+                               ("recv_bytes", recv, torch.float64),
                                ("selected", selected, torch.int64), ("link_bytes", carried, torch.int64),
                                *((f"seconds_{phase}", v, torch.float64) for phase, v in parts.items())):
         g = hvd.allgather(torch.tensor([values], dtype=dtype), name=f"{tag}.{key}")
         gathered[key] = g.tolist()
-    del optimizer, params, flat, buf
+    del optimizer, params, flat, buf, grads
     gc.collect()
     return {"algorithm": name, "partitioned": partitioned, "special": special, **gathered}
 

@@ -34,6 +34,13 @@ every step, in ``/dev/shm``) and mapped read-only by the workers.
 hosts over their shaped veths; the presets named ``<preset>@h`` run on two levels there (``hierarchical=True``:
 dense inside a host, the preset across the hosts; docs/algorithms.md, "Two levels"), beside the flat ones.
 
+``--backward SECONDS`` puts a synthetic backward of that duration in front of every step (:func:`hvd_sparse.bench.
+_network_worker.synthetic_backward`: one autograd node per layer, in reverse layer order, each sleeping its layer's
+share of the time -- no CPU used -- then handing the layer its gradient, so that gradient hooks fire as in real
+training); the step is then timed from the start of backward. The presets named ``<preset>+o`` run with
+``overlap=True`` (buckets launched from those hooks, :mod:`hvd_sparse.torch.buckets`) beside the plain ones, and
+the report gives each its ratio to max(backward, the plain preset's exchange after backward).
+
 Reported per algorithm (:mod:`hvd_sparse.bench.network_report`; steps after ``--warmup`` warm-up steps; each
 step's time is the max over ranks):
     step_seconds_median   median over steps -- Ok-Topk's exact re-evaluation steps (every 32 steps) are
@@ -55,6 +62,9 @@ step's time is the max over ranks):
     step_parts_fastest_rank_seconds_median   the same parts, the median over steps of the fastest rank's: for the
                           collectives the rank that came last to them, whose time is the exchange without a wait
                           for the others
+    backward_seconds_median    with ``--backward``: the backward's time (slowest rank), median over steps
+    exchange_after_backward_seconds   with ``--backward``, of a plain preset: its step less its backward
+    overlap_ratio         of ``<preset>+o``: its step over max(backward, the plain preset's exchange after backward)
 
 Below its table the Markdown names the fastest preset against dense where the steps tell them apart, and says "no
 measurable difference" where they do not (:mod:`hvd_sparse.bench.noise`: the rule of ``bench advise``).
@@ -90,9 +100,11 @@ WORKER_BYTES_PER_PARAM = 68
 
 
 def run(algorithms, workers, rate, numel=None, model=None, density=0.01, steps=32, warmup=1, seed=0, lr=0.01,
-        timeout=3600.0, link_check_seconds=0.5, verbose=True, worker_cmd=None, profile=False, hosts=None):
+        timeout=3600.0, link_check_seconds=0.5, verbose=True, worker_cmd=None, profile=False, hosts=None,
+        backward=0.0):
     """Build the network, run the job, tear everything down; return the report (see the module docstring).
-    ``hosts``: that many namespaces of ``workers / hosts`` ranks each (None: one rank a namespace)."""
+    ``hosts``: that many namespaces of ``workers / hosts`` ranks each (None: one rank a namespace); ``backward``:
+    the synthetic backward's seconds (0: none)."""
     import numpy as np
 
     def say(msg, end="\n"):
@@ -122,7 +134,7 @@ def run(algorithms, workers, rate, numel=None, model=None, density=0.01, steps=3
         say(f"  gradient data: {data_bytes(numel, T) / 2**30:.2f} GiB in {tmp}")
         write_gradient_data(tmp, numel, workers, T, seed, progress)
         args = ["--algorithms", ",".join(algorithms), "--density", density, "--steps", steps,
-                "--warmup", warmup, "--seed", seed, "--lr", lr, "--data", tmp]
+                "--warmup", warmup, "--seed", seed, "--lr", lr, "--data", tmp, "--backward", backward]
         args += ["--model", model] if model else ["--numel", numel]
         raw, link, profiles = _run_in_network(workers, rate, link_check_seconds, args, tmp, timeout,
                                               worker_cmd, profile, say, verbose, hosts or workers)
@@ -131,6 +143,7 @@ def run(algorithms, workers, rate, numel=None, model=None, density=0.01, steps=3
     report = {"workers": workers, "hosts": hosts or workers, "bandwidth": str(rate),
               "bandwidth_bits_per_s": int(rate), "numel": numel,
               "model": model, "density": density, "steps": steps, "warmup": warmup, "seed": seed, "lr": lr,
+              "backward_seconds": backward,
               "torch_threads": raw["torch_threads"], "link_check_bytes_per_s": link,
               "cpus": os.cpu_count(), "load_average_before": load_before,
               "load_average_after": list(os.getloadavg()),
@@ -192,10 +205,15 @@ def add_arguments(p):
     p.add_argument("--warmup", type=cli.positive_int, default=1,
                    help="steps run before the measured ones, not reported (default: 1, at least 1)")
     p.add_argument("--algorithms", type=lambda text: cli.algorithms(text, extra=(DENSE_POLL,
-                                                                                 *presets.two_level_names())),
+                                                                                 *presets.two_level_names(),
+                                                                                 *presets.overlap_names())),
                    default=None,
                    help="comma-separated subset; dense = Horovod's own allreduce; dense_poll = the same with "
-                        "Horovod's spinning wait replaced by hvd_sparse's polling one (default: all presets)")
+                        "Horovod's spinning wait replaced by hvd_sparse's polling one; <preset>+o = the preset with "
+                        "overlap=True (default: all presets)")
+    p.add_argument("--backward", type=float, default=0.0,
+                   help="seconds of a synthetic backward (sleeps, layer by layer, in reverse order) before every "
+                        "step, so that overlap can be seen (default: 0, none)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic gradients (default: 0)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default: 0.01)")
     p.add_argument("--profile", action="store_true",
@@ -230,7 +248,7 @@ def main(args):
         algorithms, args.workers, args.bandwidth, numel=None if args.model else numel, model=args.model,
         density=args.density, steps=args.steps, warmup=args.warmup, seed=args.seed, lr=args.lr, timeout=args.timeout,
         link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet, profile=args.profile,
-        hosts=args.hosts),
+        hosts=args.hosts, backward=args.backward),
         plot, markdown, check=check,
         banner=f"network: {', '.join(algorithms)} on {args.workers} Horovod workers, {args.bandwidth} per worker")
 

@@ -55,7 +55,30 @@ def summarize(raw, workers, numel, rate, warmup, hosts=None):
     dense = next((r for r in rows if r["algorithm"] == "dense"), None)
     for r in rows:
         r["speedup_vs_dense"] = dense["step_seconds_median"] / r["step_seconds_median"] if dense else None
+    for run, r in zip(raw, rows):
+        if any(map(any, run.get("backward", []))):
+            r["backward_seconds_median"] = statistics.median([max(col) for col in zip(*run["backward"])][warmup:])
+    _overlap_ratios(rows)
     return rows
+
+
+def _overlap_ratios(rows):
+    """With a synthetic backward: each plain row's exchange after backward (its step less its backward), and each
+    ``<preset>+o`` row's step over max(its backward, the plain preset's exchange after backward)."""
+    from .presets import overlapped
+
+    by_name = {r["algorithm"]: r for r in rows}
+    for r in rows:
+        if r.get("backward_seconds_median") is None:
+            continue
+        preset, overlap = overlapped(r["algorithm"])
+        if not overlap:
+            r["exchange_after_backward_seconds"] = r["step_seconds_median"] - r["backward_seconds_median"]
+            continue
+        plain = by_name.get(preset)
+        if plain is not None and plain.get("backward_seconds_median") is not None:
+            exchange = plain["step_seconds_median"] - plain["backward_seconds_median"]
+            r["overlap_ratio"] = r["step_seconds_median"] / max(r["backward_seconds_median"], exchange)
 
 
 def decision(results):
@@ -74,6 +97,7 @@ def _mb(b):
 
 def markdown(report):
     from . import noise
+    from .presets import overlapped
 
     what = (f"{report['model']} ({report['numel']:,} parameters)" if report.get("model")
             else f"n = {report['numel']:,} parameters")
@@ -100,6 +124,17 @@ def markdown(report):
         lines.append(f"| {r['algorithm']} | {r['step_seconds_median']:.3f} | {r['step_seconds_mean']:.3f} | {sp} | "
                      f"{_mb(r['recv_bytes_mean'])} | {r['wire_seconds']:.3f} | {r['density_mean']:.4f} | {link} | "
                      f"{parts} |")
+    overlap = [r for r in report["results"] if r.get("overlap_ratio") is not None]
+    if overlap:
+        lines += ["", f"Synthetic backward of {report.get('backward_seconds', 0):g} s (sleeps, no CPU):"]
+        by_name = {r["algorithm"]: r for r in report["results"]}
+        for r in overlap:
+            plain = by_name[overlapped(r["algorithm"])[0]]
+            lines.append(f"- {r['algorithm']}: step {r['step_seconds_median']:.3f} s (backward "
+                         f"{r['backward_seconds_median']:.3f}); without overlap {plain['step_seconds_median']:.3f} s "
+                         f"= backward {plain['backward_seconds_median']:.3f} + exchange "
+                         f"{plain['exchange_after_backward_seconds']:.3f}; step / max(backward, exchange) = "
+                         f"{r['overlap_ratio']:.2f}")
     facts = decision(report["results"])
     if facts and facts["best"]:
         lines += ["", f"{noise.sentence(facts, 'dense')} {noise.RULE}"]

@@ -20,10 +20,26 @@ def two_level_names():
     return [n + TWO_LEVELS for n in names() if n != "dense"]
 
 
+#: a preset's name with this suffix runs it with ``overlap=True`` (buckets launched during backward): ``topka+o``
+OVERLAP = "+o"
+
+
+def overlap_names():
+    """The sparse presets' names with :data:`OVERLAP`."""
+    return [n + OVERLAP for n in names() if n != "dense"]
+
+
+def overlapped(name):
+    """``(name without OVERLAP, whether it had it)``."""
+    return (name[:-len(OVERLAP)], True) if name.endswith(OVERLAP) else (name, False)
+
+
 def make(name, density, **options):
     """``Compression.<name>(density, **options)`` (``dense`` takes no density and no options; the options are
     the presets' training options, e.g. ``warmup_dense_steps``, ``momentum_correction``); ``<name>@h``: the same
-    with ``hierarchical=True``."""
+    with ``hierarchical=True``; ``<name>+o``: the same compression (the optimizer's ``overlap=True``: see
+    :func:`overlapped`)."""
+    name = overlapped(name)[0]
     if name in two_level_names():
         return make(name[:-len(TWO_LEVELS)], density, hierarchical=True, **options)
     if name not in names():

@@ -26,6 +26,9 @@ of the compression change the step (docs/algorithms.md, "The training recipe"):
   step's included set was sent (state.py: ErrorFeedback); the user's optimizer then runs without momentum;
 * ``local_clip_norm = c`` (recipe.py): ``grad`` is first scaled by min(1, c / (sqrt(P)·||grad||)), on every step.
 
+An adapter may set :attr:`Engine.dense` on a unit too small to gain from sparsity (a bucket of the torch optimizer's
+``overlap``): then every step is such a dense step.
+
 Per-step statistics (selected count, achieved density, words and bytes sent and received) are kept in
 :attr:`Engine.last`.
 
@@ -185,6 +188,7 @@ class Engine:
         self.layout = None      # numels of the tensors in the flat buffer (set by adapters / simulate)
         self.last = StepStats()
         self.skipped_steps = 0  # steps skipped for non-finite gradients (not counted in ``steps``)
+        self.dense = False      # every step dense, as a warm-up step (a bucket too small to gain from sparsity)
         self.notes = ()         # declared (key, value) pairs the ranks must also agree on
         self.entries = None     # declared layout: ((name, shape, dtype), ...) in exchange order, or None
         self.refused = None     # why the last declare(fixed=True) was refused, reported by the next step
@@ -306,7 +310,7 @@ class Engine:
         comp = self.compression
         warmup = getattr(comp, "warmup_dense_steps", 0)
         momentum = getattr(comp, "momentum_correction", 0.0)
-        warm = self.steps < warmup
+        warm = self.dense or self.steps < warmup
         reducer = _DENSE if warm else comp.reducer
         sparsifier, since = self._stage(warm, warmup)
         inputs = pieces if self.clip is None else clip_local(xp, pieces, self.clip, self.comm.size)

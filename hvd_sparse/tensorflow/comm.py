@@ -16,10 +16,10 @@ from ..horovod_comm import HorovodCommunicator
 
 
 class HorovodTFCommunicator(HorovodCommunicator):
-    def __init__(self, process_set, unit):
+    def __init__(self, process_set, unit, shared_tag=None):
         import horovod.tensorflow as hvd
 
-        super().__init__(hvd, process_set, unit)
+        super().__init__(hvd, process_set, unit, shared_tag)
 
     def _kw(self, phase, bucket=None):
         return dict(super()._kw(phase, bucket), ignore_name_scope=True)

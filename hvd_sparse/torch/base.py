@@ -31,11 +31,11 @@ class SparseOptimizer:
         such call and over the ranks, for ``SummaryWriter.add_scalars`` (see :mod:`hvd_sparse.torch.stats`)."""
         if average:
             return averaged_stats(self)
-        return dict(self._hvds.engine().last) if self._hvds.exchanges else {}
+        return dict(self._hvds.last) if self._hvds.exchanges else {}
 
     def residual_norm(self):
         """L2 norm of this rank's error-feedback residual."""
-        return self._hvds.engine().residual_norm()
+        return self._hvds.residual_norm()
 
     def sparse_state_dict(self):
         """This rank's sparsification state (residual, thresholds, partitions, counters) for a checkpoint.
@@ -44,18 +44,20 @@ class SparseOptimizer:
         it is deliberately not part of ``state_dict()``, which Horovod's ``broadcast_optimizer_state`` would
         overwrite with rank 0's residuals. Arrays are CPU tensors, so ``torch.load`` reads the file with its defaults
         (``weights_only=True``)."""
-        self._hvds.engine()                      # the state of step 0 before the first step
+        self._hvds.engines()                     # the state of step 0 before the first step
         return to_tensors(self._hvds.states.state_dict(self.process_set.rank(), self.process_set.size()))
 
     def skipped_steps(self):
         """Steps skipped on this rank (and every other) because a gradient was not finite."""
-        return self._hvds.engine().skipped_steps
+        return self._hvds.skipped_steps()
 
     def load_sparse_state_dict(self, state):
         """Restore :meth:`sparse_state_dict`; the run then continues bit for bit as if never interrupted.
         Raises ValueError (restoring nothing) for a state of another rank, another number of ranks or another
         compression (scheme, density, periods), as ``hvd_sparse.tensorflow.SparseState`` does."""
         state = to_arrays(state)
+        if isinstance(state, dict) and isinstance(state.get("units"), dict):
+            self._hvds.check_units(state["units"], f"{_API}.load_sparse_state_dict")
         self._hvds.states.load_state_dict(state, self.process_set.rank(), self.process_set.size(),
                                           f"{_API}.load_sparse_state_dict")
         self._hvds.loaded(state["units"])

@@ -75,10 +75,10 @@ def wait(handle, max_sleep=500e-6):
 
 
 class HorovodTorchCommunicator(HorovodCommunicator):
-    def __init__(self, process_set, unit):
+    def __init__(self, process_set, unit, shared_tag=None):
         import horovod.torch as hvd
 
-        super().__init__(hvd, process_set, unit)
+        super().__init__(hvd, process_set, unit, shared_tag)
         self._max_sleep = wait_max_seconds(hvd.local_size())
 
     def _allreduce(self, x, op, kw):

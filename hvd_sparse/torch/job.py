@@ -11,14 +11,23 @@ An exchange (:meth:`SparseJob.exchange`, from ``optimizer.synchronize()``):
    (:meth:`SparseJob.split`; which parameters have torch.sparse gradients is learnt from every rank);
 2. one engine step over the dense gradients, in place (:meth:`SparseJob.exchange_dense`);
 3. Horovod's own sparse allreduce for each torch.sparse gradient.
+
+With ``overlap`` (:mod:`hvd_sparse.torch.buckets`) the job holds buckets instead of one unit: the hooks launch each
+bucket's engine step as soon as its gradients are in, on the job's thread, and the exchange waits for them
+(:meth:`SparseJob.exchange_buckets`); a torch.sparse gradient is densified into its bucket there, as
+``sparse_as_dense=True`` does.
 """
 
 from __future__ import annotations
 
+import math
+
 import horovod.torch as hvd
 import torch
 
+from ..core.context import StepStats
 from ..core.state import SparsityWindow
+from . import buckets as _buckets
 from .comm import HorovodTorchCommunicator
 
 
@@ -33,9 +42,12 @@ class SparseJob:
         scale: ``(prescale, postscale, average)`` of the reduction (``core.validate.scale_factors``).
         nonfinite: ``"skip"`` or ``"raise"``; check_every: the consistency check's period (0: off);
         elastic_residuals: ``"keep"`` or ``"drop"`` at an elastic reset.
+        overlap: None (one unit, after backward), or ``(bucket_cap_mb, min_compression_rate)``: buckets launched
+            from the hooks (:meth:`plan`).
     """
 
-    def __init__(self, compression, names, owner, process_set, scale, nonfinite, check_every, elastic_residuals):
+    def __init__(self, compression, names, owner, process_set, scale, nonfinite, check_every, elastic_residuals,
+                 overlap=None):
         self.compression = compression
         self.states = compression.reify()        # the unit's residual, thresholds, counters
         self.names = names
@@ -55,6 +67,35 @@ class SparseJob:
         self.steps = 0                           # optimizer steps taken (the consistency check's clock)
         self.skip_step = False                   # the last exchange skipped a non-finite step on every rank
         self.scaler = None                       # the hvd_sparse.torch.GradScaler stepping the optimizer now
+        self.overlap_options = overlap
+        self.overlap = None                      # buckets.Overlap, once planned (plan)
+        self.last = StepStats()                  # the last exchange's statistics (every bucket's, summed)
+
+    # -- buckets ---------------------------------------------------------------------------------------
+    def plan(self, param_groups):
+        """With overlap: cut the parameters of ``param_groups`` (all of them, frozen ones too: freezing changes what a
+        bucket declares, not the plan) into buckets (:func:`buckets.plan_buckets`); parameters added since the last
+        plan go into buckets of their own after the others, on every rank alike."""
+        if self.overlap_options is None:
+            return
+        cap_mb, min_rate = self.overlap_options
+        seen, named = set(), []
+        for i, group in enumerate(param_groups):
+            for j, p in enumerate(group["params"]):
+                if id(p) not in seen and (self.overlap is None or not self.overlap.covers(p)):
+                    seen.add(id(p))
+                    named.append((self.names.get(id(p), f"allreduce.noname.{i}.{j}"), p))
+        if not named:
+            return
+        start = len(self.overlap.buckets) if self.overlap is not None else 0
+        size = self.process_set.size()
+        new = [_buckets.Bucket(start + i, tuple(part),
+                               _buckets.goes_dense(self.compression, sum(p.numel() for _, p in part), size, min_rate))
+               for i, part in enumerate(_buckets.plan_buckets(named, cap_mb, start=start))]
+        if self.overlap is None:
+            self.overlap = _buckets.Overlap(new, self.exchange_bucket, f"hvd_sparse.{self.owner}")
+        else:
+            self.overlap.extend(new)
 
     # -- parameters and hooks ------------------------------------------------------------------------
     def params(self, param_groups):
@@ -88,6 +129,8 @@ class SparseJob:
                                      "before call to step(). Increase backward_passes_per_step to "
                                      "accumulate gradients locally.")
             self.passes[p] += 1
+            if self.overlap is not None and self.passes[p] == limit():
+                self.overlap.arrived(p)
         return hook
 
     def reset_passes(self):
@@ -95,20 +138,40 @@ class SparseJob:
             self.passes[p] = 0
 
     # -- the engine ----------------------------------------------------------------------------------
-    def engine(self):
-        return self.states.engine("model", lambda: HorovodTorchCommunicator(self.process_set, self.owner))
+    def engine(self, bucket=None):
+        """The engine of the whole model, or of ``bucket`` (its collectives ``hvd_sparse.<owner>.b<i>.*``, its
+        agreement ``hvd_sparse.agree.b<i>``; a dense bucket's runs every step dense)."""
+        if bucket is None:
+            return self.states.engine("model", lambda: HorovodTorchCommunicator(self.process_set, self.owner))
+        engine = self.states.engine(bucket.unit, lambda: HorovodTorchCommunicator(
+            self.process_set, f"{self.owner}.{bucket.unit}", shared_tag=bucket.unit))
+        engine.dense = bucket.dense
+        return engine
 
-    def current_engine(self):
-        """The engine, rebuilt first if the world changed without a sync (hvd.elastic skips sync() after a graceful
-        host removal)."""
-        engine = self.engine()
+    def engines(self):
+        """Every engine of the job (made now if missing): the model's, or one per bucket."""
+        if self.overlap is None:
+            return [self.engine()]
+        return [self.engine(b) for b in self.overlap.buckets]
+
+    def current_engine(self, bucket=None):
+        """The engine (:meth:`engine`), rebuilt first if the world changed without a sync (hvd.elastic skips sync()
+        after a graceful host removal)."""
+        engine = self.engine(bucket)
         if (engine.comm.rank, engine.comm.size) != (self.process_set.rank(), self.process_set.size()):
             self.elastic_reset()
-            engine = self.engine()
+            engine = self.engine(bucket)
         return engine
 
     def has_engine(self):
-        return self.states.get("model") is not None
+        return not self.states.empty()
+
+    def residual_norm(self):
+        """L2 norm of this rank's residual, over every unit of the job."""
+        return math.sqrt(sum(e.residual_norm() ** 2 for e in self.engines()))
+
+    def skipped_steps(self):
+        return max(e.skipped_steps for e in self.engines())
 
     def elastic_reset(self):
         """After an elastic reset (hvd_sparse.torch.elastic): a fresh engine over the current process set --
@@ -126,7 +189,22 @@ class SparseJob:
 
     def loaded(self, units):
         """A restored state (a checkpoint, an elastic rollback) counts as an exchange when it has taken a step."""
-        self.exchanges = max(self.exchanges, 1 if units.get("model", {}).get("steps") else 0)
+        self.exchanges = max(self.exchanges, 1 if any(u.get("steps") for u in units.values()) else 0)
+
+    def check_units(self, saved, api):
+        """Raise ValueError unless the units of a checkpoint (``saved``: their names) are this job's: a state saved
+        without buckets does not fit buckets (nor the reverse, nor another cut), since a residual belongs to its
+        unit's thresholds and partitions."""
+        mine = {"model"} if self.overlap is None else {b.unit for b in self.overlap.buckets}
+        saved = set(saved)
+        if not saved or saved == mine:
+            return
+        def what(units):
+            return "the whole model as one unit (overlap=False)" if units == {"model"} else \
+                f"{len(units)} buckets (overlap=True)"
+        raise ValueError(f"{api}: this sparse state was saved with {what(saved)}, but this optimizer exchanges "
+                         f"{what(mine)}; build the optimizer with the same overlap and bucket_cap_mb as the run "
+                         "that saved it")
 
     # -- the exchange --------------------------------------------------------------------------------
     def exchange(self, params, op, sparse_as_dense):
@@ -135,13 +213,16 @@ class SparseJob:
         raised."""
         self.skip_step = False
         try:
-            dense_params, sparse_params = self.split(params, sparse_as_dense)
-            if dense_params:
-                self.exchange_dense(dense_params, sparse_params)
-            for name, p in sparse_params:
-                handle = hvd.sparse_allreduce_async(p.grad, name=f"hvd_sparse.{self.owner}.sparse_grad.{name}",
-                                                    op=op, process_set=self.process_set)
-                p.grad = handle()
+            if self.overlap is not None:
+                self.exchange_buckets()
+            else:
+                dense_params, sparse_params = self.split(params, sparse_as_dense)
+                if dense_params:
+                    self.exchange_dense(dense_params, sparse_params)
+                for name, p in sparse_params:
+                    handle = hvd.sparse_allreduce_async(p.grad, name=f"hvd_sparse.{self.owner}.sparse_grad.{name}",
+                                                        op=op, process_set=self.process_set)
+                    p.grad = handle()
         finally:            # also after an error every rank raised (RankDisagreementError): a new backward may start
             self.reset_passes()
         self.exchanges += 1
@@ -186,23 +267,72 @@ class SparseJob:
             self.seen.update(other["seen"])
         self.unseen_somewhere = any(set(other["params"]) - self.seen for other in every)
 
+    def exchange_buckets(self):
+        """With overlap: wait for every bucket (those the hooks did not launch are launched now), then the step's
+        statistics are the buckets' summed, and the step is skipped when a bucket skipped it (on every rank alike:
+        each bucket's skip is agreed)."""
+        lasts = self.overlap.finish()
+        self.last = combine(lasts)
+        self.skip_step = self.last["skipped"]
+        self.window.add(self.last)
+
+    def exchange_bucket(self, bucket):
+        """One bucket's engine step (on the job's thread): the gradients of its parameters that require grad, zeros
+        for one that has none, a torch.sparse one densified; every rank declares the bucket's index and count."""
+        params = [(n, p) for n, p in bucket.params if p.requires_grad]
+        for _, p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        notes = (("bucket", (bucket.index, len(self.overlap.buckets), bucket.dense)),)
+        engine = self.current_engine(bucket)
+        if not params:          # every parameter frozen: the agreement alone, so that every rank still meets it
+            engine.declare((), notes=notes)
+            engine.step([torch.zeros(0)], average=self.scale[2], nonfinite=self.nonfinite)
+            return engine.last
+        self._engine_step(engine, params, notes)
+        return engine.last
+
     def exchange_dense(self, dense_params, sparse_params):
-        """One engine step over the dense gradients, read in place and written back into ``p.grad`` (sparse --
-        ``sparse_as_dense`` -- and non-contiguous gradients through a dense contiguous copy)."""
-        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad.contiguous() for _, p in dense_params]
-        flats = [g.view(-1) for g in grads]
-        prescale, postscale, average = self.scale
+        """One engine step over the dense gradients of the whole model (module docstring, step 2)."""
         engine = self.current_engine()
-        # What is exchanged, agreed on by every rank at the engine's first collective (a change -- a group added, a
-        # parameter frozen or unfrozen -- starts the engine afresh, residuals carried by name).
-        engine.declare([(n, tuple(p.shape), p.dtype) for n, p in dense_params],
-                       notes=(("sparse gradients", tuple(sorted(n for n, _ in sparse_params))),))
-        engine.step(flats, average=average, prescale=prescale, postscale=postscale, nonfinite=self.nonfinite,
-                    out=flats)
+        self._engine_step(engine, dense_params, (("sparse gradients", tuple(sorted(n for n, _ in sparse_params))),))
+        self.last = engine.last
         self.skip_step = engine.last["skipped"]       # the engine warned, naming the ranks
         self.window.add(engine.last)                  # for sparse_stats(average=True)
-        for (_, p), g in zip(dense_params, grads):
+
+    def _engine_step(self, engine, params, notes):
+        """``engine``'s step over the gradients of ``params``, read in place and written back into ``p.grad`` (sparse
+        -- ``sparse_as_dense`` -- and non-contiguous gradients through a dense contiguous copy)."""
+        grads = [p.grad.to_dense() if p.grad.is_sparse else p.grad.contiguous() for _, p in params]
+        flats = [g.view(-1) for g in grads]
+        prescale, postscale, average = self.scale
+        # What is exchanged, agreed on by every rank at the engine's first collective (a change -- a group added, a
+        # parameter frozen or unfrozen -- starts the engine afresh, residuals carried by name).
+        engine.declare([(n, tuple(p.shape), p.dtype) for n, p in params], notes=notes)
+        engine.step(flats, average=average, prescale=prescale, postscale=postscale, nonfinite=self.nonfinite,
+                    out=flats)
+        for (_, p), g in zip(params, grads):
             if p.grad.is_sparse:
                 p.grad = g.to_sparse()
             elif g is not p.grad:
                 p.grad.copy_(g)
+
+
+def combine(lasts):
+    """One step's statistics from its buckets' (:class:`~hvd_sparse.core.context.StepStats` each): counts, words,
+    bytes and seconds summed, the density of the sum, skipped where any bucket skipped."""
+    out = StepStats()
+    for key in ("n", "k", "selected", "sent_words", "recv_words", "sent_bytes", "recv_bytes", "collectives",
+                "control_bytes", "control_collectives", "across_sent_bytes", "across_recv_bytes"):
+        if any(key in last for last in lasts):
+            out[key] = sum(last.get(key, 0) for last in lasts)
+    out["density"] = out.get("selected", 0) / out["n"] if out.get("n") else 0.0
+    out["skipped"] = any(last.get("skipped", False) for last in lasts)
+    out["nonfinite_ranks"] = sorted({r for last in lasts for r in last.get("nonfinite_ranks", ())})
+    seconds = {}
+    for last in lasts:
+        for key, value in last.get("seconds", {}).items():
+            seconds[key] = seconds.get(key, 0.0) + value
+    out["seconds"] = seconds
+    out["buckets"] = [dict(last) for last in lasts]
+    return out

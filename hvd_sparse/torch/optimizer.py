@@ -7,7 +7,8 @@ subclass of your optimizer's class (same name), ``step()`` reduces the gradients
 With a Horovod compressor (``Compression.none``, ``Compression.fp16``, or any object that is not a sparse
 preset) the optimizer *is* Horovod's, built by Horovod's own factory: bit-identical behaviour.
 
-With a sparse preset the whole model is one sparsification unit:
+With a sparse preset the whole model is one sparsification unit (``overlap=True``: buckets exchanged during
+backward instead, :mod:`hvd_sparse.torch.buckets`):
 
 1. backward hooks only count passes (no collective is ever issued from a hook);
 2. ``synchronize()`` reads which parameters take part *now* -- those of the current ``param_groups`` that require
@@ -57,7 +58,7 @@ from horovod.torch.mpi_ops import Average, global_process_set
 
 from ..horovod_comm import in_process_set
 from ..core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int, scale_factors
-from . import consistency, recipes
+from . import buckets, consistency, recipes
 from .base import SparseOptimizer
 from .job import SparseJob
 from ..compression import check_compression, check_momentum, refuse_unused_options
@@ -74,7 +75,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     # param groups (which carry every hyper-parameter).
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, sparse_as_dense, process_set, nonfinite, consistency_check_every,
-                 elastic_residuals):
+                 elastic_residuals, overlap):
         self._hvds_inner.__init__(self, params)
         recipes.step_inner_under_broadcast(self)     # Horovod's broadcast_optimizer_state: no exchange (recipes.py)
         self._compression = compression
@@ -110,7 +111,8 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         self._hvds = SparseJob(compression, names, owner, process_set, scale_factors(op, gradient_predivide_factor),
-                               nonfinite, consistency_check_every, elastic_residuals)
+                               nonfinite, consistency_check_every, elastic_residuals, overlap)
+        self._hvds.plan(self.param_groups)
         self._hvds.hook(self._hvds.params(self.param_groups), self._hvds_passes_allowed)
 
     def _hvds_passes_allowed(self):
@@ -131,6 +133,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             return
         job = self._hvds
         params = job.params(self.param_groups)
+        job.plan(self.param_groups)                         # with overlap: buckets for parameters added since
         job.hook(params, self._hvds_passes_allowed)        # parameters added or unfrozen since construction
         job.exchange(params, self.op, self.sparse_as_dense)
         for group in self.param_groups:          # frozen: no gradient, so the optimizer leaves it alone
@@ -169,6 +172,11 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         scaler = None
         if hasattr(self, "grad_scale") or hasattr(self, "found_inf"):
             scaler = job.scaler or recipes.grad_scaler(self, _API)
+            if job.overlap is not None and job.overlap.launched_by_hooks:
+                job.exchange_buckets()          # let the launched buckets finish on every rank, then refuse alike
+                raise RuntimeError(f"{_API}: overlap=True under torch.amp.GradScaler: the hooks exchanged scaled "
+                                   "gradients before the scaler could unscale them; use hvd_sparse.torch.GradScaler "
+                                   "(the same arguments), which makes the buckets wait for unscaling")
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
@@ -223,7 +231,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=global_process_set, *, nonfinite="skip", consistency_check_every=0,
-                         elastic_residuals="keep"):
+                         elastic_residuals="keep", overlap=False, bucket_cap_mb=None, min_compression_rate=None):
     """Wrap a ``torch.optim.Optimizer`` so that ``step()`` first averages the gradients over Horovod
     ranks -- sparsely, when ``compression`` is a sparse preset.
 
@@ -252,6 +260,14 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         elastic_residuals (str, keyword-only): under ``hvd.elastic``, what a reset (a rank left or joined) does
             to this rank's residual: ``"keep"`` (default) or ``"drop"``; partitions, thresholds and counters
             always start afresh (see :mod:`hvd_sparse.torch.elastic`).
+        overlap (bool, keyword-only): False (default): the whole model is one unit, exchanged after backward.
+            True: buckets of parameters, each exchanged (its own error feedback, k_b = d·n_b) as soon as backward
+            has produced its gradients, on a thread of the optimizer, so that the exchange overlaps backward
+            (:mod:`hvd_sparse.torch.buckets`). Under ``torch.amp.GradScaler`` use ``hvd_sparse.torch.GradScaler``.
+        bucket_cap_mb (float, keyword-only): with overlap, the largest bucket in MB of float32 gradient (default
+            25, as DDP; the first bucket at most 1 MB).
+        min_compression_rate (float, keyword-only): with overlap, a bucket goes dense unless its sparse message is
+            at least this many times smaller than a dense allreduce's (default 1: unless it is smaller at all).
 
     Returns:
         an instance of ``type(optimizer)`` (same class name) with ``synchronize()``,
@@ -271,7 +287,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
     check_elastic_residuals(elastic_residuals, _API)
     refuse_unused_options(compression, _API, nonfinite=nonfinite, elastic_residuals=elastic_residuals,
-                          consistency_check_every=consistency_check_every)
+                          consistency_check_every=consistency_check_every, bucket_cap_mb=bucket_cap_mb,
+                          min_compression_rate=min_compression_rate)
+    overlap = check_overlap(overlap, bucket_cap_mb, min_compression_rate, _API)
     if not is_sparse(compression):
         return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters, compression=compression,
                                         backward_passes_per_step=backward_passes_per_step, op=op,
@@ -288,4 +306,23 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                dict(_SparseDistributedOptimizer.__dict__, _hvds_inner=optimizer.__class__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, sparse_as_dense, process_set, nonfinite, consistency_check_every,
-               elastic_residuals)
+               elastic_residuals, overlap)
+
+
+def check_overlap(overlap, bucket_cap_mb, min_compression_rate, api):
+    """``None`` (no overlap) or ``(bucket_cap_mb, min_compression_rate)`` with their defaults; ValueError naming the
+    argument for a bad value, or for a bucket option without ``overlap=True``."""
+    if not isinstance(overlap, bool):
+        raise ValueError(f"{api}: overlap must be True or False, got {overlap!r}")
+    for name, value in (("bucket_cap_mb", bucket_cap_mb), ("min_compression_rate", min_compression_rate)):
+        if value is None:
+            continue
+        if not overlap:
+            raise ValueError(f"{api}: {name}={value!r} works only with overlap=True (without it the whole model is "
+                             "one unit)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{api}: {name} must be a positive number, got {value!r}")
+    if not overlap:
+        return None
+    return (float(bucket_cap_mb if bucket_cap_mb is not None else buckets.BUCKET_CAP_MB),
+            float(min_compression_rate if min_compression_rate is not None else buckets.MIN_COMPRESSION_RATE))

@@ -37,7 +37,7 @@ def averaged_stats(optimizer):
     if not in_process_set(ps, hvd.rank()):
         return {}
     job = optimizer._hvds
-    norm = job.engine().residual_norm() if job.exchanges else 0.0
+    norm = job.residual_norm() if job.exchanges else 0.0
 
     def sum_over_ranks(local):
         return hvd.allreduce(torch.tensor(local, dtype=torch.float64), op=hvd.Sum, name=STATS_NAME,

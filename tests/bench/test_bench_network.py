@@ -173,8 +173,8 @@ def test_the_summary_names_the_fastest_preset_only_beyond_the_spread_of_the_step
 def test_tiny_run_reports_every_algorithm_and_leaves_no_network_behind(tmp_path):
     out, png = tmp_path / "net.json", tmp_path / "net.png"
     cmd = [sys.executable, "-m", "hvd_sparse.bench", "network", "--workers", "2", "--numel", "20000", "--steps",
-           "3", "--bandwidth", "1gbit", "--algorithms", "dense,dense_poll,topka,oktopk", "--json", str(out), "--plot",
-           str(png)]
+           "3", "--bandwidth", "1gbit", "--algorithms", "dense,dense_poll,topka,oktopk,topka+o", "--json", str(out),
+           "--plot", str(png), "--backward", "0.05"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
     stdout, stderr = proc.communicate(timeout=300)
@@ -188,8 +188,9 @@ def test_tiny_run_reports_every_algorithm_and_leaves_no_network_behind(tmp_path)
     # one TCP stream through both shaped ends: at most the line rate, and not far below it
     assert 0.5 * 125e6 < report["link_check_bytes_per_s"] < 1.02 * 125e6
     rows = {r["algorithm"]: r for r in report["results"]}
-    assert list(rows) == ["dense", "dense_poll", "topka", "oktopk"]
-    for r in rows.values():
+    assert list(rows) == ["dense", "dense_poll", "topka", "oktopk", "topka+o"]
+    for r in rows.values():         # every step behind a synthetic backward of 0.05 s (sleeps)
+        assert 0.05 <= r["backward_seconds_median"] < 0.5 and min(r["step_seconds"]) >= 0.05
         assert len(r["step_seconds"]) == 3 and all(s > 0 for s in r["step_seconds"])
         assert r["step_seconds_median"] == sorted(r["step_seconds"])[1]
         assert r["step_seconds_mean"] == pytest.approx(sum(r["step_seconds"]) / 3)
@@ -199,6 +200,13 @@ def test_tiny_run_reports_every_algorithm_and_leaves_no_network_behind(tmp_path)
     assert rows["topka"]["recv_bytes_mean"] == 200 * 2 * 4 * (2 - 1)                 # k (index, value) pairs
     assert 0 < rows["oktopk"]["recv_bytes_mean"] < rows["dense"]["recv_bytes_mean"] / 10
     assert rows["dense"]["density_mean"] == 1.0 and rows["topka"]["density_mean"] == 0.01
+    assert rows["topka+o"]["recv_bytes_mean"] == rows["topka"]["recv_bytes_mean"]     # one bucket: the same k
+    plain = rows["topka"]
+    assert plain["exchange_after_backward_seconds"] == pytest.approx(plain["step_seconds_median"]
+                                                                      - plain["backward_seconds_median"])
+    assert rows["topka+o"]["overlap_ratio"] == pytest.approx(rows["topka+o"]["step_seconds_median"] / max(
+        rows["topka+o"]["backward_seconds_median"], plain["exchange_after_backward_seconds"]))
+    assert "- topka+o: step" in stdout
     assert "| dense |" in stdout and "| oktopk |" in stdout and "speedup vs dense" in stdout
     assert "| dense_poll |" in stdout and "dense_poll = dense with Horovod's spinning synchronize()" in stdout
     assert "link check:" in stderr and "[oktopk] step 4/4" in stderr

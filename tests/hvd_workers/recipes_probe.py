@@ -13,11 +13,12 @@ import hvd_sparse.torch as hvds
 from hvd_sparse.torch import recipes
 
 
-def model_and_opt(compression, factory=None):
+def model_and_opt(compression, factory=None, **options):
     torch.manual_seed(0)
     model = torch.nn.Linear(6, 3)
     opt = (factory or hvds.DistributedOptimizer)(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                                 named_parameters=model.named_parameters(), compression=compression)
+                                                 named_parameters=model.named_parameters(), compression=compression,
+                                                 **options)
     return model, opt
 
 
@@ -31,19 +32,20 @@ def broadcast_optimizer_state():
             "own_attributes": sorted(a for a in vars(opt) if a.startswith("_hvds"))}
 
 
-def grad_scaler(kind=torch.amp.GradScaler, reads=None):
+def grad_scaler(kind=torch.amp.GradScaler, reads=None, **options):
     """The plain GradScaler pattern: torch's GradScaler.step is found as the caller (hvd_sparse's says so), its
-    found-inf record written. ``reads``: a list that :func:`counting_frames` fills, emptied before each step."""
-    model, opt = model_and_opt(hvds.Compression.topka(0.5))
+    found-inf record written. ``reads``: a list that :func:`counting_frames` fills, emptied before each step (and
+    each backward: the hooks of ``overlap=True`` count)."""
+    model, opt = model_and_opt(hvds.Compression.topka(0.5), **options)
     scaler = kind("cpu", init_scale=2.0 ** 8)
     scales, frames = [], []
     for t in range(3):
         opt.zero_grad()
+        if reads is not None:
+            del reads[:]
         scaler.scale(model(torch.ones(2, 6)).pow(2).mean()).backward()
         if t == 1:
             model.weight.grad.view(-1)[0] = float("inf")
-        if reads is not None:
-            del reads[:]
         scaler.step(opt)
         frames.append(None if reads is None else len(reads))
         scaler.update()
@@ -118,6 +120,8 @@ if __name__ == "__main__":
     print("RESULT " + json.dumps({"broadcast_optimizer_state": broadcast_optimizer_state(),
                                   "grad_scaler": grad_scaler(),
                                   "hvds_grad_scaler": counting_frames(lambda r: grad_scaler(hvds.GradScaler, r)),
+                                  "hvds_grad_scaler_overlap": counting_frames(
+                                      lambda r: grad_scaler(hvds.GradScaler, r, overlap=True)),
                                   "torch_grad_scaler": counting_frames(lambda r: grad_scaler(reads=r)),
                                   "frames_read": frames_read(),
                                   "compressing_optimizer": compressing_optimizer()}))

@@ -38,6 +38,7 @@ def test_hvd_sparse_grad_scaler_records_the_skip_and_reads_no_frame(probe):
     """hvd_sparse.torch.GradScaler hands itself to the optimizer: the same scales and skip as torch's, found from
     its frame (one read of sys._getframe a step, counted from hvd_sparse's code), and no frame read at all."""
     assert probe["hvds_grad_scaler"] == {"scales": [256.0, 128.0, 128.0], "skipped": 1, "frames": [0, 0, 0]}
+    assert probe["hvds_grad_scaler_overlap"] == probe["hvds_grad_scaler"]      # backward and step with buckets
     assert probe["torch_grad_scaler"]["scales"] == [256.0, 128.0, 128.0]
     assert all(f >= 1 for f in probe["torch_grad_scaler"]["frames"])        # the counter sees the shim's read
 
