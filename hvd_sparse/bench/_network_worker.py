@@ -54,6 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--data", required=True, help="directory written by shm.write_gradient_data")
     p.add_argument("--profile", default=None, help="write cProfile top functions to <PROFILE>.rank<r>.txt")
     p.add_argument("--backward", type=float, default=0.0, help="seconds of the synthetic backward (0: none)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None, help="bucket_cap_mb of the overlapped runs")
     return p.parse_args(argv)
 
 
@@ -130,7 +131,7 @@ def measure(args, name, layout, data):
     params = [(pname, torch.nn.Parameter(torch.zeros(shape))) for pname, shape in layout]
     optimizer = torch.optim.SGD([p for _, p in params], lr=args.lr)
     optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=params, compression=compression,
-                                          **({"overlap": True} if overlap else {}))
+                                          **({"overlap": True, "bucket_cap_mb": args.bucket_cap_mb} if overlap else {}))
     sparse = hasattr(optimizer, "sparse_stats")
     T = args.warmup + args.steps
     seconds, recv, selected, special, backward = [0.0] * T, [0.0] * T, [0] * T, [False] * T, [0.0] * T

@@ -101,10 +101,11 @@ WORKER_BYTES_PER_PARAM = 68
 
 def run(algorithms, workers, rate, numel=None, model=None, density=0.01, steps=32, warmup=1, seed=0, lr=0.01,
         timeout=3600.0, link_check_seconds=0.5, verbose=True, worker_cmd=None, profile=False, hosts=None,
-        backward=0.0):
+        backward=0.0, bucket_cap_mb=None):
     """Build the network, run the job, tear everything down; return the report (see the module docstring).
     ``hosts``: that many namespaces of ``workers / hosts`` ranks each (None: one rank a namespace); ``backward``:
-    the synthetic backward's seconds (0: none)."""
+    the synthetic backward's seconds (0: none); ``bucket_cap_mb``: the buckets of the ``<preset>+o`` runs (None: the
+    optimizer's default)."""
     import numpy as np
 
     def say(msg, end="\n"):
@@ -135,6 +136,7 @@ def run(algorithms, workers, rate, numel=None, model=None, density=0.01, steps=3
         write_gradient_data(tmp, numel, workers, T, seed, progress)
         args = ["--algorithms", ",".join(algorithms), "--density", density, "--steps", steps,
                 "--warmup", warmup, "--seed", seed, "--lr", lr, "--data", tmp, "--backward", backward]
+        args += ["--bucket-cap-mb", bucket_cap_mb] if bucket_cap_mb else []
         args += ["--model", model] if model else ["--numel", numel]
         raw, link, profiles = _run_in_network(workers, rate, link_check_seconds, args, tmp, timeout,
                                               worker_cmd, profile, say, verbose, hosts or workers)
@@ -143,7 +145,7 @@ def run(algorithms, workers, rate, numel=None, model=None, density=0.01, steps=3
     report = {"workers": workers, "hosts": hosts or workers, "bandwidth": str(rate),
               "bandwidth_bits_per_s": int(rate), "numel": numel,
               "model": model, "density": density, "steps": steps, "warmup": warmup, "seed": seed, "lr": lr,
-              "backward_seconds": backward,
+              "backward_seconds": backward, "bucket_cap_mb": bucket_cap_mb,
               "torch_threads": raw["torch_threads"], "link_check_bytes_per_s": link,
               "cpus": os.cpu_count(), "load_average_before": load_before,
               "load_average_after": list(os.getloadavg()),
@@ -214,6 +216,8 @@ def add_arguments(p):
     p.add_argument("--backward", type=float, default=0.0,
                    help="seconds of a synthetic backward (sleeps, layer by layer, in reverse order) before every "
                         "step, so that overlap can be seen (default: 0, none)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="bucket_cap_mb of the <preset>+o runs (default: the optimizer's, 25)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic gradients (default: 0)")
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default: 0.01)")
     p.add_argument("--profile", action="store_true",
@@ -248,7 +252,7 @@ def main(args):
         algorithms, args.workers, args.bandwidth, numel=None if args.model else numel, model=args.model,
         density=args.density, steps=args.steps, warmup=args.warmup, seed=args.seed, lr=args.lr, timeout=args.timeout,
         link_check_seconds=0 if args.no_link_check else 0.5, verbose=not args.quiet, profile=args.profile,
-        hosts=args.hosts, backward=args.backward),
+        hosts=args.hosts, backward=args.backward, bucket_cap_mb=args.bucket_cap_mb),
         plot, markdown, check=check,
         banner=f"network: {', '.join(algorithms)} on {args.workers} Horovod workers, {args.bandwidth} per worker")
 
