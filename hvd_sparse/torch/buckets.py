@@ -4,9 +4,10 @@ Without overlap the whole model is one unit, exchanged in ``synchronize()`` afte
 the exchange adds to the step. With it, as DDP's reducer and Horovod's hooks do for a dense allreduce:
 
 1. **Buckets** (:func:`plan_buckets`): the parameters in reverse registration order (about the order in which
-   backward produces their gradients), cut into buckets of at most ``bucket_cap_mb`` MB of float32 gradient, the
-   first at most :data:`FIRST_BUCKET_CAP_MB` (so that the first exchange starts early); a parameter larger than the
-   cap is a bucket of its own. Every rank plans from its own model; each bucket's agreement covers its parameters,
+   backward produces their gradients), cut into buckets of at most ``bucket_cap_mb`` MB of float32 gradient; a
+   parameter larger than the cap is a bucket of its own. Unlike DDP's, the first bucket is not smaller: a bucket
+   costs a sparse step its own collectives, and measured (docs/benchmarks.md, "Overlap with backward"), a first
+   bucket of 1 MB changed nothing on a ResNet-50 layout and cost the digits CNN time and ExDyna's accuracy. Every rank plans from its own model; each bucket's agreement covers its parameters,
    its index and the number of buckets, so ranks whose plans differ raise ``RankDisagreementError`` together.
 2. Each bucket is a **unit** of the job (``b0``, ``b1``, ...; collectives ``hvd_sparse.<owner>.b<i>.<phase>``, its
    agreement ``hvd_sparse.agree.b<i>``, so that Horovod's response cache keeps one shape per name): its own error
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -40,8 +42,6 @@ from .amp import scaling
 
 #: the default largest bucket, in MB of float32 gradient (DDP's ``bucket_cap_mb``)
 BUCKET_CAP_MB = 25.0
-#: the largest first bucket (DDP's first bucket), so that the first exchange starts early in backward
-FIRST_BUCKET_CAP_MB = 1.0
 #: the default ``min_compression_rate``: a bucket goes dense unless its sparse message is smaller than dense
 MIN_COMPRESSION_RATE = 1.0
 
@@ -61,14 +61,14 @@ class Bucket:
         return sum(p.numel() for _, p in self.params)
 
 
-def plan_buckets(named, cap_mb, first_cap_mb=FIRST_BUCKET_CAP_MB, start=0):
+def plan_buckets(named, cap_mb):
     """``named`` (``(name, p)`` in registration order) cut, in reverse order, into lists of at most ``cap_mb`` MB of
-    float32 gradient each (the first at most ``min(first_cap_mb, cap_mb)``); numbered from ``start``."""
-    caps = (min(first_cap_mb, cap_mb) * 2 ** 20, cap_mb * 2 ** 20)
+    float32 gradient each (a parameter larger than that alone)."""
+    cap = cap_mb * 2 ** 20
     out, current, size = [], [], 0
     for name, p in reversed(named):
         nbytes = 4 * p.numel()
-        if current and size + nbytes > caps[bool(out) or start > 0]:
+        if current and size + nbytes > cap:
             out.append(current)
             current, size = [], 0
         current.append((name, p))
@@ -140,20 +140,13 @@ class Overlap:
             self._futures.append(self._submit(self.buckets[len(self._futures)]))
 
     def _submit(self, bucket):
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+        if self._thread is None:        # it holds the queue only: the job goes when its optimizer goes (finalize)
+            self._thread = threading.Thread(target=_serve, args=(self._queue,), name=self._name, daemon=True)
             self._thread.start()
+            weakref.finalize(self, self._queue.put, None)
         future = Future()
-        self._queue.put((bucket, future))
+        self._queue.put((self._run, bucket, future))
         return future
-
-    def _serve(self):
-        while True:
-            bucket, future = self._queue.get()
-            try:
-                future.set_result(self._run(bucket))
-            except BaseException as e:      # noqa: BLE001 - handed to finish(), which raises it on the caller
-                future.set_exception(e)
 
     def finish(self):
         """Launch the buckets not launched yet, wait for every bucket in order; ``[result of run(bucket)]``. Raises
@@ -170,3 +163,18 @@ class Overlap:
         finally:
             with self._lock:
                 self._new_step()
+
+
+def _serve(work):
+    """The optimizer's thread: ``run(bucket)`` of each item of ``work`` in order, its result or error into the item's
+    future, until None."""
+    while True:
+        item = work.get()
+        if item is None:
+            return
+        run, bucket, future = item
+        try:
+            future.set_result(run(bucket))
+        except BaseException as e:      # noqa: BLE001 - handed to finish(), which raises it on the caller
+            future.set_exception(e)
+        del item, run, bucket, future   # nothing of the job stays referenced between items

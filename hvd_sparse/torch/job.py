@@ -26,6 +26,7 @@ import horovod.torch as hvd
 import torch
 
 from ..core.context import StepStats
+from ..horovod_comm import in_process_set
 from ..core.state import SparsityWindow
 from . import buckets as _buckets
 from .comm import HorovodTorchCommunicator
@@ -76,8 +77,8 @@ class SparseJob:
         """With overlap: cut the parameters of ``param_groups`` (all of them, frozen ones too: freezing changes what a
         bucket declares, not the plan) into buckets (:func:`buckets.plan_buckets`); parameters added since the last
         plan go into buckets of their own after the others, on every rank alike."""
-        if self.overlap_options is None:
-            return
+        if self.overlap_options is None or not in_process_set(self.process_set, hvd.rank()):
+            return          # a rank outside the process set exchanges nothing, from its hooks neither
         cap_mb, min_rate = self.overlap_options
         seen, named = set(), []
         for i, group in enumerate(param_groups):
@@ -91,7 +92,7 @@ class SparseJob:
         size = self.process_set.size()
         new = [_buckets.Bucket(start + i, tuple(part),
                                _buckets.goes_dense(self.compression, sum(p.numel() for _, p in part), size, min_rate))
-               for i, part in enumerate(_buckets.plan_buckets(named, cap_mb, start=start))]
+               for i, part in enumerate(_buckets.plan_buckets(named, cap_mb))]
         if self.overlap is None:
             self.overlap = _buckets.Overlap(new, self.exchange_bucket, f"hvd_sparse.{self.owner}")
         else:

@@ -265,7 +265,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             has produced its gradients, on a thread of the optimizer, so that the exchange overlaps backward
             (:mod:`hvd_sparse.torch.buckets`). Under ``torch.amp.GradScaler`` use ``hvd_sparse.torch.GradScaler``.
         bucket_cap_mb (float, keyword-only): with overlap, the largest bucket in MB of float32 gradient (default
-            25, as DDP; the first bucket at most 1 MB).
+            25, as DDP).
         min_compression_rate (float, keyword-only): with overlap, a bucket goes dense unless its sparse message is
             at least this many times smaller than a dense allreduce's (default 1: unless it is smaller at all).
 

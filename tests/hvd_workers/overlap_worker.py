@@ -7,10 +7,15 @@ Scenarios:
             the plan, how many buckets the hooks launched
   frozen    a layer frozen after 4 steps, another unfrozen after 8: final parameters, the frozen layer's drift
   resume    a checkpoint written without overlap loaded with it: the error on every rank
-  amp       hvd_sparse's GradScaler (an Inf on rank 1 at step 3) and torch's; torch.compile around the model
+  amp       hvd_sparse's GradScaler (an Inf on rank 1 at step 3) and torch's; torch.compile around the model; the
+            job and its thread gone with the optimizer
 """
 
+import gc
 import json
+import threading
+import time
+import weakref
 
 import horovod.torch as hvd
 import numpy as np
@@ -175,8 +180,14 @@ def scenario_amp(out):
             run(batch(t), use_extra=True).pow(2).mean().backward()
             opt.step()
         runs[how] = flat_params(model)
-    np.savez(out, params=np.array(params), scales=np.array(scales), hooks=np.array(hooks),
-             skipped=opt.skipped_steps(), refused=np.array(refused), **runs)
+    skipped = opt.skipped_steps()
+    job = weakref.ref(opt._hvds)                # the optimizer's thread must not keep its job alive
+    del opt, run
+    gc.collect()
+    time.sleep(0.05)
+    np.savez(out, params=np.array(params), scales=np.array(scales), hooks=np.array(hooks), skipped=skipped,
+             refused=np.array(refused), freed=job() is None,
+             threads=np.array([t.name for t in threading.enumerate() if t.name.startswith("hvd_sparse")]), **runs)
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def test_a_checkpoint_without_buckets_is_refused_by_buckets_naming_the_option(jo
 def test_grad_scaler_and_torch_compile_work_with_buckets(job):
     """hvd_sparse's GradScaler: the buckets wait for unscaling (the hooks launch none), an Inf on one rank skips the
     step on every rank and halves the scale alike; torch's own GradScaler is refused on every rank, naming ours;
-    torch.compile around the model trains as without it."""
+    torch.compile around the model trains as without it; a deleted optimizer leaves no thread or state behind."""
     ranks = job["amp"]
     for r in ranks:
         assert r["params"].tobytes() == ranks[0]["params"].tobytes()
@@ -99,6 +99,7 @@ def test_grad_scaler_and_torch_compile_work_with_buckets(job):
         assert r["scales"].tolist() == [1024.0] * 3 + [512.0] * 3 and r["hooks"].max() == 0
         assert "hvd_sparse.torch.GradScaler" in str(r["refused"])
         assert r["compiled"].tobytes() == r["eager"].tobytes()
+        assert bool(r["freed"]) and r["threads"].size == 0     # deleting the optimizer ends its thread
 
 
 def named(*numels):
@@ -109,8 +110,9 @@ def test_plan_reverses_registration_order_and_caps_buckets():
     mb = 2 ** 20 / 4                     # float32 entries in one MB
     parts = buckets.plan_buckets(named(int(3 * mb), int(0.5 * mb), int(0.4 * mb), int(0.3 * mb), 10), cap_mb=1.0)
     assert [[n for n, _ in part] for part in parts] == [["p4", "p3", "p2"], ["p1"], ["p0"]]
-    first = buckets.plan_buckets(named(*[int(0.2 * mb)] * 10), cap_mb=1.0, first_cap_mb=0.5)
-    assert [len(part) for part in first] == [2, 5, 3]      # the first at most 0.5 MB, the others 1 MB
+    even = buckets.plan_buckets(named(*[int(0.2 * mb)] * 10), cap_mb=1.0)
+    assert [[n for n, _ in part] for part in even] == [[f"p{i}" for i in range(9, 4, -1)],
+                                                       [f"p{i}" for i in range(4, -1, -1)]]    # the first as large
 
 
 def test_small_buckets_go_dense_where_sparse_would_not_be_smaller():
