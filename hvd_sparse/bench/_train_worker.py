@@ -24,7 +24,7 @@ Configurations (:func:`parse_config`):
                       ``hierarchical=True``, with ``--hosts``), +s<d0>x<T> (the density warm-up:
                       ``warmup_density=d0, warmup_stage_steps=T``, e.g. +s0.25x40), +c<norm> (local gradient
                       clipping: ``local_clip_norm=norm``, e.g. +c5), +o (``overlap=True``: buckets exchanged
-                      during backward)
+                      during backward), +o<MB> (the same with ``bucket_cap_mb=MB``, e.g. +o2)
     ddp               torch.nn.parallel.DistributedDataParallel over the gloo process group, no hook
     ddp_powersgd_r<R> the same with the PowerSGD hook, matrix_approximation_rank R, vanilla allreduce for the
                       first ``--powersgd-warmup`` steps (``start_powerSGD_iter``)
@@ -63,7 +63,7 @@ def parse_config(name, presets=None):
     if base not in known:
         raise ValueError(f"unknown configuration {name!r}: choose from {', '.join(FIXED)}, ddp_powersgd_r<rank>, "
                          f"or a preset ({', '.join(known)}) with options +w<steps>, +mc, +d<density>, +b<budget>, "
-                         "+s<d0>x<steps>, +c<norm>, +fill, +h, +o")
+                         "+s<d0>x<steps>, +c<norm>, +fill, +h, +o[<MB>]")
     cfg = {"kind": "sparse", "name": name, "preset": base, "warmup_dense_steps": 0, "momentum_correction": False}
     for o in opts:
         if re.fullmatch(r"w\d+", o):
@@ -74,8 +74,8 @@ def parse_config(name, presets=None):
             cfg["global_fill"] = True
         elif o == "h":
             cfg["hierarchical"] = True
-        elif o == "o":
-            cfg["overlap"] = True
+        elif re.fullmatch(r"o(\d+(\.\d*)?|\.\d+)?", o) and (o == "o" or float(o[1:]) > 0):
+            cfg["overlap"] = float(o[1:]) if len(o) > 1 else True
         elif re.fullmatch(r"s(0?\.\d+|1(\.0*)?)x[1-9]\d*", o) and 0 < float(o[1:].split("x")[0]) <= 1:
             d0, steps = o[1:].split("x")
             cfg["warmup_density"], cfg["warmup_stage_steps"] = float(d0), int(steps)
@@ -87,7 +87,7 @@ def parse_config(name, presets=None):
             raise ValueError(f"configuration {name!r}: unknown option {o!r} (+w<steps>: dense warm-up steps, "
                              "+mc: momentum correction, +d<density>: density in (0, 1], +b<budget>: byte budget "
                              "in (0, 1], +fill: oktopk's global_fill, +h: two levels, +s<d0>x<steps>: the density "
-                             "warm-up, +c<norm>: local clipping, +o: overlap)")
+                             "warm-up, +c<norm>: local clipping, +o[<MB>]: overlap [with bucket_cap_mb=MB])")
     if "density" in cfg and "byte_budget" in cfg:
         raise ValueError(f"configuration {name!r}: give +d<density> or +b<budget>, not both")
     if cfg["momentum_correction"] and base == "spardl":
@@ -200,12 +200,20 @@ def _build(args, cfg, steps_total):
     if kind == "sparse":
         compression = sparse_compression(cfg, args.density, args.momentum)
         optimizer = hvds.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                              compression=compression, overlap=bool(cfg.get("overlap")))
+                                              compression=compression, **overlap_options(cfg))
         return net, model, optimizer, optimizer.synchronize, lambda: exchange_stats(optimizer, n, P)[1], None
     if cfg.get("powersgd_rank") is None:
         sent = ring_allreduce_bytes(n, P)
         return net, model, optimizer, None, lambda: sent, None
     return (net, model, optimizer, None) + _powersgd(net, args, cfg["powersgd_rank"], steps_total, P)
+
+
+def overlap_options(cfg):
+    """The optimizer's overlap options of a sparse configuration: ``+o`` and ``+o<MB>``."""
+    overlap = cfg.get("overlap")
+    if not overlap:
+        return {}
+    return {"overlap": True, **({} if overlap is True else {"bucket_cap_mb": overlap})}
 
 
 def sparse_compression(cfg, density, momentum):

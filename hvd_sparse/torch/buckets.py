@@ -1,4 +1,5 @@
-"""The exchange in buckets, launched during backward (``overlap=True`` of :func:`hvd_sparse.torch.DistributedOptimizer`).
+"""The exchange in buckets, launched during backward: ``overlap=True`` of
+:func:`hvd_sparse.torch.DistributedOptimizer`.
 
 Without overlap the whole model is one unit, exchanged in ``synchronize()`` after backward, so every millisecond of
 the exchange adds to the step. With it, as DDP's reducer and Horovod's hooks do for a dense allreduce:
@@ -7,8 +8,9 @@ the exchange adds to the step. With it, as DDP's reducer and Horovod's hooks do 
    backward produces their gradients), cut into buckets of at most ``bucket_cap_mb`` MB of float32 gradient; a
    parameter larger than the cap is a bucket of its own. Unlike DDP's, the first bucket is not smaller: a bucket
    costs a sparse step its own collectives, and measured (docs/benchmarks.md, "Overlap with backward"), a first
-   bucket of 1 MB changed nothing on a ResNet-50 layout and cost the digits CNN time and ExDyna's accuracy. Every rank plans from its own model; each bucket's agreement covers its parameters,
-   its index and the number of buckets, so ranks whose plans differ raise ``RankDisagreementError`` together.
+   bucket of 1 MB changed nothing on a ResNet-50 layout and cost the digits CNN time and ExDyna's accuracy. Every
+   rank plans from its own model; each bucket's agreement covers its parameters, its index and the number of
+   buckets, so ranks whose plans differ raise ``RankDisagreementError`` together.
 2. Each bucket is a **unit** of the job (``b0``, ``b1``, ...; collectives ``hvd_sparse.<owner>.b<i>.<phase>``, its
    agreement ``hvd_sparse.agree.b<i>``, so that Horovod's response cache keeps one shape per name): its own error
    feedback, thresholds and partitions, and its share of the budget, k_b = ⌊d·n_b⌋ (a byte budget's density is the
@@ -27,6 +29,10 @@ the exchange adds to the step. With it, as DDP's reducer and Horovod's hooks do 
    the buckets that are not ready (a parameter unused this step never sends its gradient: it contributes zeros, as
    without overlap), waits for every bucket in order and raises the first error. Under
    ``hvd_sparse.torch.GradScaler`` the hooks launch nothing: the buckets go after the step has unscaled them.
+5. **Non-finite gradients**: each bucket's agreement finds a NaN or Inf of its own entries on any rank; the step is
+   skipped (no update, on every rank alike) when any bucket skipped. A bucket whose gradients were finite has then
+   committed its step -- its residual keeps what it did not send, what it sent is dropped with the update, as a
+   skipped dense step drops its gradient.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ import horovod.torch as hvd
 import torch
 
 from ..core.context import StepStats
-from ..horovod_comm import in_process_set
 from ..core.state import SparsityWindow
+from ..horovod_comm import in_process_set
 from . import buckets as _buckets
 from .comm import HorovodTorchCommunicator
 
@@ -71,6 +71,7 @@ class SparseJob:
         self.overlap_options = overlap
         self.overlap = None                      # buckets.Overlap, once planned (plan)
         self.last = StepStats()                  # the last exchange's statistics (every bucket's, summed)
+        self.skipped = 0                         # with buckets: the steps a bucket skipped (skipped_steps)
 
     # -- buckets ---------------------------------------------------------------------------------------
     def plan(self, param_groups):
@@ -165,14 +166,17 @@ class SparseJob:
         return engine
 
     def has_engine(self):
-        return not self.states.empty()
+        units = ["model"] if self.overlap is None else [b.unit for b in self.overlap.buckets]
+        return any(self.states.get(unit) is not None for unit in units)
 
     def residual_norm(self):
         """L2 norm of this rank's residual, over every unit of the job."""
         return math.sqrt(sum(e.residual_norm() ** 2 for e in self.engines()))
 
     def skipped_steps(self):
-        return max(e.skipped_steps for e in self.engines())
+        """Steps skipped on every rank for a non-finite gradient: the engine's count, or with buckets the steps in
+        which a bucket skipped, since construction."""
+        return self.engine().skipped_steps if self.overlap is None else self.skipped
 
     def elastic_reset(self):
         """After an elastic reset (hvd_sparse.torch.elastic): a fresh engine over the current process set --
@@ -275,6 +279,7 @@ class SparseJob:
         lasts = self.overlap.finish()
         self.last = combine(lasts)
         self.skip_step = self.last["skipped"]
+        self.skipped += int(self.skip_step)
         self.window.add(self.last)
 
     def exchange_bucket(self, bucket):

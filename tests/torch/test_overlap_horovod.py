@@ -121,3 +121,16 @@ def test_small_buckets_go_dense_where_sparse_would_not_be_smaller():
     assert buckets.goes_dense(topka, 3, 4, 1.0)                     # k = 1 of 3: 2·4/3 of dense
     assert buckets.goes_dense(topka, 10 ** 6, 4, 30.0)              # 4% is not 30x smaller
     assert not buckets.goes_dense(topka, 3, 1, 1.0)                 # one rank sends nothing
+
+
+@pytest.mark.parametrize("args, named", [((1, None, None), "overlap"), ((False, 10, None), "bucket_cap_mb"),
+                                          ((True, 0, None), "bucket_cap_mb"),
+                                          ((True, None, -1.0), "min_compression_rate"),
+                                          ((True, None, float("inf")), "min_compression_rate")])
+def test_bad_overlap_options_raise_naming_the_argument(args, named):
+    from hvd_sparse.torch.optimizer import check_overlap
+
+    with pytest.raises(ValueError, match=named):
+        check_overlap(*args, "api")
+    assert check_overlap(True, None, None, "api") == (buckets.BUCKET_CAP_MB, buckets.MIN_COMPRESSION_RATE)
+    assert check_overlap(False, None, None, "api") is None
