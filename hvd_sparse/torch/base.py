@@ -24,7 +24,8 @@ class SparseOptimizer:
 
     def sparse_stats(self, average=False):
         """Statistics of the last exchange on this rank: ``n, k, selected, density, sent_bytes,
-        recv_bytes, sent_words, recv_words, collectives`` (empty before the first step); no communication.
+        recv_bytes, sent_words, recv_words, collectives`` (empty before the first step); no communication. With
+        ``overlap=True`` the buckets' counts summed (``density`` of the sums) and ``buckets``, each bucket's own.
 
         ``average=True``: a collective (every rank, same point of the loop) that returns ``density``,
         ``sent_bytes``, ``recv_bytes`` and ``residual_norm`` as floats averaged over the exchanges since the previous
