@@ -30,7 +30,8 @@
 #   4. nccl         the NCCL build: horovodrun --check-build, the CUDA smoke job at -np 1 and at -np 2 (with one GPU
 #                   the two ranks share it, which NCCL refuses: recorded, not counted as a failure)
 #   5. benchmarks   bench trainstep (25M MLP, 2 ranks on the GPU, Gloo build; then again with
-#                   HOROVOD_CYCLE_TIME=0.1 ms), bench engine --device cuda (25M) -- these two in pairs with the
+#                   HOROVOD_CYCLE_TIME=0.1 ms; and the presets with and without overlap=True), bench engine
+#                   --device cuda (25M) -- trainstep and engine in pairs with the
 #                   baseline when HVD_SPARSE_BASELINE is set --, bench advise (under horovodrun -np 2, 25M MLP),
 #                   bench latency (one small collective, 2 and 4 ranks), bench select --device cuda (25M, 100M)
 # OUTDIR then holds summary.txt (one line per step: exit code, seconds), logs/, reports/ (JSON, Markdown, PNG) and
@@ -143,6 +144,9 @@ if use gloo; then
         --markdown "$OUT/reports/advise.md"
     step bench_trainstep_cycle timeout 150 env HOROVOD_CYCLE_TIME=0.1 "$PY" -m hvd_sparse.bench trainstep \
         --workers 2 --device cuda --json "$OUT/reports/trainstep_cycle0.1.json"
+    step bench_trainstep_overlap timeout 150 "$PY" -m hvd_sparse.bench trainstep --workers 2 --device cuda \
+        --algorithms compute,topka,topka+o,exdyna,exdyna+o,oktopk,oktopk+o \
+        --json "$OUT/reports/trainstep_overlap.json"
     step bench_engine pairs 150 engine engine --device cuda --numel 25000000
     step bench_latency timeout 150 "$PY" -m hvd_sparse.bench latency --workers 2,4 --cycle-times default,0.1 \
         --json "$OUT/reports/latency.json"

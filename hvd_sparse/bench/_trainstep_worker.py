@@ -21,7 +21,7 @@ import time
 
 from .cli import worker_parser, write_json
 from ._convergence_worker import PROGRESS
-from .presets import torch_compression
+from .presets import overlapped, torch_compression
 
 
 def parse_args(argv=None):
@@ -100,8 +100,10 @@ def measure(name, args, widths, device):
     if name in ("wire", "wire_pinned"):
         opt = WireFloor(opt, model, args.density, pinned=name == "wire_pinned")
     elif name != "compute":
+        preset, overlap = overlapped(name)          # <preset>+o: overlap=True
         opt = hvds.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
-                                        compression=torch_compression(name, args.density))
+                                        compression=torch_compression(preset, args.density),
+                                        **({"overlap": True} if overlap else {}))
     g = torch.Generator().manual_seed(args.seed + 1 + hvd.rank())
     x = torch.randn(args.batch_size, widths[0], generator=g).to(device)
     y = torch.randint(0, widths[-1], (args.batch_size,), generator=g).to(device)

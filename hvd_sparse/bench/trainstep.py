@@ -95,11 +95,12 @@ def add_arguments(p):
 
     p.add_argument("--workers", type=cli.positive_int, default=2, help="ranks (default: 2)")
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    p.add_argument("--algorithms", type=lambda t: cli.algorithms(t, BASELINES),
+    p.add_argument("--algorithms", type=lambda t: cli.algorithms(t, (*BASELINES, *presets.overlap_names())),
                    default=list(BASELINES) + [n for n in presets.names() if n != "dense"],
                    help="comma-separated: compute, wire (one fixed-shape allgather of TopkA's payload), "
                         "wire_pinned (the same through pinned host buffers), dense "
-                        "(Horovod's optimizer) and presets (default: all)")
+                        "(Horovod's optimizer), presets and <preset>+o (the preset with overlap=True) "
+                        "(default: all but the +o)")
     p.add_argument("--layers", type=cli.positive_ints, default=[2048, 4096, 4096, 10],
                    help="MLP widths, input first (default: 2048,4096,4096,10)")
     p.add_argument("--batch-size", type=cli.positive_int, default=256)

@@ -20,6 +20,7 @@ bucket's engine step as soon as its gradients are in, on the job's thread, and t
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import horovod.torch as hvd
@@ -286,16 +287,18 @@ class SparseJob:
         """One bucket's engine step (on the job's thread): the gradients of its parameters that require grad, zeros
         for one that has none, a torch.sparse one densified; every rank declares the bucket's index and count."""
         params = [(n, p) for n, p in bucket.params if p.requires_grad]
-        for _, p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        notes = (("bucket", (bucket.index, len(self.overlap.buckets), bucket.dense)),)
-        engine = self.current_engine(bucket)
-        if not params:          # every parameter frozen: the agreement alone, so that every rank still meets it
-            engine.declare((), notes=notes)
-            engine.step([torch.zeros(0)], average=self.scale[2], nonfinite=self.nonfinite)
-            return engine.last
-        self._engine_step(engine, params, notes)
+        device = bucket.params[0][1].device
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():  # this thread's GPU
+            for _, p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            notes = (("bucket", (bucket.index, len(self.overlap.buckets), bucket.dense)),)
+            engine = self.current_engine(bucket)
+            if not params:      # every parameter frozen: the agreement alone, so that every rank still meets it
+                engine.declare((), notes=notes)
+                engine.step([torch.zeros(0, device=device)], average=self.scale[2], nonfinite=self.nonfinite)
+            else:
+                self._engine_step(engine, params, notes)
         return engine.last
 
     def exchange_dense(self, dense_params, sparse_params):
