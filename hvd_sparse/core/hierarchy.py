@@ -107,6 +107,16 @@ class TwoLevelEngine:
 
     # -- what the simulator and the adapters read -----------------------------------------------------------------
     @property
+    def dense(self):
+        """Whether every step is dense across the hosts (:attr:`Engine.dense` of the shard's engine)."""
+        return self.inner is not None and self.inner.dense
+
+    @dense.setter
+    def dense(self, value):
+        if self.inner is not None:
+            self.inner.dense = value
+
+    @property
     def memory(self):
         """The error feedback of this rank's shard (the inner engine's; empty on a single host)."""
         return self.inner.memory if self.inner is not None else ErrorFeedback()

@@ -7,7 +7,12 @@ Scenarios:
   auto      hierarchical left at None, under HOROVOD_HIERARCHICAL_ALLREDUCE=1 (horovodrun --hierarchical-allreduce):
             two levels; and hierarchical=False beside it: flat
   uneven    (-np 3 on hosts of 2 and 1) hierarchical=True raises on every rank, naming the hosts: the message
+  overlap   TopkA on two levels with overlap=True, a tensor a bucket (the 4 biases of the last layer dense): as
+            presets, with the plan
 """
+
+import json
+
 
 import horovod.torch as hvd
 import numpy as np
@@ -22,13 +27,13 @@ STEPS = 8
 DENSITY = 0.05
 
 
-def run(compression):
-    """8 steps of SGD through the optimizer on this rank's data: (raw, reduced) gradients per step, the parameters,
-    the layout and the optimizer."""
+def run(compression, **options):
+    """8 steps of SGD through the optimizer (with ``options``) on this rank's data: (raw, reduced) gradients per step,
+    the parameters, the layout and the optimizer."""
     model = mlp(seed=5)
     params = sorted(model.named_parameters())
     opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                    named_parameters=model.named_parameters(), compression=compression)
+                                    named_parameters=model.named_parameters(), compression=compression, **options)
     raw, red = [], []
     for t in range(STEPS):
         opt.zero_grad()
@@ -58,6 +63,16 @@ def scenario_auto(out):
         *_, opt = run(make("topka", DENSITY, hierarchical=hierarchical))
         kinds[label] = type(opt._hvds.engine()).__name__
     np.savez(out, auto=kinds["auto"], flat=kinds["flat"])
+
+
+def scenario_overlap(out):
+    raw, red, params, _, opt = run(make("topka", DENSITY, hierarchical=True), overlap=True, bucket_cap_mb=0.0002,
+                                   min_compression_rate=3.0)
+    buckets = opt._hvds.overlap.buckets
+    plan = [{"names": [n for n, _ in b.params], "dense": b.dense} for b in buckets]
+    layout = sorted((n, p.numel()) for b in buckets for n, p in b.params)        # the order of raw and red
+    np.savez(out, raw=raw, red=red, params=params, plan=np.array(json.dumps(plan)),
+             layout=np.array(json.dumps(layout)))
 
 
 def scenario_uneven(out):

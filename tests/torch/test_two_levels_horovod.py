@@ -1,7 +1,10 @@
 """The two-level step through real Horovod: `horovodrun -np 4 -H localhost:2,127.0.0.1:2` gives one machine two
 hosts of two ranks (hvd.local_size() 2, hvd.cross_size() 2), whose process sets hvd_sparse registers
 (HOROVOD_DYNAMIC_PROCESS_SETS=1). Every sparse preset equals simulate(..., local_size=2) bit for bit; left at None,
-`hierarchical` follows HOROVOD_HIERARCHICAL_ALLREDUCE; hosts of unequal size are refused on every rank."""
+`hierarchical` follows HOROVOD_HIERARCHICAL_ALLREDUCE; hosts of unequal size are refused on every rank; with
+overlap=True every bucket is a two-level unit of its own."""
+
+import json
 
 import numpy as np
 import pytest
@@ -19,7 +22,7 @@ ENV = {"HOROVOD_DYNAMIC_PROCESS_SETS": "1", "HOROVOD_HIERARCHICAL_ALLREDUCE": "1
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    return scenario_job(tmp_path_factory, "two_levels", 4, "two_level_worker.py", ["presets", "auto"],
+    return scenario_job(tmp_path_factory, "two_levels", 4, "two_level_worker.py", ["presets", "auto", "overlap"],
                         timeout=600, env=ENV, hosts=TWO_HOSTS)
 
 
@@ -31,6 +34,30 @@ def test_every_preset_on_two_hosts_equals_the_simulator(job, preset):
                    backend="torch", local_size=2)
     assert_ranks_equal_simulator(ranks, preset, sim, grads, preset, 2)      # two ranks a sum: exact
     assert 0 < ranks[0][f"{preset}.across"] < ranks[0][f"{preset}.inside"]
+
+
+def test_buckets_on_two_hosts_equal_the_simulator_bucket_by_bucket(job):
+    """overlap=True on two levels: each bucket is a two-level unit of its own (the 4-entry one dense across the
+    hosts), equal to the simulator's two-level run of that bucket, bit for bit, on every rank."""
+    ranks = job["overlap"]
+    layout, plan = json.loads(str(ranks[0]["layout"])), json.loads(str(ranks[0]["plan"]))
+    assert len(plan) == 4 and [b["dense"] for b in plan] == [True, False, False, False]
+    where, at = {}, 0
+    for name, m in layout:
+        where[name], at = slice(at, at + m), at + m
+    raw = np.stack([r["raw"] for r in ranks], axis=1)
+    expected = np.zeros_like(raw)
+    for bucket in plan:
+        slices = [where[n] for n in bucket["names"]]
+        sim = simulate(presets.make("topka", 0.05), np.concatenate([raw[:, :, s] for s in slices], axis=2),
+                       shapes=[(s.stop - s.start,) for s in slices], backend="torch", local_size=2,
+                       before_step=lambda t, r, engine, dense=bucket["dense"]: setattr(engine, "dense", dense))
+        at = 0
+        for s in slices:
+            expected[:, :, s], at = sim.updates[:, :, at:at + s.stop - s.start], at + s.stop - s.start
+    for r, rank in enumerate(ranks):
+        assert rank["red"].tobytes() == expected[:, r].tobytes()
+        assert rank["params"].tobytes() == ranks[0]["params"].tobytes()
 
 
 def test_hierarchical_none_follows_horovods_switch(job):
