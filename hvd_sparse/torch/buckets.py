@@ -63,9 +63,6 @@ class Bucket:
     def unit(self):
         return f"b{self.index}"
 
-    def numel(self):
-        return sum(p.numel() for _, p in self.params)
-
 
 def plan_buckets(named, cap_mb):
     """``named`` (``(name, p)`` in registration order) cut, in reverse order, into lists of at most ``cap_mb`` MB of
