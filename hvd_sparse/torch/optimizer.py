@@ -174,6 +174,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
             scaler = job.scaler or recipes.grad_scaler(self, _API)
             if job.overlap is not None and job.overlap.launched_by_hooks:
                 job.exchange_buckets()          # let the launched buckets finish on every rank, then refuse alike
+                job.reset_passes()
                 raise RuntimeError(f"{_API}: overlap=True under torch.amp.GradScaler: the hooks exchanged scaled "
                                    "gradients before the scaler could unscale them; use hvd_sparse.torch.GradScaler "
                                    "(the same arguments), which makes the buckets wait for unscaling")
