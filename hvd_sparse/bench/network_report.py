@@ -67,17 +67,15 @@ def _overlap_ratios(rows):
     ``<preset>+o`` row's step over max(its backward, the plain preset's exchange after backward)."""
     from .presets import overlapped
 
-    by_name = {r["algorithm"]: r for r in rows}
-    for r in rows:
-        if r.get("backward_seconds_median") is None:
-            continue
-        preset, overlap = overlapped(r["algorithm"])
-        if not overlap:
+    timed = [r for r in rows if r.get("backward_seconds_median") is not None]
+    for r in timed:
+        if not overlapped(r["algorithm"])[1]:
             r["exchange_after_backward_seconds"] = r["step_seconds_median"] - r["backward_seconds_median"]
-            continue
-        plain = by_name.get(preset)
-        if plain is not None and plain.get("backward_seconds_median") is not None:
-            exchange = plain["step_seconds_median"] - plain["backward_seconds_median"]
+    by_name = {r["algorithm"]: r for r in timed}
+    for r in timed:
+        preset, overlap = overlapped(r["algorithm"])
+        if overlap and preset in by_name:
+            exchange = by_name[preset]["exchange_after_backward_seconds"]
             r["overlap_ratio"] = r["step_seconds_median"] / max(r["backward_seconds_median"], exchange)
 
 

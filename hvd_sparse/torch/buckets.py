@@ -16,7 +16,8 @@ the exchange adds to the step. With it, as DDP's reducer and Horovod's hooks do 
    feedback, thresholds and partitions, and its share of the budget, k_b = ⌊d·n_b⌋ (a byte budget's density is the
    same for every bucket). Ok-Topk's reused thresholds and ExDyna's partitions are per bucket: one threshold over
    the whole model would need every bucket's gradient before the first could be selected -- the wait overlap
-   removes (layer-wise selection, as LAGS-SGD analyses and DGC practises).
+   removes (layer-wise selection, as DGC practises and whose convergence LAGS-SGD proves; the budget is split by
+   size, not by magnitude, which starves small layers: docs/algorithms.md, "Buckets").
 3. **Small buckets dense** (:func:`goes_dense`): a bucket whose sparse message would not be at least
    ``min_compression_rate`` times smaller than a dense allreduce's (PowerSGD's rule, with
    :mod:`hvd_sparse.core.budget`'s model of the bytes) is exchanged dense on every step: its error feedback stays

@@ -82,12 +82,7 @@ class SparseJob:
         if self.overlap_options is None or not in_process_set(self.process_set, hvd.rank()):
             return          # a rank outside the process set exchanges nothing, from its hooks neither
         cap_mb, min_rate = self.overlap_options
-        seen, named = set(), []
-        for i, group in enumerate(param_groups):
-            for j, p in enumerate(group["params"]):
-                if id(p) not in seen and (self.overlap is None or not self.overlap.covers(p)):
-                    seen.add(id(p))
-                    named.append((self.names.get(id(p), f"allreduce.noname.{i}.{j}"), p))
+        named = [(n, p) for n, p in self.registered(param_groups) if self.overlap is None or not self.overlap.covers(p)]
         if not named:
             return
         start = len(self.overlap.buckets) if self.overlap is not None else 0
@@ -106,13 +101,17 @@ class SparseJob:
         ``_requires_update``), in name order. Read at every exchange, so a group added with ``add_param_group`` or
         a parameter frozen or unfrozen since construction takes part from the next step on. A parameter without a
         name from ``named_parameters`` is ``allreduce.noname.<group>.<index>``."""
+        return sorted(((n, p) for n, p in self.registered(param_groups) if p.requires_grad), key=lambda t: t[0])
+
+    def registered(self, param_groups):
+        """``[(name, p)]`` of every parameter of ``param_groups``, each once, in registration order (:meth:`params`
+        names them)."""
         seen, out = set(), []
         for i, group in enumerate(param_groups):
             for j, p in enumerate(group["params"]):
-                if p.requires_grad and id(p) not in seen:
+                if id(p) not in seen:
                     seen.add(id(p))
                     out.append((self.names.get(id(p), f"allreduce.noname.{i}.{j}"), p))
-        out.sort(key=lambda t: t[0])
         return out
 
     def hook(self, params, limit):
