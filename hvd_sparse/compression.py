@@ -335,6 +335,7 @@ SPARSE_ONLY = {
     "bucket_cap_mb": (None, "Horovod's optimizer launches each gradient from its hook and fuses what is ready up to "
                             "HOROVOD_FUSION_THRESHOLD"),
     "min_compression_rate": (None, "nothing is compressed"),
+    "bucket_budget": (None, "nothing is selected"),
 }
 
 

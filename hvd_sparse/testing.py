@@ -26,6 +26,9 @@ What a test needs per step, it asks for by keyword:
     res = simulate(comp, grads, before_step=force, after_step=look)   # your code on each rank around each step;
     res.observed[t][r]                                                #   what look(t, rank, engine) returned
     res = simulate(comp, grads, communicator=Logger)      # the engines talk to Logger(comm) (e.g. to log calls)
+
+The torch optimizer's buckets (``overlap=True``) have their own oracle: :func:`simulate_buckets` runs the bucketed
+step -- one unit per bucket, in bucket order, and the budget's split over them (:mod:`hvd_sparse.core.allocation`).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import dataclasses
 
 import numpy as np
 
+from .core import allocation
 from .core.sim import SimulatedWorld
 from .core.validate import check_nonfinite
 
@@ -62,6 +66,18 @@ class SimulationResult:
     reducer_states: list = None
     #: [t][r]: what ``after_step(t, r, engine)`` returned (with ``after_step``)
     observed: list = None
+
+
+@dataclasses.dataclass
+class BucketSimulation:
+    """What :func:`simulate_buckets` returns."""
+
+    #: (steps, P, n): the reduced gradient each rank applies
+    updates: np.ndarray
+    #: (P, n): each rank's residual after the last step (a two-level rank's at its shards' entries, zeros elsewhere)
+    residuals: np.ndarray
+    #: [t]: every bucket's share of the density at step t (:meth:`~hvd_sparse.core.engine.Engine.set_share`)
+    shares: list
 
 
 def simulate(compression, gradients, shapes=None, average=True, backend="numpy", nonfinite="skip", *, steps=None,
@@ -131,6 +147,61 @@ def simulate(compression, gradients, shapes=None, average=True, backend="numpy",
             _record_step(res, t, r, eng, u, comm, to_numpy)
             if after_step is not None:
                 res.observed[t][r] = after_step(t, r, eng)
+
+    world.run(run_rank, comms)
+    return res
+
+
+def simulate_buckets(compression, gradients, buckets, average=True, backend="numpy", *, budget="magnitude",
+                     local_size=None, min_compression_rate=1.0):
+    """The torch optimizer's bucketed exchange (``overlap=True``: :mod:`hvd_sparse.torch.buckets`) on P virtual ranks:
+    per step, each bucket's unit steps in bucket order (a dense one every step dense), then, with ``budget=
+    "magnitude"``, every :data:`~hvd_sparse.core.allocation.EVERY` steps the budget's split over the sparse buckets
+    (:func:`~hvd_sparse.core.allocation.rebalance`); ``"size"``: k_b = d·n_b.
+
+    Args:
+        gradients: float array (steps, P, n), each rank's flat gradient with the buckets one after another.
+        buckets: ``[(shapes, dense)]`` in bucket order: each bucket's tensor shapes (they add up to n over the
+            buckets) and whether it goes dense.
+        average, backend, local_size: as :func:`simulate`.
+        min_compression_rate: the optimizer's: a sparse bucket's share stops where its message would not be that
+            many times smaller than dense (:func:`~hvd_sparse.core.allocation.ceiling`).
+    Returns:
+        :class:`BucketSimulation`.
+    """
+    api = "hvd_sparse.testing.simulate_buckets"
+    grad, steps, P, n, rec_dtype = _gradient_source(gradients, None, None, api)
+    sizes = [sum(int(np.prod(s)) for s in shapes) for shapes, _ in buckets]
+    if sum(sizes) != n:
+        raise ValueError(f"{api}: the buckets hold {sum(sizes)} entries, the gradients {n}")
+    convert, to_numpy, rec_dtype = _backend(backend, None, None, rec_dtype, api)
+    world = SimulatedWorld(P)
+    comms = world.communicators()
+    units = list(zip(*[_engines(compression, world, comms, None, local_size, api) for _ in buckets]))
+    bounds = np.cumsum([0] + sizes)
+    most = allocation.ceiling(compression, P, min_compression_rate)
+    res = BucketSimulation(np.zeros((steps, P, n), rec_dtype), np.zeros((P, n), np.float32), [None] * steps)
+
+    def run_rank(comm):
+        engines = units[comm.rank]
+        for engine, (shapes, dense) in zip(engines, buckets):
+            engine.layout, engine.dense = [int(np.prod(s)) for s in shapes], dense
+        for t in range(steps):
+            if comm.rank == 0:
+                res.shares[t] = [e.share for e in engines]
+            tally = budget == "magnitude" and allocation.due(t)
+            for b, engine in enumerate(engines):
+                engine.tally = tally and not buckets[b][1]
+                lo, hi = bounds[b], bounds[b + 1]
+                res.updates[t, comm.rank, lo:hi] = to_numpy(engine.step(convert(grad(t, comm.rank)[lo:hi]),
+                                                                        average=average))
+            if tally and not any(e.last.get("skipped") for e in engines):
+                allocation.rebalance([(e, size, most) for e, size, (_, dense) in zip(engines, sizes, buckets)
+                                      if not dense], comm)
+        for b, engine in enumerate(engines):
+            lo, hi = getattr(engine, "shard", (0, bounds[b + 1] - bounds[b]))   # two levels: the rank's shard
+            if engine.memory.residual is not None:
+                res.residuals[comm.rank, bounds[b] + lo:bounds[b] + hi] = to_numpy(engine.memory.residual)
 
     world.run(run_rank, comms)
     return res

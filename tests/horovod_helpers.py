@@ -103,3 +103,24 @@ def assert_ranks_equal_simulator(ranks, tag, sim, grads, preset, P):
             np.testing.assert_allclose(got, sim.updates[:, r], rtol=1e-6, atol=1e-6 * np.abs(grads).max())
         else:
             assert got.tobytes() == sim.updates[:, r].tobytes(), f"rank {r} differs from the simulator"
+
+
+def bucketed_oracle(compression, raw, layout, plan, local_size=None, budget="magnitude", min_rate=1.0):
+    """The simulator's bucketed run (``simulate_buckets``) of a torch job's buckets: ``raw`` (steps, P, n) and the
+    result in the job's flat order, ``layout`` ``[(name, numel)]``; ``plan`` ``[{"names", "dense"}]`` in bucket
+    order; ``min_rate``: the job's ``min_compression_rate``. Returns ``(updates, residuals, shares)`` with updates (steps, P, n) and residuals (P, n) in flat order."""
+    from hvd_sparse.testing import simulate_buckets
+
+    where, at = {}, 0
+    for name, m in layout:
+        where[name], at = slice(at, at + m), at + m
+    order = [where[n] for bucket in plan for n in bucket["names"]]
+    sim = simulate_buckets(compression, np.concatenate([raw[:, :, s] for s in order], axis=2),
+                           [([(where[n].stop - where[n].start,) for n in b["names"]], b["dense"]) for b in plan],
+                           backend="torch", local_size=local_size, budget=budget, min_compression_rate=min_rate)
+    updates, residuals, at = np.zeros_like(raw), np.zeros(raw.shape[1:], np.float32), 0
+    for s in order:
+        updates[:, :, s], residuals[:, s] = sim.updates[:, :, at:at + s.stop - s.start], sim.residuals[:, at:at +
+                                                                                                      s.stop - s.start]
+        at += s.stop - s.start
+    return updates, residuals, sim.shares

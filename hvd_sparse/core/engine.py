@@ -27,7 +27,10 @@ of the compression change the step (docs/algorithms.md, "The training recipe"):
 * ``local_clip_norm = c`` (recipe.py): ``grad`` is first scaled by min(1, c / (sqrt(P)·||grad||)), on every step.
 
 An adapter may set :attr:`Engine.dense` on a unit too small to gain from sparsity (a bucket of the torch optimizer's
-``overlap``): then every step is such a dense step.
+``overlap``): then every step is such a dense step. An adapter that splits one budget over several units (the
+buckets: :mod:`hvd_sparse.core.allocation`) sets each unit's share with :meth:`Engine.set_share` -- the factor on
+the density of every sparse step from the next one on, which starts the scheme afresh as a warm-up stage does -- and
+asks a step for a ``tally`` of its accumulator's magnitudes (``last["tally"]``).
 
 Per-step statistics (selected count, achieved density, words and bytes sent and received) are kept in
 :attr:`Engine.last`.
@@ -189,6 +192,10 @@ class Engine:
         self.last = StepStats()
         self.skipped_steps = 0  # steps skipped for non-finite gradients (not counted in ``steps``)
         self.dense = False      # every step dense, as a warm-up step (a bucket too small to gain from sparsity)
+        self.share = 1.0        # the factor on the density of the sparse steps (set_share)
+        self.share_since = 0    # the step the share was set at: the scheme starts afresh there
+        self.tally = False      # the next steps count |acc| in bins of magnitude (last["tally"]; core/allocation.py)
+        self._shared = {}       # (sparsifier, share) -> the sparsifier at the shared density
         self.notes = ()         # declared (key, value) pairs the ranks must also agree on
         self.entries = None     # declared layout: ((name, shape, dtype), ...) in exchange order, or None
         self.refused = None     # why the last declare(fixed=True) was refused, reported by the next step
@@ -230,7 +237,16 @@ class Engine:
         self.sparsifier_state = self.compression.sparsifier.initial_state() if self.compression.sparsifier else {}
         self.reducer_state = self.compression.reducer.initial_state()
         self.steps = 0
+        self.share_since = 0
         self.numel = None
+
+    def set_share(self, share):
+        """From the next step on, the sparse steps run at ``share`` times the density they would run at (clipped to
+        1; k = max(1, ⌊d·share·n⌋)); a new share starts the scheme afresh at the next step -- thresholds, partitions
+        and ``ctx.step`` as at step 0, the residual kept -- on every rank alike (every rank sets the same)."""
+        share = float(share)
+        if share != self.share:
+            self.share, self.share_since = share, self.steps
 
     @property
     def unit(self):
@@ -274,6 +290,7 @@ class Engine:
                                   **self._traffic())
             return self._emit(plan.xp, plan.xp.zeros(0, plan.xp.float32, like=plan.pieces[0]), 1.0, plan.pieces, out)
         acc, finite, plan = self._accumulate(plan)
+        tally = plan.xp.magnitude_counts(acc) if self.tally else None
         # the non-finite flag: a host bool, or on a device a device value that the opening's header carries unread
         self._nonfinite = True if flagged else (not finite) if finite is not None else plan.xp.nonfinite(acc)
         saved = dict(self.sparsifier_state), dict(self.reducer_state)
@@ -285,6 +302,8 @@ class Engine:
         self._commit(plan, acc, included, info)
         self.last = StepStats(n=plan.n, k=plan.k, selected=selected, density=selected / plan.n, info=info,
                               skipped=False, nonfinite_ranks=[], **self._traffic())
+        if tally is not None:
+            self.last["tally"] = tally
         scale = float(prescale) * float(postscale) / (self.comm.size if average else 1)
         return self._emit(plan.xp, u, scale, plan.pieces, out, plan.zeroed)
 
@@ -335,10 +354,23 @@ class Engine:
             return comp.sparsifier, 0
         index, since = stage_at(self.steps, warmup, getattr(comp, "warmup_stage_steps", 0), len(self.stages))
         sparsifier = self.stages[index] if index < len(self.stages) else comp.sparsifier
-        if index and self.steps == since:
+        fresh = index and self.steps == since
+        if self.share_since > since:            # a share set since the stage began (set_share)
+            since = self.share_since
+            fresh = self.steps == since
+        if self.share != 1.0:
+            sparsifier = self._at_share(sparsifier)
+        if fresh:
             self.sparsifier_state = sparsifier.initial_state()
             self.reducer_state = comp.reducer.initial_state()
         return sparsifier, since
+
+    def _at_share(self, sparsifier):
+        """``sparsifier`` at :attr:`share` times its density (at most 1), made once per stage and share."""
+        key = (id(sparsifier), self.share)
+        if key not in self._shared:
+            self._shared = {key: dataclasses.replace(sparsifier, density=min(1.0, sparsifier.density * self.share))}
+        return self._shared[key]
 
     def _local_error(self, n):
         """What this rank alone knows is wrong with a gradient of ``n`` entries, or None."""
@@ -563,6 +595,8 @@ class Engine:
         }
         if v is not None:               # momentum correction's velocity (per rank, like the residual)
             state["velocity"] = backend_of(v).to_numpy(v).copy()
+        if self.share != 1.0 or self.share_since:       # a share of a split budget (set_share)
+            state["share"], state["share_since"] = self.share, self.share_since
         return state
 
     def load_state_dict(self, state):
@@ -576,6 +610,7 @@ class Engine:
             return
         self.numel = state["numel"]
         self.steps = state["steps"]
+        self.share, self.share_since = float(state.get("share", 1.0)), int(state.get("share_since", 0))
         if state.get("entries") is not None:
             self.entries = tuple((n, tuple(s), t) for n, s, t in state["entries"])
             self.layout = [int(np.prod(s)) for _, s, _ in self.entries]

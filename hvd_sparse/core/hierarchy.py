@@ -117,6 +117,25 @@ class TwoLevelEngine:
             self.inner.dense = value
 
     @property
+    def share(self):
+        """The factor on the density across the hosts (:meth:`Engine.set_share` of the shard's engine)."""
+        return self.inner.share if self.inner is not None else 1.0
+
+    def set_share(self, share):
+        if self.inner is not None:
+            self.inner.set_share(share)
+
+    @property
+    def tally(self):
+        """Whether the shard's step counts its accumulator's magnitudes (``last["tally"]``: the shard's)."""
+        return self.inner is not None and self.inner.tally
+
+    @tally.setter
+    def tally(self, value):
+        if self.inner is not None:
+            self.inner.tally = value
+
+    @property
     def memory(self):
         """The error feedback of this rank's shard (the inner engine's; empty on a single host)."""
         return self.inner.memory if self.inner is not None else ErrorFeedback()

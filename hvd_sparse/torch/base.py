@@ -46,7 +46,10 @@ class SparseOptimizer:
         overwrite with rank 0's residuals. Arrays are CPU tensors, so ``torch.load`` reads the file with its defaults
         (``weights_only=True``)."""
         self._hvds.engines()                     # the state of step 0 before the first step
-        return to_tensors(self._hvds.states.state_dict(self.process_set.rank(), self.process_set.size()))
+        state = self._hvds.states.state_dict(self.process_set.rank(), self.process_set.size())
+        if self._hvds.overlap is not None:
+            state["clock"] = self._hvds.clock      # where the buckets' budget split is in its period
+        return to_tensors(state)
 
     def skipped_steps(self):
         """Steps skipped on this rank (and every other) because a gradient was not finite."""
@@ -62,6 +65,7 @@ class SparseOptimizer:
         self._hvds.states.load_state_dict(state, self.process_set.rank(), self.process_set.size(),
                                           f"{_API}.load_sparse_state_dict")
         self._hvds.loaded(state["units"])
+        self._hvds.clock = int(state.get("clock", 0))
 
     def _hvds_snapshot(self):
         """This rank's units, unchecked (hvd_sparse.torch.elastic's commit); None before the first step."""

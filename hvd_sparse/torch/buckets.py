@@ -13,11 +13,13 @@ the exchange adds to the step. With it, as DDP's reducer and Horovod's hooks do 
    buckets, so ranks whose plans differ raise ``RankDisagreementError`` together.
 2. Each bucket is a **unit** of the job (``b0``, ``b1``, ...; collectives ``hvd_sparse.<owner>.b<i>.<phase>``, its
    agreement ``hvd_sparse.agree.b<i>``, so that Horovod's response cache keeps one shape per name): its own error
-   feedback, thresholds and partitions, and its share of the budget, k_b = ⌊d·n_b⌋ (a byte budget's density is the
-   same for every bucket). Ok-Topk's reused thresholds and ExDyna's partitions are per bucket: one threshold over
-   the whole model would need every bucket's gradient before the first could be selected -- the wait overlap
-   removes (layer-wise selection, as DGC practises and whose convergence LAGS-SGD proves; the budget is split by
-   size, not by magnitude, which starves small layers: docs/algorithms.md, "Buckets").
+   feedback, thresholds and partitions. Ok-Topk's reused thresholds and ExDyna's partitions are per bucket: one
+   threshold over the whole model would need every bucket's gradient before the first could be selected -- the wait
+   overlap removes (layer-wise selection, as DGC practises and whose convergence LAGS-SGD proves).
+   **The budget** (``bucket_budget``): split by size, k_b = ⌊d·n_b⌋ (``"size"``), it starves small layers, whose
+   entries hold far more of the whole model's top-k than their size (docs/algorithms.md, "Buckets"); so by default
+   (``"magnitude"``) every 10th exchange counts where the whole model's top-k fell and gives each sparse bucket that
+   share of the budget from the next exchange on (:mod:`hvd_sparse.core.allocation`; one small allreduce).
 3. **Small buckets dense** (:func:`goes_dense`): a bucket whose sparse message would not be at least
    ``min_compression_rate`` times smaller than a dense allreduce's (PowerSGD's rule, with
    :mod:`hvd_sparse.core.budget`'s model of the bytes) is exchanged dense on every step: its error feedback stays
@@ -51,6 +53,8 @@ from .amp import scaling
 BUCKET_CAP_MB = 25.0
 #: the default ``min_compression_rate``: a bucket goes dense unless its sparse message is smaller than dense
 MIN_COMPRESSION_RATE = 1.0
+#: the values of ``bucket_budget``, the default first: split by where the whole model's top-k falls, or by size
+BUDGETS = ("magnitude", "size")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,9 @@ An exchange (:meth:`SparseJob.exchange`, from ``optimizer.synchronize()``):
 With ``overlap`` (:mod:`hvd_sparse.torch.buckets`) the job holds buckets instead of one unit: the hooks launch each
 bucket's engine step as soon as its gradients are in, on the job's thread, and the exchange waits for them
 (:meth:`SparseJob.exchange_buckets`); a torch.sparse gradient is densified into its bucket there, as
-``sparse_as_dense=True`` does.
+``sparse_as_dense=True`` does. With ``bucket_budget="magnitude"`` every tenth exchange also moves the budget's
+split over the buckets to where the whole model's top-k fell (:meth:`SparseJob.rebalance`,
+:mod:`hvd_sparse.core.allocation`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import math
 import horovod.torch as hvd
 import torch
 
+from ..core import allocation
 from ..core.context import StepStats
 from ..core.state import SparsityWindow
 from ..horovod_comm import in_process_set
@@ -44,8 +47,8 @@ class SparseJob:
         scale: ``(prescale, postscale, average)`` of the reduction (``core.validate.scale_factors``).
         nonfinite: ``"skip"`` or ``"raise"``; check_every: the consistency check's period (0: off);
         elastic_residuals: ``"keep"`` or ``"drop"`` at an elastic reset.
-        overlap: None (one unit, after backward), or ``(bucket_cap_mb, min_compression_rate)``: buckets launched
-            from the hooks (:meth:`plan`).
+        overlap: None (one unit, after backward), or ``(bucket_cap_mb, min_compression_rate, bucket_budget)``:
+            buckets launched from the hooks (:meth:`plan`).
     """
 
     def __init__(self, compression, names, owner, process_set, scale, nonfinite, check_every, elastic_residuals,
@@ -73,6 +76,8 @@ class SparseJob:
         self.overlap = None                      # buckets.Overlap, once planned (plan)
         self.last = StepStats()                  # the last exchange's statistics (every bucket's, summed)
         self.skipped = 0                         # with buckets: the steps a bucket skipped (skipped_steps)
+        self.clock = 0                           # with buckets: exchanges since the start or an elastic reset
+        self._budget_comm = None                 # with buckets: the communicator of the budget's split
 
     # -- buckets ---------------------------------------------------------------------------------------
     def plan(self, param_groups):
@@ -81,7 +86,7 @@ class SparseJob:
         plan go into buckets of their own after the others, on every rank alike."""
         if self.overlap_options is None or not in_process_set(self.process_set, hvd.rank()):
             return          # a rank outside the process set exchanges nothing, from its hooks neither
-        cap_mb, min_rate = self.overlap_options
+        cap_mb, min_rate, _ = self.overlap_options
         named = [(n, p) for n, p in self.registered(param_groups) if self.overlap is None or not self.overlap.covers(p)]
         if not named:
             return
@@ -190,6 +195,7 @@ class SparseJob:
         self.reset_passes()
         self.skip_step = False
         self.exchanges = 0
+        self.clock = 0
         return True
 
     def loaded(self, units):
@@ -281,6 +287,22 @@ class SparseJob:
         self.skip_step = self.last["skipped"]
         self.skipped += int(self.skip_step)
         self.window.add(self.last)
+        if self.tallying() and not self.skip_step:
+            self.rebalance()
+        self.clock += 1
+
+    def tallying(self):
+        """Whether this exchange's sparse buckets count their accumulators for the budget's split."""
+        return self.overlap_options[2] == "magnitude" and allocation.due(self.clock)
+
+    def rebalance(self):
+        """The budget's split over the sparse buckets from this exchange's tallies (core.allocation, steps 2-4):
+        one allreduce, the same shares on every rank, from the next exchange on."""
+        if self._budget_comm is None:
+            self._budget_comm = HorovodTorchCommunicator(self.process_set, self.owner)
+        most = allocation.ceiling(self.compression, self.process_set.size(), self.overlap_options[1])
+        allocation.rebalance([(self.engine(b), sum(p.numel() for _, p in b.params if p.requires_grad), most)
+                              for b in self.overlap.buckets if not b.dense], self._budget_comm)
 
     def exchange_bucket(self, bucket):
         """One bucket's engine step (on the job's thread): the gradients of its parameters that require grad, zeros
@@ -293,6 +315,7 @@ class SparseJob:
                     p.grad = torch.zeros_like(p)
             notes = (("bucket", (bucket.index, len(self.overlap.buckets), bucket.dense)),)
             engine = self.current_engine(bucket)
+            engine.tally = not bucket.dense and self.tallying()
             if not params:      # every parameter frozen: the agreement alone, so that every rank still meets it
                 engine.declare((), notes=notes)
                 engine.step([torch.zeros(0, device=device)], average=self.scale[2], nonfinite=self.nonfinite)
@@ -328,7 +351,8 @@ class SparseJob:
 
 def combine(lasts):
     """One step's statistics from its buckets' (:class:`~hvd_sparse.core.context.StepStats` each): counts, words,
-    bytes and seconds summed, the density of the sum, skipped where any bucket skipped."""
+    bytes and seconds summed, the density of the sum, skipped where any bucket skipped; each bucket's own under
+    ``buckets`` (its tally for the budget's split left out)."""
     out = StepStats()
     for key in ("n", "k", "selected", "sent_words", "recv_words", "sent_bytes", "recv_bytes", "collectives",
                 "control_bytes", "control_collectives", "across_sent_bytes", "across_recv_bytes"):
@@ -342,5 +366,5 @@ def combine(lasts):
         for key, value in last.get("seconds", {}).items():
             seconds[key] = seconds.get(key, 0.0) + value
     out["seconds"] = seconds
-    out["buckets"] = [dict(last) for last in lasts]
+    out["buckets"] = [{key: value for key, value in last.items() if key != "tally"} for last in lasts]
     return out

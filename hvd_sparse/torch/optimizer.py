@@ -232,7 +232,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
                          num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=global_process_set, *, nonfinite="skip", consistency_check_every=0,
-                         elastic_residuals="keep", overlap=False, bucket_cap_mb=None, min_compression_rate=None):
+                         elastic_residuals="keep", overlap=False, bucket_cap_mb=None, min_compression_rate=None,
+                         bucket_budget=None):
     """Wrap a ``torch.optim.Optimizer`` so that ``step()`` first averages the gradients over Horovod
     ranks -- sparsely, when ``compression`` is a sparse preset.
 
@@ -262,13 +263,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             to this rank's residual: ``"keep"`` (default) or ``"drop"``; partitions, thresholds and counters
             always start afresh (see :mod:`hvd_sparse.torch.elastic`).
         overlap (bool, keyword-only): False (default): the whole model is one unit, exchanged after backward.
-            True: buckets of parameters, each exchanged (its own error feedback, k_b = d·n_b) as soon as backward
-            has produced its gradients, on a thread of the optimizer, so that the exchange overlaps backward
+            True: buckets of parameters, each exchanged (its own error feedback and share of the budget) as soon
+            as backward has produced its gradients, on a thread of the optimizer, so that the exchange overlaps backward
             (:mod:`hvd_sparse.torch.buckets`). Under ``torch.amp.GradScaler`` use ``hvd_sparse.torch.GradScaler``.
         bucket_cap_mb (float, keyword-only): with overlap, the largest bucket in MB of float32 gradient (default
             25, as DDP).
         min_compression_rate (float, keyword-only): with overlap, a bucket goes dense unless its sparse message is
             at least this many times smaller than a dense allreduce's (default 1: unless it is smaller at all).
+        bucket_budget (str, keyword-only): with overlap, how the budget is split over the sparse buckets:
+            ``"magnitude"`` (default): every 10 steps, in proportion to where the whole model's top-k fell
+            (:mod:`hvd_sparse.core.allocation`); ``"size"``: k_b = d·n_b, by size alone (layer-wise selection).
 
     Returns:
         an instance of ``type(optimizer)`` (same class name) with ``synchronize()``,
@@ -289,8 +293,8 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     check_elastic_residuals(elastic_residuals, _API)
     refuse_unused_options(compression, _API, nonfinite=nonfinite, elastic_residuals=elastic_residuals,
                           consistency_check_every=consistency_check_every, bucket_cap_mb=bucket_cap_mb,
-                          min_compression_rate=min_compression_rate)
-    overlap = check_overlap(overlap, bucket_cap_mb, min_compression_rate, _API)
+                          min_compression_rate=min_compression_rate, bucket_budget=bucket_budget)
+    overlap = check_overlap(overlap, bucket_cap_mb, min_compression_rate, _API, bucket_budget)
     if not is_sparse(compression):
         return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters, compression=compression,
                                         backward_passes_per_step=backward_passes_per_step, op=op,
@@ -310,11 +314,16 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                elastic_residuals, overlap)
 
 
-def check_overlap(overlap, bucket_cap_mb, min_compression_rate, api):
-    """``None`` (no overlap) or ``(bucket_cap_mb, min_compression_rate)`` with their defaults; ValueError naming the
-    argument for a bad value, or for a bucket option without ``overlap=True``."""
+def check_overlap(overlap, bucket_cap_mb, min_compression_rate, api, bucket_budget=None):
+    """``None`` (no overlap) or ``(bucket_cap_mb, min_compression_rate, bucket_budget)`` with their defaults;
+    ValueError naming the argument for a bad value, or for a bucket option without ``overlap=True``."""
     if not isinstance(overlap, bool):
         raise ValueError(f"{api}: overlap must be True or False, got {overlap!r}")
+    if bucket_budget is not None and bucket_budget not in buckets.BUDGETS:
+        raise ValueError(f"{api}: bucket_budget must be one of {buckets.BUDGETS}, got {bucket_budget!r}")
+    if bucket_budget is not None and not overlap:
+        raise ValueError(f"{api}: bucket_budget={bucket_budget!r} works only with overlap=True (without it the whole "
+                         "model is one unit)")
     for name, value in (("bucket_cap_mb", bucket_cap_mb), ("min_compression_rate", min_compression_rate)):
         if value is None:
             continue
@@ -326,4 +335,5 @@ def check_overlap(overlap, bucket_cap_mb, min_compression_rate, api):
     if not overlap:
         return None
     return (float(bucket_cap_mb if bucket_cap_mb is not None else buckets.BUCKET_CAP_MB),
-            float(min_compression_rate if min_compression_rate is not None else buckets.MIN_COMPRESSION_RATE))
+            float(min_compression_rate if min_compression_rate is not None else buckets.MIN_COMPRESSION_RATE),
+            bucket_budget or buckets.BUDGETS[0])

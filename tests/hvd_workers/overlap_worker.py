@@ -2,9 +2,10 @@
 gradient hooks); each rank writes <outdir>/<scenario>.rank<r>.npz for tests/torch/test_overlap_horovod.py.
 
 Scenarios:
-  buckets   TopkA, Ok-Topk and ExDyna (and TopkA over two backward passes a step) with small buckets, one of them
-            dense, and a layer that only rank 0 uses on even steps: raw and reduced gradients, final parameters,
-            the plan, how many buckets the hooks launched
+  buckets   TopkA, Ok-Topk and ExDyna (and TopkA over two backward passes a step, ExDyna with the budget split
+            by size) with small buckets, one of them dense, and a layer that only rank 0 uses on even steps: raw
+            and reduced gradients, final parameters and residuals, the plan, how many buckets the hooks launched,
+            the buckets' shares of the density, a checkpoint's resume
   frozen    a layer frozen after 4 steps, another unfrozen after 8: final parameters, the frozen layer's drift
   resume    a checkpoint written without overlap loaded with it: the error on every rank
   amp       hvd_sparse's GradScaler (an Inf on rank 1 at step 3) and torch's; torch.compile around the model; the
@@ -68,9 +69,9 @@ def batch(t, i=0):
     return torch.randn(8, 12, generator=g)
 
 
-def train(model, opt, passes=1):
+def train(model, opt, passes=1, steps=range(STEPS)):
     raw, red, hooks = [], [], []
-    for t in range(STEPS):
+    for t in steps:
         opt.zero_grad()
         for i in range(passes):
             model(batch(t, i), use_extra=hvd.rank() == 0 and t % 2 == 0).pow(2).mean().backward()
@@ -83,21 +84,41 @@ def train(model, opt, passes=1):
 
 def scenario_buckets(out):
     res = {}
-    for tag, preset, passes in (("topka", "topka", 1), ("oktopk", "oktopk", 1), ("exdyna", "exdyna", 1),
-                                ("topka_passes2", "topka", 2)):
+    for tag, preset, passes, budget in (("topka", "topka", 1, None), ("oktopk", "oktopk", 1, None),
+                                        ("exdyna", "exdyna", 1, None), ("topka_passes2", "topka", 2, None),
+                                        ("exdyna_size", "exdyna", 1, "size")):
         model = setup(seed=3)
-        opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
-                                        named_parameters=model.named_parameters(),
-                                        compression=getattr(hvds.Compression, preset)(DENSITY),
-                                        backward_passes_per_step=passes, overlap=True, bucket_cap_mb=CAP_MB,
-                                        min_compression_rate=MIN_RATE)
-        raw, red, hooks = train(model, opt, passes)
+        opt = bucketed(model, preset, passes, budget, MIN_RATE)
+        raw, red, hooks = train(model, opt, passes, range(STEPS - 3))
+        state = opt.sparse_state_dict()                       # 3 steps after the last split: resumed below
+        saved = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "opt": opt.state_dict()}
+        raw2, red2, hooks2 = train(model, opt, passes, range(STEPS - 3, STEPS))
         plan = [{"names": [n for n, _ in b.params], "dense": b.dense} for b in opt._hvds.overlap.buckets]
-        res.update({f"{tag}.raw": raw, f"{tag}.red": red, f"{tag}.params": flat_params(model),
-                    f"{tag}.hooks": hooks, f"{tag}.plan": np.array(json.dumps(plan)),
-                    f"{tag}.bytes": np.array(opt.sparse_stats()["sent_bytes"])})
+        res.update({f"{tag}.raw": np.concatenate([raw, raw2]), f"{tag}.red": np.concatenate([red, red2]),
+                    f"{tag}.params": flat_params(model), f"{tag}.hooks": np.concatenate([hooks, hooks2]),
+                    f"{tag}.plan": np.array(json.dumps(plan)), f"{tag}.residual": residuals(opt),
+                    f"{tag}.shares": np.array([e.share for e in opt._hvds.engines()])})
+        model = setup(seed=3)                                 # a new model and optimizer resume the checkpoint
+        model.load_state_dict(saved["model"])
+        opt = bucketed(model, preset, passes, budget, MIN_RATE)
+        opt.load_state_dict(saved["opt"])
+        opt.load_sparse_state_dict(state)
+        train(model, opt, passes, range(STEPS - 3, STEPS))
+        res[f"{tag}.resumed"] = flat_params(model)
     res["layout"] = np.array(json.dumps([(n, p.numel()) for n, p in sorted(model.named_parameters())]))
     np.savez(out, **res)
+
+
+def residuals(opt):
+    """This rank's residual in sorted-name order (zeros where a bucket has none)."""
+    names = sorted(n for b in opt._hvds.overlap.buckets for n, _ in b.params)
+    flat = {}
+    for b in opt._hvds.overlap.buckets:
+        r, at = opt._hvds.engine(b).memory.residual, 0
+        for n, p in b.params:
+            flat[n] = np.zeros(p.numel(), np.float32) if r is None else np.asarray(r[at:at + p.numel()])
+            at += p.numel()
+    return np.concatenate([flat[n] for n in names])
 
 
 def scenario_frozen(out):
@@ -138,11 +159,12 @@ def scenario_resume(out):
     np.savez(out, message=np.array(message))
 
 
-def bucketed(model, preset="oktopk"):
+def bucketed(model, preset="oktopk", passes=1, budget=None, min_rate=None):
     return hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
                                      named_parameters=model.named_parameters(),
                                      compression=getattr(hvds.Compression, preset)(DENSITY), overlap=True,
-                                     bucket_cap_mb=CAP_MB)
+                                     bucket_cap_mb=CAP_MB, min_compression_rate=min_rate,
+                                     backward_passes_per_step=passes, bucket_budget=budget)
 
 
 def scenario_amp(out):

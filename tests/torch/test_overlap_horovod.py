@@ -9,13 +9,12 @@ import pytest
 import torch
 
 import hvd_sparse
-from hvd_sparse.testing import simulate
 from hvd_sparse.torch import buckets
 
-from horovod_helpers import requires_horovod, scenario_job
+from horovod_helpers import bucketed_oracle, requires_horovod, scenario_job
 
 P = 2
-PRESETS = {"topka": "topka", "oktopk": "oktopk", "exdyna": "exdyna", "topka_passes2": "topka"}
+PRESETS = {"topka": "topka", "oktopk": "oktopk", "exdyna": "exdyna", "topka_passes2": "topka", "exdyna_size": "exdyna"}
 
 
 @pytest.fixture(scope="module")
@@ -37,32 +36,29 @@ def bucket_slices(layout, names):
 @requires_horovod
 @pytest.mark.parametrize("tag", PRESETS)
 def test_buckets_equal_the_simulator_bucket_by_bucket(job, tag):
-    """Each bucket is a unit of its own (own error feedback, k_b = d·n_b; the dense one every step dense): the
-    reduced gradients of every rank equal the simulator's run of each bucket over the same raw gradients, replicas
-    end bit-identical, error feedback conserves each bucket's mass, and the hooks launched buckets during backward."""
+    """Each bucket is a unit of its own (own error feedback; the dense one every step dense) and the budget's split
+    over the sparse ones moves to where the whole model's top-k fell (``bucket_budget="size"``: k_b = d·n_b): the
+    reduced gradients of every rank equal the simulator's bucketed run over the same raw gradients, replicas end
+    bit-identical, error feedback conserves the mass, a checkpoint resumes bit for bit, and the hooks launched
+    buckets during backward."""
     ranks = job["buckets"]
     layout = json.loads(str(ranks[0]["layout"]))
     plan = json.loads(str(ranks[0][f"{tag}.plan"]))
     assert plan[0] == {"names": ["c.bias"], "dense": True} and not plan[1]["dense"]       # 4 entries: dense
     assert all(json.loads(str(r[f"{tag}.plan"])) == plan for r in ranks)
     raw = np.stack([r[f"{tag}.raw"] for r in ranks], axis=1)           # (steps, P, n)
-    expected = np.zeros_like(raw)
-    for bucket in plan:
-        slices = bucket_slices(layout, bucket["names"])
-        grads = np.concatenate([raw[:, :, s] for s in slices], axis=2)
-        dense = bucket["dense"]
-        sim = simulate(getattr(hvd_sparse.Compression, PRESETS[tag])(0.05), grads,
-                       shapes=[(s.stop - s.start,) for s in slices], backend="torch",
-                       before_step=lambda t, r, engine, dense=dense: setattr(engine, "dense", dense))
-        applied = sim.updates.sum(axis=0, dtype=np.float64)[0] * P + sim.residuals[-1].sum(axis=0, dtype=np.float64)
-        np.testing.assert_allclose(applied, grads.sum(axis=(0, 1), dtype=np.float64), rtol=1e-5, atol=1e-6)
-        at = 0
-        for s in slices:
-            expected[:, :, s] = sim.updates[:, :, at:at + s.stop - s.start]
-            at += s.stop - s.start
+    budget = "size" if tag.endswith("_size") else "magnitude"
+    expected, residuals, shares = bucketed_oracle(getattr(hvd_sparse.Compression, PRESETS[tag])(0.05), raw, layout,
+                                                  plan, budget=budget, min_rate=3.0)
+    applied = expected.sum(axis=0, dtype=np.float64)[0] * P + residuals.sum(axis=0, dtype=np.float64)
+    np.testing.assert_allclose(applied, raw.sum(axis=(0, 1), dtype=np.float64), rtol=1e-5, atol=1e-6)
+    assert (shares[-1] != shares[0]) == (budget == "magnitude")        # the split moved, or stays by size
     for r in range(P):
         assert ranks[r][f"{tag}.red"].tobytes() == expected[:, r].tobytes(), f"rank {r} differs from the simulator"
+        assert ranks[r][f"{tag}.residual"].tobytes() == residuals[r].tobytes()
+        assert ranks[r][f"{tag}.shares"].tolist() == shares[-1]
         assert ranks[r][f"{tag}.params"].tobytes() == ranks[0][f"{tag}.params"].tobytes()
+        assert ranks[r][f"{tag}.resumed"].tobytes() == ranks[r][f"{tag}.params"].tobytes()
     unused = sum(any(n.startswith("extra.") for n in b["names"]) for b in plan)      # the last buckets
     for r in range(P):          # every bucket from the hooks, but the unused layer's from synchronize()
         used = [r == 0 and t % 2 == 0 for t in range(len(raw))]
@@ -126,11 +122,14 @@ def test_small_buckets_go_dense_where_sparse_would_not_be_smaller():
 @pytest.mark.parametrize("args, named", [((1, None, None), "overlap"), ((False, 10, None), "bucket_cap_mb"),
                                           ((True, 0, None), "bucket_cap_mb"),
                                           ((True, None, -1.0), "min_compression_rate"),
-                                          ((True, None, float("inf")), "min_compression_rate")])
+                                          ((True, None, float("inf")), "min_compression_rate"),
+                                          ((True, None, None, "largest"), "bucket_budget"),
+                                          ((False, None, None, "size"), "bucket_budget")])
 def test_bad_overlap_options_raise_naming_the_argument(args, named):
     from hvd_sparse.torch.optimizer import check_overlap
 
     with pytest.raises(ValueError, match=named):
-        check_overlap(*args, "api")
-    assert check_overlap(True, None, None, "api") == (buckets.BUCKET_CAP_MB, buckets.MIN_COMPRESSION_RATE)
+        check_overlap(*args[:3], "api", *args[3:])
+    assert check_overlap(True, None, None, "api") == (buckets.BUCKET_CAP_MB, buckets.MIN_COMPRESSION_RATE,
+                                                      "magnitude")
     assert check_overlap(False, None, None, "api") is None

@@ -9,6 +9,8 @@ device before the message goes out. The operations here all return padded arrays
 * :meth:`FixedOps.topk_padded` -- the exact top-k of ``|x|`` (ties by the lower index, zeros never), padded;
 * :meth:`FixedOps.ladder_counts` -- how many entries a thresholding rule selects at each rung of a ladder of
   thresholds, one read pass;
+* :meth:`FixedOps.magnitude_counts` -- how many entries fall in each of a fixed set of bins of magnitude (four an
+  octave), one read pass without a search;
 * :meth:`FixedOps.select_capped` -- a thresholding rule's selection capped at a capacity: when more entries pass
   than fit, the threshold climbs a ladder until they fit, and past its top the largest magnitudes are kept;
 * :meth:`FixedOps.members` -- the entries of one padded index set that occur in another, in place;
@@ -31,6 +33,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+#: the bins of :meth:`FixedOps.magnitude_counts`: a float32's bits less the sign, shifted right by
+#: :data:`MAGNITUDE_SHIFT` (its exponent and the first two bits of its mantissa)
+MAGNITUDE_BINS = 1 << 10
+MAGNITUDE_SHIFT = 21
 #: the entries :meth:`FixedOps.norm_f64` squares at a time (float64: 512 KiB)
 NORM_RUN = 1 << 16
 #: the smallest positive float32: ``|x| > 0`` is ``|x| >= TINY``
@@ -281,6 +287,16 @@ class FixedOps:
         :meth:`ladder`): an int64 array of the backend, on ``x``'s device."""
         bounds = lower_bounds(self._np(ths), rule)
         return self.asarray(rung_counts(np.abs(self._np(x)), bounds), self.index_dtype, like=x)
+
+    def magnitude_counts(self, x):
+        """How many entries of the float32 ``x`` fall in each of the :data:`MAGNITUDE_BINS` bins of ``|x|``: bin j
+        holds the magnitudes whose float32 bits, less the sign, shifted right by :data:`MAGNITUDE_SHIFT`, are j -- from
+        2^e·(1 + m/4) up to the next such value, four bins an octave, ascending (NaN and Inf in the last bins). An
+        int64 array of the backend, on ``x``'s device: one pass, no search (a sorted search over as many rungs costs
+        twenty times more on the CPU)."""
+        bits = np.ascontiguousarray(self._np(x), np.float32).view(np.uint32)
+        keys = (bits & np.uint32(0x7FFFFFFF)) >> np.uint32(MAGNITUDE_SHIFT)
+        return self.asarray(np.bincount(keys, minlength=MAGNITUDE_BINS), self.index_dtype, like=x)
 
     def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True, start=0):
         """``(indexes, count, rung)``: the entries ``rule`` selects from ``|x|`` at the first threshold of the

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .common import _Indexing
-from .fixed import TINY, RegionSums, lower_bounds
+from .fixed import MAGNITUDE_BINS, MAGNITUDE_SHIFT, TINY, RegionSums, lower_bounds
 from .generic import rule_mask
 from .kernels import KernelOps
 from .numpy_backend import NumpyBackend
@@ -474,6 +474,14 @@ class TorchBackend(KernelOps, _Indexing):
         if self.host(x) is not None:
             return super().ladder_counts(x, ths, rule)
         return self._passing(x.abs(), self._bounds(ths, rule, x))
+
+    def magnitude_counts(self, x):
+        """The host's bins on the device: the keys from the bits, counted by ``torch.histc`` over the fixed range of
+        bins (no read; :meth:`_passing` says why not ``bincount``)."""
+        if self.host(x) is not None:
+            return super().magnitude_counts(x)
+        keys = (x.contiguous().view(self.torch.int32) & 0x7FFFFFFF) >> MAGNITUDE_SHIFT
+        return self.torch.histc(self._histc_keys(keys), MAGNITUDE_BINS, 0, MAGNITUDE_BINS).to(self.torch.int64)
 
     def select_capped(self, x, ths, rule, cap, fill, *, base=0, guard=None, counts=0, tally=True, start=0):
         """The host's rule on the device: the counts at every rung in one sorted search (:meth:`_passing`); the
