@@ -46,14 +46,12 @@ def parse_args(argv=None):
 
 
 def last_step_stats(compression, n):
-    """(density, bytes sent by this rank) of the last exchange. A tape's engine is in its preset's
-    ``shared_state()`` (unit "model"); Horovod's dense ring allreduce (``none``) sends 2 n (P-1)/P float32
+    """(density, bytes sent by this rank) of the last exchange: a tape keeps its state in its preset, which reports
+    it (``compression.sparse_stats()``); Horovod's dense ring allreduce (``none``) sends 2 n (P-1)/P float32
     words."""
-    shared = getattr(compression, "shared_state", None)
-    engine = None if shared is None else shared().get("model")
-    if engine is None:
+    stats = compression.sparse_stats() if hasattr(compression, "sparse_stats") else {}
+    if not stats:
         return 1.0, 2.0 * n * (hvd.size() - 1) / hvd.size() * 4
-    stats = engine.last
     return float(stats["density"]), float(stats["sent_bytes"])
 
 

@@ -186,6 +186,15 @@ class SparseCompression:
             object.__setattr__(self, "_shared", UnitStates(self))
         return self._shared
 
+    def sparse_stats(self):
+        """Statistics of this rank's last step of :meth:`shared_state` (a TensorFlow ``DistributedGradientTape``'s:
+        ``n, k, selected, density, sent_bytes, recv_bytes, sent_words, recv_words, collectives``, as an optimizer's
+        ``sparse_stats()``); empty before the first step."""
+        engine = self.shared_state().get("model")
+        if engine is None or not engine.steps:
+            return {}
+        return {key: value for key, value in engine.last.items() if key not in ("info", "tally")}
+
     def reified_elsewhere(self):
         """Whether a live optimizer reified its own state from this preset while the shared one is still empty
         (then the preset does not name that optimizer's state: checkpoint the optimizer instead)."""
@@ -336,6 +345,7 @@ SPARSE_ONLY = {
                             "HOROVOD_FUSION_THRESHOLD"),
     "min_compression_rate": (None, "nothing is compressed"),
     "bucket_budget": (None, "nothing is selected"),
+    "log_stats_every": (0, "there are no sparse statistics to log"),
 }
 
 

@@ -17,7 +17,7 @@ Reported per preset, over the steps from ``--skip`` on (the first steps set the 
     density_ratio_min/max  the same per step, its least and its most
     recv_words_per_k       words received per rank per step / k (the volume meter's count, padding included),
                            mean over the ranks; recv_words_max_per_k: the busiest rank's (gTop-k's tree: the root)
-    readme_words_per_k     what README's table says a rank receives, / k (None where it gives a range)
+    readme_words_per_k     what the presets' table (docs/reference.md) says a rank receives, / k (None: a range)
     final_loss             the training loss of the last step (mean over the ranks)
 
 Cost: mostly the engines' steps; docs/benchmarks.md ("While the model trains") has the measured seconds per
@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-#: README's "words received per rank per step" for each preset, in units of k (n >> k; None: a range, or no formula)
+#: docs/reference.md's "words received per rank per step" of each preset, in units of k (n >> k; None: a range or none)
 README_WORDS = {
     "topka": lambda P: 2 * (P - 1), "gaussiank": lambda P: 4 * (P - 1), "dct": lambda P: 4 * (P - 1),
     "exdyna": lambda P: 6 * (P - 1) / P, "oktopk": lambda P: 6 * (P - 1) / P, "spardl": lambda P: 4 * (P - 1) / P,
@@ -114,7 +114,7 @@ def run(names, workers, steps, density, skip, hidden=256, seed=0, progress=None)
 
 def markdown(rows):
     lines = ["| preset | achieved / asked density: mean (min, max per step) | words received / k: mean rank, "
-             "busiest | README's | final loss |", "|---|---|---:|---:|---:|"]
+             "busiest | the table's | final loss |", "|---|---|---:|---:|---:|"]
     for r in rows:
         readme = "--" if r["readme_words_per_k"] is None else f"{r['readme_words_per_k']:.2f}"
         lines.append(f"| {r['preset']} | {r['density_ratio']:.2f} ({r['density_ratio_min']:.2f}, "

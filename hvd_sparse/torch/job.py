@@ -70,6 +70,7 @@ class SparseJob:
         self.unseen_somewhere = True             # ask every rank which kinds it saw (agree_gradient_kinds)
         self.exchanges = 0
         self.steps = 0                           # optimizer steps taken (the consistency check's clock)
+        self.log_every = 0                       # log the averaged statistics every that many steps (logs.py)
         self.skip_step = False                   # the last exchange skipped a non-finite step on every rank
         self.scaler = None                       # the hvd_sparse.torch.GradScaler stepping the optimizer now
         self.overlap_options = overlap

@@ -62,6 +62,7 @@ from . import buckets, consistency, recipes
 from .base import SparseOptimizer
 from .job import SparseJob
 from ..compression import check_compression, check_momentum, refuse_unused_options
+from ..logs import log_stats
 from .compression import Compression, is_sparse
 
 _API = "hvd_sparse.torch.DistributedOptimizer"
@@ -75,7 +76,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
     # param groups (which carry every hyper-parameter).
     def __init__(self, params, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, sparse_as_dense, process_set, nonfinite, consistency_check_every,
-                 elastic_residuals, overlap):
+                 elastic_residuals, overlap, log_stats_every=0):
         self._hvds_inner.__init__(self, params)
         recipes.step_inner_under_broadcast(self)     # Horovod's broadcast_optimizer_state: no exchange (recipes.py)
         self._compression = compression
@@ -112,6 +113,7 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._hvds = SparseJob(compression, names, owner, process_set, scale_factors(op, gradient_predivide_factor),
                                nonfinite, consistency_check_every, elastic_residuals, overlap)
+        self._hvds.log_every = log_stats_every
         self._hvds.plan(self.param_groups)
         self._hvds.hook(self._hvds.params(self.param_groups), self._hvds_passes_allowed)
 
@@ -200,6 +202,10 @@ class _SparseDistributedOptimizer(torch.optim.Optimizer):
         job.steps += 1
         if job.check_every and job.steps % job.check_every == 0:
             self.check_consistency()
+        if job.log_every and job.steps % job.log_every == 0:
+            stats = self.sparse_stats(average=True)         # a collective: every rank, at the same step
+            if self.process_set.rank() == 0:
+                log_stats(job.steps, stats)
         return out
 
     def check_consistency(self):
@@ -233,7 +239,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                          num_groups=0, groups=None, sparse_as_dense=False,
                          process_set=global_process_set, *, nonfinite="skip", consistency_check_every=0,
                          elastic_residuals="keep", overlap=False, bucket_cap_mb=None, min_compression_rate=None,
-                         bucket_budget=None):
+                         bucket_budget=None, log_stats_every=0):
     """Wrap a ``torch.optim.Optimizer`` so that ``step()`` first averages the gradients over Horovod
     ranks -- sparsely, when ``compression`` is a sparse preset.
 
@@ -273,6 +279,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         bucket_budget (str, keyword-only): with overlap, how the budget is split over the sparse buckets:
             ``"magnitude"`` (default): every 10 steps, in proportion to where the whole model's top-k fell
             (:mod:`hvd_sparse.core.allocation`); ``"size"``: k_b = d·n_b, by size alone (layer-wise selection).
+        log_stats_every (int, keyword-only): every that many steps, average the statistics over the ranks (a
+            collective) and log them on rank 0 at INFO on the logger ``hvd_sparse`` (:mod:`hvd_sparse.logs`);
+            0 (default): off.
 
     Returns:
         an instance of ``type(optimizer)`` (same class name) with ``synchronize()``,
@@ -290,10 +299,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
     check_compression(compression, _API)
     check_nonfinite(nonfinite, _API)
     check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
+    check_positive_int(log_stats_every, "log_stats_every", _API, minimum=0)
     check_elastic_residuals(elastic_residuals, _API)
     refuse_unused_options(compression, _API, nonfinite=nonfinite, elastic_residuals=elastic_residuals,
                           consistency_check_every=consistency_check_every, bucket_cap_mb=bucket_cap_mb,
-                          min_compression_rate=min_compression_rate, bucket_budget=bucket_budget)
+                          min_compression_rate=min_compression_rate, bucket_budget=bucket_budget,
+                          log_stats_every=log_stats_every)
     overlap = check_overlap(overlap, bucket_cap_mb, min_compression_rate, _API, bucket_budget)
     if not is_sparse(compression):
         return hvd.DistributedOptimizer(optimizer, named_parameters=named_parameters, compression=compression,
@@ -311,7 +322,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
                dict(_SparseDistributedOptimizer.__dict__, _hvds_inner=optimizer.__class__))
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
                gradient_predivide_factor, sparse_as_dense, process_set, nonfinite, consistency_check_every,
-               elastic_residuals, overlap)
+               elastic_residuals, overlap, log_stats_every)
 
 
 def check_overlap(overlap, bucket_cap_mb, min_compression_rate, api, bucket_budget=None):

@@ -88,7 +88,7 @@ def test_synthetic_gradients_are_deterministic_heavy_tailed_and_drift_slowly():
 def test_every_threshold_preset_holds_its_density_while_a_real_model_trains():
     """``bench density``: 100 steps of the digits CNN on P = 4 simulated ranks. Each preset whose count follows a
     threshold selects, on average after its first 10 steps, 0.5-2x the density it was asked for (ExDyna: its ranks
-    together), and receives at most 2x the words README's table gives for it. (DCT's thresholds, recomputed only
+    together), and receives at most 2x the words the presets' table gives for it. (DCT's thresholds, recomputed only
     every 1000 steps as in its paper, passed 50x its density here.)"""
     from hvd_sparse.bench import density
 

@@ -104,3 +104,32 @@ def test_tape_path_function_eager_and_in_tf_function(job):
         assert str(r["tape_msg"]).startswith("ReplicaDivergenceError")
         assert f"after step 3 parameter '{name}' differs on rank 1" in str(r["tape_msg"])
         assert f"after step 7 parameter '{name}' differs on rank 1" in str(r["tape_graph_msg"])
+
+
+def test_log_stats_every_logs_the_averaged_statistics_in_model_fit(caplog):
+    """P = 1: every second applied update of model.fit logs one line on the logger ``hvd_sparse``; refused with a
+    dense compression, naming the option."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hvdk.Compression.topka(0.5),
+                                    log_stats_every=2)
+    model.compile(optimizer=opt, loss="mse")
+    with caplog.at_level("INFO", logger="hvd_sparse"):
+        model.fit(np.ones((20, 3), np.float32), np.zeros((20, 2), np.float32), batch_size=4, epochs=1, verbose=0)
+    lines = [r.getMessage() for r in caplog.records if r.name == "hvd_sparse"]
+    assert [line.split(":")[0] for line in lines] == ["hvd_sparse step 2", "hvd_sparse step 4"]
+    assert all("density 0.5000," in line for line in lines)          # k = 4 of 8 on one rank
+    with pytest.raises(ValueError, match="log_stats_every"):
+        hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1), log_stats_every=2)
+
+
+def test_a_tapes_statistics_are_read_from_its_preset():
+    compression = hvds.Compression.topka(0.5)
+    assert compression.sparse_stats() == {}
+    x = tf.Variable(tf.ones(8))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(x * tf.range(8, dtype=tf.float32))
+    tape = hvds.DistributedGradientTape(tape, compression=compression)
+    tape.gradient(loss, [x])
+    stats = compression.sparse_stats()
+    assert stats["n"] == 8 and stats["k"] == 4 and stats["density"] == 0.5

@@ -49,3 +49,10 @@ def test_sparse_stats_average_over_ranks_and_steps(tmp_path):
     # the ranks sent different amounts in some step (not a vacuous average), and no step since the last call: {}
     assert ranks[0]["local"] != ranks[1]["local"] or ranks[0]["norms"] != ranks[1]["norms"]
     assert all(rec["empty"] == {} for rec in ranks)
+    # log_stats_every=3: rank 0 logs the average of steps 1-3 and 4-6 over the ranks; the other ranks log nothing
+    logged = ranks[0]["logged"]
+    assert [line.split(":")[0] for line in logged] == ["hvd_sparse step 3", "hvd_sparse step 6"]
+    assert not ranks[1]["logged"]
+    for line, (lo, hi) in zip(logged, [(0, 3), (3, 6)]):
+        density = np.mean([np.mean(rec["local_logged"][lo:hi]) for rec in ranks])
+        assert f"density {density:.4f}," in line and "residual norm" in line

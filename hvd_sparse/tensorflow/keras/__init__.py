@@ -34,6 +34,7 @@ from horovod.tensorflow import Average, global_process_set
 
 from ...compression import SparseCompression, check_compression, check_momentum, refuse_unused_options
 from ...core.validate import check_elastic_residuals, check_nonfinite, check_op, check_positive_int
+from ...logs import log_stats
 from .._consistency import check_now, run_check, variable_name
 from .._variables import keras_flavour, same_variable
 from ..checkpoint import SparseState, load_sparse_state_dict, sparse_state_dict
@@ -50,12 +51,14 @@ __all__ = ["Compression", "DistributedOptimizer", "SparseState", "callbacks"]
 
 class _Guard:
     """Per optimizer, in a plain Python object (not tracked by Keras or tf.train.Checkpoint): the variables the
-    optimizer updates (from its last call), the number of applied updates, ``consistency_check_every``, the
+    optimizer updates (from its last call), the number of applied updates, ``consistency_check_every`` and
+    ``log_stats_every``, the
     worker-local variables (``register_local_var``) and, between tf_keras's ``aggregate_gradients`` and
     ``apply_gradients``, the skip flag of the exchange that already ran."""
 
-    def __init__(self, every, scale_local_gradients):
+    def __init__(self, every, scale_local_gradients, log_every=0):
         self.every = every
+        self.log_every = log_every      # log_stats_every
         self.steps = 0
         self.variables = None
         self.local = []
@@ -220,20 +223,25 @@ class _CommonMethods:
 
     def _hvds_updated(self):
         """After an applied update (not a skipped or an only-accumulating call): with ``consistency_check_every=N``
-        count it and check every N-th. Eagerly the check runs at once; in a ``tf.function`` (``model.fit``) it runs
+        or ``log_stats_every=M`` count it, check every N-th and log the statistics every M-th. Eagerly the check
+        runs at once; in a ``tf.function`` (``model.fit``) it runs
         eagerly inside a ``tf.py_function`` fed with reads of the variables, which TensorFlow orders after the
         update's writes, so it sees the updated values. (A py_function without those inputs is ordered with
         nothing: under Keras 3 it ran before the update.)"""
         guard = self._hvds_guard
-        if not guard.every:
+        if not guard.every and not guard.log_every:
             return
         variables = guard.variables
         names = [variable_name(v) for v in variables]
 
         def count_and_check(values):
             guard.steps += 1
-            if guard.steps % guard.every == 0:
+            if guard.every and guard.steps % guard.every == 0:
                 self._hvds_check(names, values)
+            if guard.log_every and guard.steps % guard.log_every == 0:
+                stats = self.sparse_stats(average=True)         # a collective: every rank, at the same step
+                if self._hvds_reduce.process_set.rank() == 0:
+                    log_stats(guard.steps, stats)
 
         run_check(variables, count_and_check)
 
@@ -322,7 +330,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
                          backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
                          groups=None, process_set=global_process_set, scale_local_gradients=True, *,
-                         nonfinite="skip", consistency_check_every=0, elastic_residuals="keep"):
+                         nonfinite="skip", consistency_check_every=0, elastic_residuals="keep", log_stats_every=0):
     """Wrap a Keras optimizer so that every update first averages the gradients over Horovod ranks -- sparsely,
     when ``compression`` is a sparse preset. Horovod's signature (``horovod.tensorflow.keras``), in its order.
 
@@ -367,6 +375,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         elastic_residuals (str, keyword-only): under elastic Horovod (:class:`hvd_sparse.tensorflow.keras.elastic.
             KerasState`), what a reset (a rank left or joined) does to this rank's residual: ``"keep"`` (default)
             or ``"drop"``; partitions, thresholds and counters always start afresh.
+        log_stats_every (int, keyword-only): every that many applied updates, average the sparse statistics over
+            the ranks (a collective) and log them on rank 0 at INFO on the logger ``hvd_sparse``
+            (:mod:`hvd_sparse.logs`), in ``model.fit`` too; 0 (default): off.
 
     Raises:
         ValueError: an optimizer that is already distributed (by hvd_sparse or Horovod), a ``LossScaleOptimizer``
@@ -384,9 +395,11 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
         check_momentum(compression, _momentum(optimizer), _API)
     passes = check_positive_int(backward_passes_per_step, "backward_passes_per_step", _API)
     every = check_positive_int(consistency_check_every, "consistency_check_every", _API, minimum=0)
+    log_every = check_positive_int(log_stats_every, "log_stats_every", _API, minimum=0)
     check_elastic_residuals(elastic_residuals, _API)
     check_nonfinite(nonfinite, _API)
-    refuse_unused_options(compression, _API, nonfinite=nonfinite, elastic_residuals=elastic_residuals)
+    refuse_unused_options(compression, _API, nonfinite=nonfinite, elastic_residuals=elastic_residuals,
+                          log_stats_every=log_every)
     # The flavour from the class's bases (a user's `class MySGD(tf.keras.optimizers.SGD)` lives in __main__)
     tf_keras = keras_flavour(optimizer) == "tf_keras"
     if not tf_keras:
@@ -394,7 +407,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse=''
     methods = dict(_TFKerasMethods.__dict__ if tf_keras else _Keras3Methods.__dict__)
     methods.update({k: v for k, v in _CommonMethods.__dict__.items() if not k.startswith("__")})
     methods = {k: v for k, v in methods.items() if not k.startswith("__")}
-    settings = {"compression": compression, "passes": passes, "every": every,
+    settings = {"compression": compression, "passes": passes, "every": every, "log_every": log_every,
                 "reduction": (op, gradient_predivide_factor, sparse_as_dense, process_set, _API, nonfinite),
                 "average": bool(average_aggregated_gradients), "elastic_residuals": elastic_residuals,
                 "scale_local_gradients": bool(scale_local_gradients)}
@@ -419,7 +432,7 @@ def _setup(opt, settings):
     opt._hvds_reduce = Reduction(compression, *settings["reduction"], states=states)
     passes = settings["passes"]
     opt._hvds_agg = LocalAggregation(passes, settings["average"]) if passes > 1 else None
-    opt._hvds_guard = _Guard(settings["every"], settings["scale_local_gradients"])
+    opt._hvds_guard = _Guard(settings["every"], settings["scale_local_gradients"], settings["log_every"])
     opt._hvds_elastic_residuals = settings["elastic_residuals"]
 
 

@@ -1,0 +1,82 @@
+"""Every figure README quotes is in the data file it names: each is recomputed here from that file, and a decimal
+figure in README's prose that this list does not know fails the test (add it here with its file, or drop it)."""
+
+import json
+import re
+import statistics
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+def results(name):
+    return {r["config"]: r for r in json.loads((ROOT / "docs" / name).read_text())["results"]}
+
+
+def seeds(result, key):
+    return [s[key] for s in result["per_seed"]]
+
+
+def digits_row(config):
+    """README's digits table row: step (median), seconds to 95% (median of the seeds), final accuracy (mean)."""
+    r = results("train_digits_p4_recipe.json")[config]
+    return (f"{r['step_seconds_median']:.3f} s", f"{statistics.median(seeds(r, 'time_to_0.95')):.1f} s",
+            f"{100 * statistics.mean(seeds(r, 'final_accuracy')):.2f}%")
+
+
+def below_dense(name, configs):
+    """The points by which ``configs`` end below dense, paired by seed: (least, most)."""
+    runs = results(name)
+    dense = seeds(runs["horovod"], "final_accuracy")
+    gaps = [100 * (d - a) for c in configs for d, a in zip(dense, seeds(runs[c], "final_accuracy"))]
+    return min(gaps), max(gaps)
+
+
+def mnist1d_gap():
+    low, high = below_dense("train_mnist1d_p4_1gbit.json", ["topka+d0.01", "oktopk+d0.02373", "exdyna+d0.02445"])
+    return f"{low:.1f}-{high:.1f} points below dense"
+
+
+def nine_epochs_gap():
+    runs = results("train_mnist1d_p4_1gbit_9epochs.json")
+    gap = 100 * (statistics.mean(seeds(runs["horovod"], "final_accuracy"))
+                 - statistics.mean(seeds(runs["topka+d0.01"], "final_accuracy")))
+    return f"TopkA\n  is {gap:.2f} points below"
+
+
+#: (the file README names beside the figures, what README says, computed from that file)
+FIGURES = [
+    ("train_digits_p4_recipe.json", "| Horovod dense | {} | {} | {} |", lambda: digits_row("horovod")),
+    ("train_digits_p4_recipe.json", "| DDP + PowerSGD rank 4 | {} | {} | {} |", lambda: digits_row("ddp_powersgd_r4")),
+    ("train_digits_p4_recipe.json", "| `topka(0.01)` | {} | {} | {} |", lambda: digits_row("topka")),
+    ("train_digits_p4_recipe.json", "| `exdyna(0.01)` | {} | {} | {} |", lambda: digits_row("exdyna")),
+    ("train_digits_p4_recipe.json", "| `oktopk(0.01)` | {} | {} | {} |", lambda: digits_row("oktopk")),
+    ("train_digits_p4_recipe.json", "the digits CNN ({:.1f}M parameters",
+     lambda: (json.loads((ROOT / "docs" / "train_digits_p4_recipe.json").read_text())["numel"] / 1e6,)),
+    ("train_mnist1d_p4_1gbit.json", "{}", lambda: (mnist1d_gap(),)),
+    ("train_mnist1d_p4_1gbit_9epochs.json", "{}", lambda: (nine_epochs_gap(),)),
+]
+
+
+@pytest.mark.parametrize("name, template, compute", FIGURES)
+def test_each_figure_is_what_its_data_file_says(name, template, compute):
+    assert f"docs/{name}" in README
+    assert template.format(*compute()) in README
+
+
+def prose(text):
+    """README without its code blocks and inline code."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    return re.sub(r"`[^`]*`", "", text)
+
+
+def test_readme_quotes_no_figure_without_its_data_file():
+    known = set()
+    for _, template, compute in FIGURES:
+        known.update(re.findall(r"\d+\.\d+", template.format(*compute())))
+    versions = {"0.28.1", "2.13", "2.21", "0.1.0", "0.05"}     # versions, and the byte budget the text recommends
+    found = set(re.findall(r"\d+\.\d+(?:\.\d+)?", prose(README))) - versions
+    assert found <= known, f"figures without a data file: {sorted(found - known)}"
