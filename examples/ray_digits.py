@@ -45,8 +45,7 @@ def train_elastic(argv):
 
     import hvd_sparse.torch as hvds
     import pytorch_digits
-    from hvd_sparse.bench.digits_torch import Net, load_data
-    from hvd_sparse.bench.loop import accuracy
+    from pytorch_digits import Net, accuracy, load_data
 
     args = pytorch_digits.parse_args(argv)
     hvd.init()
@@ -54,9 +53,10 @@ def train_elastic(argv):
     (x_tr, y_tr), test_set = load_data(args.seed)
     torch.manual_seed(args.seed)
     model = Net()
-    optimizer = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9),
+    optimizer = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=args.base_lr * hvd.size(),
+                                                          momentum=0.9),
                                           named_parameters=model.named_parameters(),
-                                          compression=pytorch_digits.PRESETS[args.compression](args.density))
+                                          compression=pytorch_digits.make_compression(args))
     state = hvd.elastic.TorchState(model=model, optimizer=optimizer, epoch=0, history=[])
 
     @hvd.elastic.run
