@@ -1,14 +1,15 @@
 """Sparse data-parallel training of a small Keras CNN on scikit-learn's digits with a TensorFlow 2 custom loop.
 
     horovodrun -np 2 -H localhost:2 --gloo python examples/tensorflow2_digits.py [--compression oktopk]
-        [--density 0.01] [--epochs 12]
+        [--density 0.01 | --byte-budget 0.05] [--epochs 12]
 
 The gradients go through ``hvd_sparse.tensorflow.DistributedGradientTape`` inside a ``tf.function``: with
 ``--compression none`` that is Horovod's own dense allreduce, with a preset name (``topka``, ``oktopk``,
-``gaussiank``, ...; see ``hvd_sparse.bench.presets.names()``) the whole model is exchanged sparsely, with error
+``gaussiank``, ...: ``PRESETS``) the whole model is exchanged sparsely, with error
 feedback. Prints per epoch the training loss (averaged over ranks), the test accuracy, the achieved density and
 the bytes sent per step by a rank. Works with Keras 3 (default) and with tf_keras (``TF_USE_LEGACY_KERAS=1``).
-Digits (1,797 8x8 images) ships with scikit-learn: nothing is downloaded.
+Digits (1,797 8x8 images) ships with scikit-learn: nothing is downloaded. The file stands alone: copy it into a
+project.
 """
 
 import argparse
@@ -26,21 +27,47 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvd_sparse.tensorflow as hvds  # noqa: E402
-from hvd_sparse.bench import presets  # noqa: E402
-from hvd_sparse.bench.digits import load_arrays  # noqa: E402  (the 80/20 split of sklearn's digits, numpy)
-from hvd_sparse.bench.digits_keras import make_model  # noqa: E402  (the digits CNN, 38,282 parameters)
 
 keras = tf.keras          # Keras 3, or tf_keras when TF_USE_LEGACY_KERAS=1
+
+#: the sparse presets ``--compression`` takes (besides ``none``)
+PRESETS = ("topka", "oktopk", "exdyna", "topk_dsa", "gtopk", "gaussiank", "dct", "spardl")
+
+
+def load_arrays(seed):
+    """Digits split 80/20 by a fixed permutation (the same on every rank), pixels in [0, 1], channels last."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    perm = np.random.default_rng(seed).permutation(len(x))
+    x, y = (x[perm] / 16.0).astype(np.float32).reshape(-1, 8, 8, 1), y[perm].astype(np.int64)
+    cut = int(0.8 * len(x))
+    return (x[:cut], y[:cut]), (x[cut:], y[cut:])
+
+
+def make_model():
+    """conv 3x3 (16) -> conv 3x3 (32) -> max-pool 2 -> dense 64 -> dense 10 (logits): 38,282 parameters."""
+    return keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(2),
+        keras.layers.Flatten(),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(10),
+    ])
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--compression", default="oktopk", choices=["none"] + presets.names(),
+    p.add_argument("--compression", default="oktopk", choices=("none",) + PRESETS,
                    help="'none' (Horovod's dense allreduce) or a sparse preset (default: oktopk)")
     p.add_argument("--density", type=float, default=0.01, help="fraction of gradient entries sent (default: 0.01)")
+    p.add_argument("--byte-budget", type=float, help="fraction of a dense allreduce's bytes sent, instead of --density")
     p.add_argument("--epochs", type=int, default=12, help="epochs (default: 12)")
     p.add_argument("--batch-size", type=int, default=32, help="per-worker batch size (default: 32)")
-    p.add_argument("--lr", type=float, default=0.05, help="initial SGD lr, cosine-decayed to 0 (default: 0.05)")
+    p.add_argument("--base-lr", type=float, default=0.025,
+                   help="initial SGD learning rate per worker, scaled by the number of workers, cosine-decayed to 0")
     p.add_argument("--seed", type=int, default=42)
     return p.parse_args(argv)
 
@@ -59,11 +86,14 @@ def main(argv=None):
     args = parse_args(argv)
     hvd.init()
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    (x_tr, y_tr), (x_te, y_te) = load_arrays(args.seed, layout="channels_last")
-    compression = hvds.Compression.none if args.compression == "none" else presets.make(args.compression,
-                                                                                         args.density)
+    (x_tr, y_tr), (x_te, y_te) = load_arrays(args.seed)
+    if args.compression == "none":
+        compression = hvds.Compression.none
+    else:
+        preset = getattr(hvds.Compression, args.compression)
+        compression = preset(byte_budget=args.byte_budget) if args.byte_budget is not None else preset(args.density)
     keras.utils.set_random_seed(args.seed + hvd.rank())    # different on purpose: the broadcast fixes it
-    model = make_model(keras)    # conv 16 -> conv 32 -> max-pool -> dense 64 -> dense 10, channels last
+    model = make_model()
     n = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     # Same initial weights everywhere: rank 0's. The optimizer's slots start at zero and then only see averaged
     # gradients, so they agree too (the error-feedback residuals are per rank by design).
@@ -72,7 +102,8 @@ def main(argv=None):
 
     shard = np.arange(hvd.rank(), len(x_tr), hvd.size())   # each rank its own shard of the training set
     steps_per_epoch = len(shard) // args.batch_size
-    schedule = keras.optimizers.schedules.CosineDecay(args.lr, decay_steps=args.epochs * steps_per_epoch)
+    schedule = keras.optimizers.schedules.CosineDecay(args.base_lr * hvd.size(),
+                                                      decay_steps=args.epochs * steps_per_epoch)
     optimizer = keras.optimizers.SGD(schedule, momentum=0.9)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -116,7 +147,7 @@ def main(argv=None):
     spread = hvd.allreduce(checksum, op=hvd.Max, name="tensorflow2_digits.chk_max", ignore_name_scope=True) - \
         hvd.allreduce(checksum, op=hvd.Min, name="tensorflow2_digits.chk_min", ignore_name_scope=True)
     if hvd.rank() == 0:
-        what = args.compression if args.compression == "none" else f"{args.compression}, density {args.density}"
+        what = args.compression if args.compression == "none" else repr(compression)
         print(f"final test accuracy {acc * 100:.2f}% ({what}); weights identical on all ranks: "
               f"{float(spread[0]) == 0.0}", flush=True)
     return acc
