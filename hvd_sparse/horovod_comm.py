@@ -194,7 +194,8 @@ class HorovodCommunicator:
             raise _peer_failure_type()(
                 f"hvd_sparse: collective '{args[-1]['name']}' failed on rank {self.rank}: Horovod "
                 "shut down because another rank failed or was killed (its own error comes first in the log, and "
-                f"horovodrun names it); this rank stops too. Horovod said: {e}") from e
+                "horovodrun names it), or called hvd.join(), which a sparse exchange does not support (give every "
+                f"rank the same number of steps); this rank stops too. Horovod said: {e}") from e
         finally:
             self.meter.seconds += time.perf_counter() - start
 

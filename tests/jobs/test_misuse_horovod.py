@@ -238,3 +238,30 @@ def test_one_preset_shared_by_optimizers_of_both_frameworks_and_sparse_allreduce
         assert r["shared.ours.0"].tobytes() != r["shared.ours.1"].tobytes()
     identical(rs, "shared.ours.0", "shared.ours.1", "shared.horovod", "shared.keras", "shared.tf.allreduce",
               "shared.torch.allreduce")
+
+
+JOIN = """
+import sys
+import horovod.torch as hvd, torch, hvd_sparse.torch as hvds
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Linear(50, 4)
+opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                named_parameters=model.named_parameters(), compression=hvds.Compression.topka(0.1))
+try:
+    for t in range(3 if hvd.rank() == 0 else 1):        # uneven steps: rank 1 joins while rank 0 still exchanges
+        opt.zero_grad(); model(torch.randn(8, 50)).sum().backward(); opt.step()
+    hvd.join()
+except Exception as e:
+    print(f"rank {hvd.rank()} raised {type(e).__name__}: {e}", flush=True)
+"""
+
+
+def test_hvd_join_with_a_sparse_preset_ends_the_job_naming_join_on_the_ranks_still_stepping(tmp_path):
+    script = tmp_path / "join.py"
+    script.write_text(JOIN)
+    proc = subprocess.run([str(BIN / "horovodrun"), "-np", str(NP), "-H", f"localhost:{NP}", "--gloo", sys.executable,
+                           str(script)], capture_output=True, text=True, timeout=LIMIT, env=job_env())
+    lines = [line for line in proc.stdout.splitlines() if "raised" in line]
+    assert any("rank 0 raised PeerFailureError" in line and "hvd.join()" in line for line in lines), proc.stdout[-3000:]
+    assert any("rank 1 raised" in line for line in lines)               # the joined rank stops too: no hang
