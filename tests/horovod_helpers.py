@@ -108,7 +108,8 @@ def assert_ranks_equal_simulator(ranks, tag, sim, grads, preset, P):
 def bucketed_oracle(compression, raw, layout, plan, local_size=None, budget="magnitude", min_rate=1.0):
     """The simulator's bucketed run (``simulate_buckets``) of a torch job's buckets: ``raw`` (steps, P, n) and the
     result in the job's flat order, ``layout`` ``[(name, numel)]``; ``plan`` ``[{"names", "dense"}]`` in bucket
-    order; ``min_rate``: the job's ``min_compression_rate``. Returns ``(updates, residuals, shares)`` with updates (steps, P, n) and residuals (P, n) in flat order."""
+    order; ``min_rate``: the job's ``min_compression_rate``. Returns ``(updates, residuals, shares)`` with updates
+    (steps, P, n) and residuals (P, n) in flat order."""
     from hvd_sparse.testing import simulate_buckets
 
     where, at = {}, 0

@@ -17,8 +17,9 @@ top-k, which one unit would send, puts 13-30 times more of its entries in a CNN'
 4. **Share** (:func:`shares`): bucket b's factor on the density is its part of the counts over its part of the
    entries, s_b = (C_b / Σ C) / (n_b / Σ n), so that Σ s_b·d·n_b = d·Σ n: the same budget, placed where the whole
    model's top-k was (at least :data:`FLOOR`, so that no bucket stops selecting; at most the :func:`ceiling` at which
-   its sparse message would cost what the dense rule refuses -- the budget a bucket cannot use is not sent). A factor within a quarter octave of the current one is kept (:func:`settled`): a new one
-   starts the bucket's scheme afresh (thresholds, partitions), and the count's grid is no finer.
+   its sparse message would cost what the dense rule refuses -- the budget a bucket cannot use is not sent). A
+   factor within a quarter octave of the current one is kept (:func:`settled`): a new one starts the bucket's scheme
+   afresh (thresholds, partitions), and the count's grid is no finer.
 
 The new factors hold from the next exchange on (``Engine.set_share``): a bucket selects before the later buckets'
 gradients exist, so the split can only come from a step already taken. A step skipped for a non-finite gradient
@@ -86,10 +87,10 @@ def ceiling(compression, size, min_rate):
 def rebalance(buckets, comm):
     """Steps 2-4 after an exchange in which the sparse buckets tallied. ``buckets``: ``[(engine, numel, most)]`` of
     the sparse buckets in order (each engine's ``last`` from this exchange; ``numel``: the bucket's entries, the same
-    on every rank; ``most``: its :func:`ceiling`); ``comm``: every rank's, for one allreduce (phase ``budget``). A bucket that tallied nothing (no
-    entry to select: all frozen) stays out; with fewer than two left there is nothing to split. Sets each engine's
-    share, the same on every rank; returns the factors, or None (no split, or no count anywhere: shares
-    unchanged)."""
+    on every rank; ``most``: its :func:`ceiling`); ``comm``: every rank's, for one allreduce (phase ``budget``). A
+    bucket that tallied nothing (no entry to select: all frozen) stays out; with fewer than two left there is nothing
+    to split. Sets each engine's share, the same on every rank; returns the factors, or None (no split, or no count
+    anywhere: shares unchanged)."""
     buckets = [bucket for bucket in buckets if "tally" in bucket[0].last]
     if len(buckets) < 2:
         return None
