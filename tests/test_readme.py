@@ -50,7 +50,8 @@ def nine_epochs_gap():
 #: (the file README names beside the figures, what README says, computed from that file)
 FIGURES = [
     ("train_digits_p4_recipe.json", "| Horovod dense | {} | {} | {} |", lambda: digits_row("horovod")),
-    ("train_digits_p4_recipe.json", "| DDP + PowerSGD rank 4 | {} | {} | {} |", lambda: digits_row("ddp_powersgd_r4")),
+    ("train_digits_p4_recipe.json", "| DDP + PowerSGD rank 4, 2 warm-up steps | {} | {} | {} |",
+     lambda: digits_row("ddp_powersgd_r4")),
     ("train_digits_p4_recipe.json", "| `topka(0.01)` | {} | {} | {} |", lambda: digits_row("topka")),
     ("train_digits_p4_recipe.json", "| `exdyna(0.01)` | {} | {} | {} |", lambda: digits_row("exdyna")),
     ("train_digits_p4_recipe.json", "| `oktopk(0.01)` | {} | {} | {} |", lambda: digits_row("oktopk")),
