@@ -190,10 +190,7 @@ class SparseCompression:
         """Statistics of this rank's last step of :meth:`shared_state` (a TensorFlow ``DistributedGradientTape``'s:
         ``n, k, selected, density, sent_bytes, recv_bytes, sent_words, recv_words, collectives``, as an optimizer's
         ``sparse_stats()``); empty before the first step."""
-        engine = self.shared_state().get("model")
-        if engine is None or not engine.steps:
-            return {}
-        return {key: value for key, value in engine.last.items() if key not in ("info", "tally")}
+        return self.shared_state().last_stats("model")
 
     def reified_elsewhere(self):
         """Whether a live optimizer reified its own state from this preset while the shared one is still empty

@@ -326,6 +326,14 @@ class UnitStates:
         """True while no unit has an engine or a state restored for its first step."""
         return not self._engines and not self._pending
 
+    def last_stats(self, unit):
+        """The statistics of ``unit``'s last step on this rank (``Engine.last`` without the reducer's ``info`` and
+        the budget split's ``tally``), or ``{}`` before its first step."""
+        engine = self.get(unit)
+        if engine is None or not engine.steps:
+            return {}
+        return {key: value for key, value in engine.last.items() if key not in ("info", "tally")}
+
     def residual_norm(self, unit):
         """L2 norm of the residual of ``unit``: its engine's, or the one restored for its next step; 0.0 if none."""
         engine = self.get(unit)

@@ -289,10 +289,8 @@ class _CommonMethods:
         and over the ranks, as torch's optimizer does (``{}`` when no rank made one)."""
         if average:
             return self._hvds_reduce.averaged_stats(self.residual_norm())
-        engine = self._hvds_sparse_engine()
-        if engine is None or not engine.steps:
-            return {}
-        return {k: v for k, v in engine.last.items() if k != "info"}
+        states = self._hvds_reduce.states
+        return {} if states is None else states.last_stats("model")
 
     def skipped_steps(self):
         """Steps skipped on this rank (and every other) because a gradient was not finite (0 on the dense path)."""
