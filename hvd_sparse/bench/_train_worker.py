@@ -6,10 +6,11 @@ hand. For each configuration in turn, from the same initial weights (``torch.man
 weights broadcast) and the same data order (:func:`hvd_sparse.bench.loop.epoch_order`), it trains the model of
 ``--task``: :class:`~hvd_sparse.bench.digits_torch.WideNet` on the digits (``digits``) or
 :class:`~hvd_sparse.bench.mnist1d_torch.WideNet1D` on MNIST-1D generated from ``--seed`` (``mnist1d``,
-``--train-samples`` and ``--test-samples`` sequences), with the loop of :mod:`hvd_sparse.bench.loop` (SGD, momentum 0.9,
-cosine-decayed learning rate) and records per step and rank the seconds of forward, backward, exchange wait and
-update and the bytes sent; every ``--eval-every`` steps (and after the last) the test accuracy, outside the
-timed steps. With ``--stop-at ACC`` a configuration stops after the first evaluation at or above ACC.
+``--train-samples`` and ``--test-samples`` sequences), with the loop of :mod:`hvd_sparse.bench.loop` (SGD with
+momentum 0.9, or AdamW with ``--optimizer adamw``; cosine-decayed learning rate) and records per step and rank the
+seconds of forward, backward, exchange wait and update and the bytes sent; every ``--eval-every`` steps (and after
+the last) the test accuracy, outside the timed steps. With ``--stop-at ACC`` a configuration stops after the first
+evaluation at or above ACC.
 Configurations (:func:`parse_config`):
 
     compute           no communication at all: each rank trains alone (the floor of the step time; no accuracy)
@@ -44,6 +45,8 @@ from .cli import write_json
 PROGRESS = "hvd_sparse.train:"
 FIXED = ("compute", "horovod", "horovod_fp16", "ddp")
 TASKS = ("digits", "mnist1d")
+#: ``--optimizer``: SGD with ``--momentum``, or AdamW (torch's defaults: betas (0.9, 0.999), weight decay 0.01)
+OPTIMIZERS = ("sgd", "adamw")
 _POWERSGD = re.compile(r"^ddp_powersgd_r([1-9]\d*)$")
 
 
@@ -103,6 +106,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--task", choices=TASKS, default="digits")
     p.add_argument("--train-samples", type=int, default=20_000, help="MNIST-1D training sequences")
@@ -188,7 +192,7 @@ def _build(args, cfg, steps_total):
         one_bucket = cfg.get("powersgd_rank") is not None
         cap = {"bucket_cap_mb": n * 4 / 2 ** 20 + 1} if one_bucket else {}
         net = torch.nn.parallel.DistributedDataParallel(model, **cap)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=momentum)
+    optimizer = local_optimizer(model, args.optimizer, args.lr, momentum)
     if kind == "compute":
         return net, model, optimizer, None, lambda: 0.0, None
     if kind == "horovod":
@@ -206,6 +210,16 @@ def _build(args, cfg, steps_total):
         sent = ring_allreduce_bytes(n, P)
         return net, model, optimizer, None, lambda: sent, None
     return (net, model, optimizer, None) + _powersgd(net, args, cfg["powersgd_rank"], steps_total, P)
+
+
+def local_optimizer(model, name, lr, momentum):
+    """The optimizer each rank steps (``--optimizer``): ``torch.optim.SGD`` with ``momentum`` or
+    ``torch.optim.AdamW`` at its defaults, learning rate ``lr``."""
+    import torch
+
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr)
+    return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
 
 
 def overlap_options(cfg):

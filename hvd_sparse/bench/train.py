@@ -64,20 +64,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from ._train_worker import TASKS
+from ._train_worker import OPTIMIZERS, TASKS, parse_config
 from .launcher import WorkerFailed, add_run_arguments, launch, run_cli, tail
 from .netns import Network, Rate, bandwidth, link_check, remove_stale, workers
 from .train_report import markdown, plot, summarize
 
 WORKER = "hvd_sparse.bench._train_worker"
+#: ``--lr`` when not given, per ``--optimizer``
+DEFAULT_LR = {"sgd": 0.05, "adamw": 0.001}
 DEFAULT_CONFIGS = ("compute", "horovod", "horovod_fp16", "oktopk", "topka", "exdyna", "ddp", "ddp_powersgd_r1",
                    "ddp_powersgd_r4")
 
 
 def configs(text):
     """``--configs``: comma-separated configuration names (see :mod:`hvd_sparse.bench._train_worker`)."""
-    from ._train_worker import parse_config
-
     names = [c.strip() for c in text.split(",") if c.strip()]
     if not names:
         raise argparse.ArgumentTypeError("must name at least one configuration")
@@ -133,13 +133,15 @@ def _equalize(config_names, reference, workers, task, image_size, hidden, say):
 def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=0.05, seed=42, seeds=1,
         task="digits", train_samples=20_000, test_samples=10_000, image_size=16, hidden=1024, eval_every=4,
         floor_epochs=None, powersgd_warmup=None, accuracy_targets=(0.9, 0.95), timeout=7200.0,
-        link_check_seconds=0.5, verbose=True, worker_cmd=None, equal_bytes=None, stop_at_target=False, hosts=None):
+        link_check_seconds=0.5, verbose=True, worker_cmd=None, equal_bytes=None, stop_at_target=False, hosts=None,
+        optimizer="sgd"):
     """Build the network, run one job per seed and configuration (seeds ``seed`` to ``seed + seeds - 1``, each
     running every configuration in turn; a failed job is listed in ``failed`` and the others still run), tear
     everything down; return the report (see the module docstring). With ``equal_bytes`` (``(preset, density)``),
     first calibrate the sparse configurations' densities to that reference's bytes (``--equal-bytes``). With
     ``stop_at_target``, each configuration stops once it reaches the highest target (``--stop-at-target``).
-    ``hosts``: that many namespaces of ``workers / hosts`` ranks (``--hosts``; default one rank each)."""
+    ``hosts``: that many namespaces of ``workers / hosts`` ranks (``--hosts``; default one rank each).
+    ``optimizer``: each rank's ``"sgd"`` (momentum 0.9) or ``"adamw"`` (``--optimizer``)."""
     def say(msg):
         if verbose:
             print(msg, file=sys.stderr, flush=True)
@@ -149,6 +151,7 @@ def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=
         config_names, calibration = _equalize(config_names, equal_bytes, workers, task, image_size, hidden, say)
 
     common = ["--task", task, "--epochs", epochs, "--density", density, "--batch-size", batch_size, "--lr", lr,
+              "--optimizer", optimizer,
               "--image-size", image_size, "--hidden", hidden, "--eval-every", eval_every, "--floor-epochs",
               floor_epochs or epochs]
     if task == "mnist1d":
@@ -186,7 +189,8 @@ def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=
                                                                             for f in failed))
     report = {"workers": workers, "hosts": hosts, "bandwidth": str(rate), "bandwidth_bits_per_s": int(rate),
               "task": task,
-              "epochs": epochs, "density": density, "batch_size": batch_size, "lr": lr, "seed": seed,
+              "epochs": epochs, "density": density, "batch_size": batch_size, "lr": lr,
+              "optimizer": optimizer, "seed": seed,
               "seeds": list(range(seed, seed + seeds)), "image_size": image_size if task == "digits" else None,
               "train_samples": train_samples if task == "mnist1d" else None,
               "test_samples": test_samples if task == "mnist1d" else None, "hidden": hidden,
@@ -224,7 +228,10 @@ def add_arguments(p):
     p.add_argument("--epochs", type=cli.positive_int, default=20, help="epochs per configuration (default: 20)")
     p.add_argument("--density", type=cli.density, default=0.01, help="k / n of the sparse presets (default: 0.01)")
     p.add_argument("--batch-size", type=cli.positive_int, default=32, help="per-worker batch size (default: 32)")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, cosine-decayed to 0 (default: 0.05)")
+    p.add_argument("--optimizer", choices=OPTIMIZERS, default="sgd",
+                   help="each rank's optimizer: sgd (momentum 0.9) or adamw (torch's defaults) (default: sgd)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate, cosine-decayed to 0 (default: 0.05 for sgd, 0.001 for adamw)")
     p.add_argument("--seed", type=int, default=42,
                    help="the first seed: data split (MNIST-1D: the data), initial weights, data order (default: 42)")
     p.add_argument("--seeds", type=cli.positive_int, default=1,
@@ -265,6 +272,8 @@ def main(args):
             return f"--image-size must be even, got {args.image_size}"
         if args.task == "mnist1d" and args.train_samples < args.workers:
             return f"--train-samples must be at least --workers ({args.workers}), got {args.train_samples}"
+        if args.optimizer != "sgd" and any(parse_config(n).get("momentum_correction") for n in names):
+            return "momentum correction (+mc) needs --optimizer sgd: it keeps SGD's velocity in the residual"
         if args.hosts is not None and args.workers % args.hosts:
             return f"--hosts {args.hosts} must divide --workers {args.workers} (the same number of ranks a host)"
         return None
@@ -275,7 +284,8 @@ def main(args):
     def job():
         reports.append(run(
             names, args.workers, args.bandwidth, epochs=args.epochs, density=args.density,
-            batch_size=args.batch_size, lr=args.lr, seed=args.seed, seeds=args.seeds, task=args.task,
+            batch_size=args.batch_size, lr=args.lr if args.lr is not None else DEFAULT_LR[args.optimizer],
+            optimizer=args.optimizer, seed=args.seed, seeds=args.seeds, task=args.task,
             train_samples=args.train_samples, test_samples=args.test_samples, image_size=args.image_size,
             hidden=args.hidden,
             eval_every=args.eval_every, floor_epochs=args.floor_epochs, powersgd_warmup=args.powersgd_warmup,

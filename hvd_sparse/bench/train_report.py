@@ -261,6 +261,11 @@ def plot(report, path):
     cli.save_png(fig, path)
 
 
+def _setting(report, key):
+    """``report[key]``; reports written before ``--optimizer`` existed trained with SGD."""
+    return report.get(key, "sgd" if key == "optimizer" else None)
+
+
 def retarget(report, accuracy_targets, others=()):
     """A copy of ``report`` whose times to accuracy are those of ``accuracy_targets``: each seed's from its accuracy
     curve (evaluations every ``eval_every`` steps, as in the run), then the spreads over the seeds again. ``others``:
@@ -268,9 +273,9 @@ def retarget(report, accuracy_targets, others=()):
     out = copy.deepcopy(report)
     seeds = {row["config"]: row["per_seed"] for row in out["results"]}
     for other in others:
-        for key in ("workers", "bandwidth", "task", "epochs", "numel", "batch_size", "lr"):
-            if other.get(key) != out.get(key):
-                raise ValueError(f"the reports differ in {key}: {out.get(key)!r} and {other.get(key)!r}")
+        for key in ("workers", "bandwidth", "task", "epochs", "numel", "batch_size", "lr", "optimizer"):
+            if _setting(other, key) != _setting(out, key):
+                raise ValueError(f"the reports differ in {key}: {_setting(out, key)!r} and {_setting(other, key)!r}")
         for row in copy.deepcopy(other["results"]):
             seeds.setdefault(row["config"], []).extend(row["per_seed"])
         out["seeds"] = sorted(set(out.get("seeds") or []) | set(other.get("seeds") or []))

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from hvd_sparse.bench import equal_bytes, presets, train_report
+from hvd_sparse.bench import _train_worker
 from hvd_sparse.bench._train_worker import parse_config
 from hvd_sparse.bench.__main__ import main
 
@@ -70,6 +71,18 @@ def test_without_root_the_command_says_what_is_missing_and_exits_2(monkeypatch, 
     assert main(["train", "--workers", "2", "--epochs", "1"]) == 2
     err = capsys.readouterr().err
     assert "root privileges" in err and "network namespaces" in err
+
+
+def test_adamw_is_each_ranks_optimizer_and_refuses_momentum_correction(capsys):
+    import torch
+
+    model = torch.nn.Linear(3, 2)
+    adamw = _train_worker.local_optimizer(model, "adamw", 0.001, 0.9)
+    sgd = _train_worker.local_optimizer(model, "sgd", 0.05, 0.9)
+    assert type(adamw) is torch.optim.AdamW and adamw.defaults["lr"] == 0.001
+    assert type(sgd) is torch.optim.SGD and sgd.defaults["momentum"] == 0.9
+    assert main(["train", "--optimizer", "adamw", "--configs", "horovod,topka+w2+mc"]) == 2
+    assert "+mc" in capsys.readouterr().err
 
 
 def test_configuration_names():
@@ -416,9 +429,10 @@ def test_tiny_mnist1d_run_over_two_seeds_reports_every_seed(tmp_path):
     report, stdout, stderr = run_bench_train(["--workers", "2", "--bandwidth", "1gbit", "--task",
         "mnist1d", "--train-samples", "400", "--test-samples", "200", "--seeds", "2", "--seed", "7", "--epochs",
         "1", "--hidden", "32", "--eval-every", "2", "--configs", "compute,topka", "--no-link-check",
-        "--json", str(out), "--plot", str(png)], out)
+        "--optimizer", "adamw", "--json", str(out), "--plot", str(png)], out)
     assert (report["task"], report["seeds"], report["train_images"], report["test_images"]) == ("mnist1d", [7, 8],
                                                                                               400, 200)
+    assert (report["optimizer"], report["lr"]) == ("adamw", 0.001)
     assert report["numel"] == 35_210 + 2_571 * 32 and report["failed"] == []        # WideNet1D(32)
     rows = {r["config"]: r for r in report["results"]}
     assert list(rows) == ["compute", "topka"]
