@@ -74,10 +74,17 @@ def settled(current, new):
     return new
 
 
-def ceiling(compression, size, min_rate):
+def across(size, local_size=1):
+    """The ranks a bucket's preset runs over: ``size``, or on two levels (``local_size`` L > 1 ranks a host) the
+    size / L hosts (:mod:`hvd_sparse.core.hierarchy`: the preset runs on a host's shard among the hosts)."""
+    return size // local_size if local_size > 1 else size
+
+
+def ceiling(compression, size, min_rate, local_size=1):
     """The largest factor at which a bucket's sparse message stays ``min_rate`` times smaller than a dense
     allreduce's over ``size`` ranks (:mod:`hvd_sparse.core.budget`'s model of the preset's bytes), as the dense rule
-    asks of a sparse bucket."""
+    asks of a sparse bucket; on two levels (``local_size`` L > 1) of the shard's exchange among the hosts."""
+    size = across(size, local_size)
     if size <= 1 or compression.sparsifier is None:
         return math.inf
     most = budget.density_for(1.0 / min_rate, compression.sparsifier, compression.reducer, size)

@@ -46,7 +46,7 @@ import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from ..core import budget
+from ..core import allocation, budget
 from .amp import scaling
 
 #: the default largest bucket, in MB of float32 gradient (DDP's ``bucket_cap_mb``)
@@ -86,9 +86,12 @@ def plan_buckets(named, cap_mb):
     return out
 
 
-def goes_dense(compression, numel, size, min_rate):
+def goes_dense(compression, numel, size, min_rate, local_size=1):
     """Whether a bucket of ``numel`` entries over ``size`` ranks goes dense: its sparse message (core.budget's model
-    of the preset's bytes at k = max(1, ⌊d·n⌋)) is not ``min_rate`` times smaller than a dense allreduce's."""
+    of the preset's bytes at k = max(1, ⌊d·n⌋)) is not ``min_rate`` times smaller than a dense allreduce's. On two
+    levels (``local_size`` L > 1 ranks a host) what the preset changes is the exchange among the size / L hosts of a
+    host's shard, ⌈n / L⌉ entries: the rule compares that with the shard's dense allreduce among the hosts."""
+    size, numel = allocation.across(size, local_size), -(-numel // local_size)
     if size <= 1 or numel == 0 or compression.sparsifier is None:
         return False
     density = compression.density_for(size)

@@ -92,14 +92,19 @@ class SparseJob:
         if not named:
             return
         start = len(self.overlap.buckets) if self.overlap is not None else 0
-        size = self.process_set.size()
-        new = [_buckets.Bucket(start + i, tuple(part),
-                               _buckets.goes_dense(self.compression, sum(p.numel() for _, p in part), size, min_rate))
+        size, per_host = self.process_set.size(), self.ranks_per_host()
+        new = [_buckets.Bucket(start + i, tuple(part), _buckets.goes_dense(
+                   self.compression, sum(p.numel() for _, p in part), size, min_rate, per_host))
                for i, part in enumerate(_buckets.plan_buckets(named, cap_mb))]
         if self.overlap is None:
             self.overlap = _buckets.Overlap(new, self.exchange_bucket, f"hvd_sparse.{self.owner}")
         else:
             self.overlap.extend(new)
+
+    def ranks_per_host(self):
+        """L of the two levels the buckets' engines run on (``compression.two_levels``), 1 where they run flat."""
+        topology = self.compression.two_levels(HorovodTorchCommunicator(self.process_set, self.owner))
+        return topology.local.size if topology is not None else 1
 
     # -- parameters and hooks ------------------------------------------------------------------------
     def params(self, param_groups):
@@ -301,7 +306,8 @@ class SparseJob:
         one allreduce, the same shares on every rank, from the next exchange on."""
         if self._budget_comm is None:
             self._budget_comm = HorovodTorchCommunicator(self.process_set, self.owner)
-        most = allocation.ceiling(self.compression, self.process_set.size(), self.overlap_options[1])
+        most = allocation.ceiling(self.compression, self.process_set.size(), self.overlap_options[1],
+                                  self.ranks_per_host())
         allocation.rebalance([(self.engine(b), sum(p.numel() for _, p in b.params if p.requires_grad), most)
                               for b in self.overlap.buckets if not b.dense], self._budget_comm)
 

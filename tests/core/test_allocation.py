@@ -111,3 +111,4 @@ def test_a_share_stops_where_the_bucket_would_send_what_the_dense_rule_refuses()
     assert allocation.ceiling(topka, 4, 1.0) == pytest.approx(25.0)
     assert allocation.ceiling(topka, 4, 5.0) == pytest.approx(5.0)
     assert allocation.ceiling(topka, 1, 1.0) == float("inf")
+    assert allocation.ceiling(topka, 4, 1.0, local_size=2) == pytest.approx(50.0)     # among 2 hosts: d = 1/2

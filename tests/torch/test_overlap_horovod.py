@@ -119,6 +119,13 @@ def test_small_buckets_go_dense_where_sparse_would_not_be_smaller():
     assert not buckets.goes_dense(topka, 3, 1, 1.0)                 # one rank sends nothing
 
 
+def test_on_two_levels_the_dense_rule_weighs_the_shards_exchange_among_the_hosts():
+    topka = hvd_sparse.Compression.topka(0.3)       # P = 4: 1.2x dense's bytes; among 2 hosts: 0.6x
+    assert buckets.goes_dense(topka, 10 ** 6, 4, 1.0) and not buckets.goes_dense(topka, 10 ** 6, 4, 1.0, 2)
+    assert buckets.goes_dense(hvd_sparse.Compression.topka(0.01), 3, 4, 1.0, 2)    # a shard of 2, k = 1: 1x
+    assert not buckets.goes_dense(topka, 10 ** 6, 4, 1.0, 4)       # one host: nothing crosses
+
+
 @pytest.mark.parametrize("args, named", [((1, None, None), "overlap"), ((False, 10, None), "bucket_cap_mb"),
                                           ((True, 0, None), "bucket_cap_mb"),
                                           ((True, None, -1.0), "min_compression_rate"),
