@@ -190,7 +190,8 @@ def _intro(report):
              f"{hosts} network namespaces (hosts) of {report['workers'] // hosts}")
     return (f"P = {report['workers']} workers, {where}, {report['bandwidth']} full duplex per "
             f"namespace (tc tbf both ways" + (f"; link check {link / 1e6:.1f} MB/s" if link else "") + f"); {task}, "
-            f"{report['epochs']} epochs, batch {report['batch_size']} per worker, SGD lr {report['lr']} cosine, "
+            f"{report['epochs']} epochs, batch {report['batch_size']} per worker, "
+            f"{'AdamW' if _setting(report, 'optimizer') == 'adamw' else 'SGD'} lr {report['lr']} cosine, "
             f"{density}; step = slowest rank, statistics after the first step; {many}"
             f"load average before {report['load_average_before'][0]:.2f}.")
 
