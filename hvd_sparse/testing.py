@@ -179,8 +179,8 @@ def simulate_buckets(compression, gradients, buckets, average=True, backend="num
     comms = world.communicators()
     units = list(zip(*[_engines(compression, world, comms, None, local_size, api) for _ in buckets]))
     bounds = np.cumsum([0] + sizes)
-    two_levels = local_size is not None and int(local_size) > 1 and compression.hierarchical is not False
-    most = allocation.ceiling(compression, P, min_compression_rate, int(local_size) if two_levels else 1)
+    topology = getattr(units[0][0], "topology", None) if buckets else None        # two levels: L ranks a host
+    most = allocation.ceiling(compression, P, min_compression_rate, topology.local.size if topology else 1)
     res = BucketSimulation(np.zeros((steps, P, n), rec_dtype), np.zeros((P, n), np.float32), [None] * steps)
 
     def run_rank(comm):

@@ -13,8 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from hvd_sparse.bench import equal_bytes, presets, train_report
-from hvd_sparse.bench import _train_worker
+from hvd_sparse.bench import _train_worker, equal_bytes, presets, train_report
 from hvd_sparse.bench._train_worker import parse_config
 from hvd_sparse.bench.__main__ import main
 
