@@ -22,6 +22,21 @@ STEADY = {"topka": {"allgather.hvd_sparse.agree"}, "gaussiank": {"allgather.hvd_
 RUNG = re.compile(r"\.values\.\d+$")
 
 
+def cut_at_the_end(path, ranks=2):
+    """Names whose last NEGOTIATE span in the timeline at ``path`` has ready marks from some ranks only: the next
+    preset's first call, which a rank that ran ahead began before rank 0's timeline switched files (Horovod's
+    coordinator writes the timeline and switches files on a later cycle than ``stop_timeline``)."""
+    names, last = {}, {}
+    for e in timeline.read_events(path):
+        if e.get("ph") == "M" and e.get("name") == "process_name" and "name" in e.get("args", {}):
+            names[e["pid"]] = e["args"]["name"]
+        elif e.get("pid") in names and e.get("ph") == "B" and e["name"].startswith(timeline.NEGOTIATE):
+            last[names[e["pid"]]] = 0
+        elif e.get("pid") in names and e.get("ph") == "X" and e["name"].isdigit() and names[e["pid"]] in last:
+            last[names[e["pid"]]] += 1
+    return {name for name, marks in last.items() if 0 < marks < ranks}
+
+
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory):
     """{name: its timeline} of one job: the probe, then 12 training steps of each preset (tests/hvd_workers)."""
@@ -50,9 +65,15 @@ def test_every_collective_of_a_steady_step_is_served_by_the_response_cache(trace
     """After the first steps (the optimizer's gather, the first step, ExDyna's start-up threshold), each step makes
     exactly the preset's documented collectives, once each, and Horovod negotiates none of them. One span more is
     left out: Horovod writes the timeline from a thread of its own, so on a loaded machine the shared opening of the
-    previous preset's last step can land at the start of this preset's file. A collective whose size is one of a
-    ladder (ExDyna's values on the host) has a name per size: each is negotiated on its first call only."""
+    previous preset's last step can land at the start of this preset's file, and the next preset's first call, begun
+    by one rank, at its end (:func:`cut_at_the_end`). A collective whose size is one of a ladder (ExDyna's values on
+    the host) has a name per size: each is negotiated on its first call only."""
     whole, report = timeline.cache_report(traces[preset]), timeline.cache_report(traces[preset], skip_first=4)
+    for name in cut_at_the_end(traces[preset]):
+        whole[name]["calls"] -= 1
+        whole[name]["negotiated"] -= 1
+        report[name] = dict(report[name], calls=report[name]["calls"] - 1,
+                            negotiated=report[name]["negotiated"] - 1)
     steady = {}
     for name, row in report.items():
         key = RUNG.sub(".values", re.sub(r"\.model\.\d+\.", ".model.", name))
