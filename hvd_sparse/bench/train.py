@@ -130,7 +130,7 @@ def _equalize(config_names, reference, workers, task, image_size, hidden, say):
     return names, calibration
 
 
-def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=0.05, seed=42, seeds=1,
+def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=None, seed=42, seeds=1,
         task="digits", train_samples=20_000, test_samples=10_000, image_size=16, hidden=1024, eval_every=4,
         floor_epochs=None, powersgd_warmup=None, accuracy_targets=(0.9, 0.95), timeout=7200.0,
         link_check_seconds=0.5, verbose=True, worker_cmd=None, equal_bytes=None, stop_at_target=False, hosts=None,
@@ -141,11 +141,13 @@ def run(config_names, workers, rate, epochs=20, density=0.01, batch_size=32, lr=
     first calibrate the sparse configurations' densities to that reference's bytes (``--equal-bytes``). With
     ``stop_at_target``, each configuration stops once it reaches the highest target (``--stop-at-target``).
     ``hosts``: that many namespaces of ``workers / hosts`` ranks (``--hosts``; default one rank each).
-    ``optimizer``: each rank's ``"sgd"`` (momentum 0.9) or ``"adamw"`` (``--optimizer``)."""
+    ``optimizer``: each rank's ``"sgd"`` (momentum 0.9) or ``"adamw"`` (``--optimizer``), at ``lr`` (default: the
+    optimizer's :data:`DEFAULT_LR`)."""
     def say(msg):
         if verbose:
             print(msg, file=sys.stderr, flush=True)
 
+    lr = DEFAULT_LR[optimizer] if lr is None else lr
     calibration = None
     if equal_bytes is not None:
         config_names, calibration = _equalize(config_names, equal_bytes, workers, task, image_size, hidden, say)
@@ -284,8 +286,7 @@ def main(args):
     def job():
         reports.append(run(
             names, args.workers, args.bandwidth, epochs=args.epochs, density=args.density,
-            batch_size=args.batch_size, lr=args.lr if args.lr is not None else DEFAULT_LR[args.optimizer],
-            optimizer=args.optimizer, seed=args.seed, seeds=args.seeds, task=args.task,
+            batch_size=args.batch_size, lr=args.lr, optimizer=args.optimizer, seed=args.seed, seeds=args.seeds, task=args.task,
             train_samples=args.train_samples, test_samples=args.test_samples, image_size=args.image_size,
             hidden=args.hidden,
             eval_every=args.eval_every, floor_epochs=args.floor_epochs, powersgd_warmup=args.powersgd_warmup,
