@@ -463,9 +463,12 @@ def _oktopk_pair(args):
         raise ValueError(f"hvd_sparse.Compression.oktopk: balance={args['balance']!r} does not apply any more: each "
                          "owner sends a fixed number of pairs in the gather (a message of one shape every step), so "
                          "nothing is left to balance; leave balance at 'auto' (it changes nothing)")
+    api, period = "hvd_sparse.Compression.oktopk", args["global_threshold_period"]
+    if period is not None:
+        check_positive_int(period, "global_threshold_period", api)
     return oktopk_pair(args["variant"], _density("oktopk", args), args["threshold_period"],
                        args["repartition_period"], args["max_select_ratio"], args["boundaries"],
-                       args["few_collectives_from"], args["global_fill"], "hvd_sparse.Compression.oktopk")
+                       args["few_collectives_from"], args["global_fill"], api, period)
 
 
 class Compression:
@@ -476,27 +479,31 @@ class Compression:
     def oktopk(density=None, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
                max_select_ratio=None, boundaries=None, few_collectives_from=FEW_COLLECTIVES_FROM, byte_budget=None,
                warmup_dense_steps=0, momentum_correction=0.0, warmup_density=None, warmup_stage_steps=0,
-               warmup_factor=4.0, local_clip_norm=None, global_fill=False, hierarchical=None):
+               warmup_factor=4.0, local_clip_norm=None, global_threshold_period=None, global_fill=False,
+               hierarchical=None):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
         docs/algorithms.md#oktopk): the O(k) sparse allreduce. Each rank selects with a local threshold that is
         exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
         split into P regions re-balanced every ``repartition_period`` steps; each region's owner reduces what
         falls in it (one alltoall), and its largest sums travel in one allgather of a fixed size, where every rank
-        keeps those above a global threshold (exact every ``threshold_period`` steps). Error feedback keeps
+        keeps the exact top-k of them (the "library" variant; the paper: those above a global threshold, exact every
+        ``threshold_period`` steps; ``global_threshold_period``). Error feedback keeps
         S \\ G. Three collectives per step, each of one shape (Horovod's response cache serves them). Cost: at
         most 6k(P-1)/P words per rank on threshold-reuse steps of balanced input.
 
         Args:
             density (float): k = max(1, floor(density·n)), in (0, 1].
-            threshold_period (int): tau', steps between exact local and global threshold evaluations (32).
+            threshold_period (int): tau', steps between exact local threshold evaluations (32), and global ones
+                unless ``global_threshold_period`` says otherwise.
             repartition_period (int): tau, steps between region repartitions (64).
             balance (str): "auto", the only value: the paper's balancing step has nothing to do when every owner
                 sends a fixed number of pairs (kept so that existing calls run).
             variant (str): the threshold controllers, one of ``hvd_sparse.core.oktopk.VARIANTS``. "library" (default): exact-k
-                selection, a guard that brings the local count back to <= k in one step and a ladder that keeps
-                the global count K <= k (see ThresholdReuse.guard_target and OkTopk.global_control); "paper"
+                selection, a guard that brings the local count back to <= k in one step and the global selection
+                exact on every step (K = k; see ThresholdReuse.guard_target and ``global_threshold_period``); "paper"
                 (no controllers), "ref_lstm", "ref_vgg", "ref_bert" (the authors' code, per model). For the
-                "paper"/"ref_*" variants the variant fixes the two periods above (other values raise).
+                "paper"/"ref_*" variants the variant fixes the two periods above and the global one (other values
+                raise).
             max_select_ratio (float >= 1 or None): a hard cap on reuse steps, for every variant (default None:
                 off, as in the paper and the authors' code). A rank's selection is cut to ratio·k entries (its
                 threshold climbs until they fit: the largest stay); when the global count K exceeds ratio·k
@@ -510,8 +517,15 @@ class Compression:
             few_collectives_from (int or None): at k >= this·P (many entries per region), "measured" boundaries
                 count no histogram and follow the load of the past steps (``OkTopk.few_collectives_from``). None:
                 never. Default 1024.
-            global_fill (bool): on reuse steps, fill the global count K up to k (within P) from the candidates
-                just below the ladder's rung ("library" variant; ``OkTopk.global_fill``). Default False.
+            global_threshold_period (int or None): steps between exact global threshold evaluations ("library"
+                variant). None (default): the variant's, 1 for "library": every step keeps the exact top-k of the
+                owners' largest sums, so the step applies k entries; ``threshold_period`` restores the paper's
+                reuse of the global threshold, where a ladder keeps K <= k on reuse steps (it applied 0.42k a step
+                on average while the digits CNN trained: docs/benchmarks.md, "Ok-Topk's global selection on every
+                step").
+            global_fill (bool): on reuse steps of the global threshold, fill the global count K up to k (within
+                P) from the candidates just below the ladder's rung ("library" variant; ``OkTopk.global_fill``).
+                Default False.
         """
         args = dict(locals())
         return _preset(Compression.oktopk, args, *_oktopk_pair(args))

@@ -252,8 +252,9 @@ def ref_exact(a, k, rule):
     return rule_mask(a, th, "gt"), th
 
 
-def oktopk_reference(g, density, tp=32, sp=None, rd=None):
-    """The step of docs/algorithms.md#oktopk written out centrally with dense masks (no regions). Returns
+def oktopk_reference(g, density, tp=32, sp=None, rd=None, global_tp=None):
+    """The step of docs/algorithms.md#oktopk written out centrally with dense masks (no regions); the global
+    threshold re-evaluated every ``global_tp`` steps (None: ``tp``, as the local one). Returns
     dict(updates (sum), residuals, S, G, L_used, gamma_used, K) for g of shape (steps, P, n)."""
     spk = dict(select_rule="ge_nonzero", guard_ratio=1.5, guard_factor=1.03, guard_iters=5, band_lo=0.75,
                band_hi=1.25, band_relax=1.012, band_tighten=1.012, max_select_ratio=None, guard_target=None)
@@ -301,7 +302,7 @@ def oktopk_reference(g, density, tp=32, sp=None, rd=None):
         rho = np.zeros(n, np.float32)
         for r in range(P):
             rho += np.where(masks[r], a[r], 0)
-        if t % tp == 0 or gam is None or not math.isfinite(gam):
+        if t % (global_tp or tp) == 0 or gam is None or not math.isfinite(gam):
             G = ref_topk(rho, k)
             gam = float(np.abs(rho[G]).min()) if G.any() else math.inf
             used = gam

@@ -18,6 +18,9 @@ Reported per preset, over the steps from ``--skip`` on (the first steps set the 
     recv_words_per_k       words received per rank per step / k (the volume meter's count, padding included),
                            mean over the ranks; recv_words_max_per_k: the busiest rank's (gTop-k's tree: the root)
     readme_words_per_k     what the presets' table (docs/reference.md) says a rank receives, / k (None: a range)
+    applied_per_k          entries the step's averaged update changes (its nonzeros, the same on every rank) / k,
+                           mean over the steps: TopkA applies the union of the ranks' selections (up to Pk),
+                           Ok-Topk the largest of their sum (at most k), ExDyna the ranks' disjoint parts (about k)
     final_loss             the training loss of the last step (mean over the ranks)
 
 Cost: mostly the engines' steps; docs/benchmarks.md ("While the model trains") has the measured seconds per
@@ -41,7 +44,7 @@ README_WORDS = {
 
 def train(compression, workers, steps, hidden=256, seed=0):
     """Train the digits CNN on ``workers`` virtual ranks for ``steps`` steps with ``compression``; per step and rank
-    (arrays (steps, workers)): ``selected``, ``recv_words``, ``loss``; and ``n``."""
+    (arrays (steps, workers)): ``selected``, ``recv_words``, ``applied``, ``loss``; and ``n``."""
     import torch
     import torch.nn.functional as F
 
@@ -56,7 +59,7 @@ def train(compression, workers, steps, hidden=256, seed=0):
     layout = [p.numel() for p in models[0].parameters()]
     world = SimulatedWorld(workers)
     comms = world.communicators()
-    record = {f: np.zeros((steps, workers)) for f in ("selected", "recv_words", "loss")}
+    record = {f: np.zeros((steps, workers)) for f in ("selected", "recv_words", "applied", "loss")}
 
     def rank(comm):
         r, model = comm.rank, models[comm.rank]
@@ -75,7 +78,7 @@ def train(compression, workers, steps, hidden=256, seed=0):
                 p.grad.copy_(u.view_as(p))
             opt.step()
             for f, v in (("selected", engine.last["selected"]), ("recv_words", engine.last["recv_words"]),
-                         ("loss", loss.item())):
+                         ("applied", int(torch.count_nonzero(update))), ("loss", loss.item())):
                 record[f][t, r] = v
 
     world.run(rank, comms)
@@ -94,7 +97,8 @@ def summarize(name, compression, record, density, skip):
             "density_ratio_min": float(per_step.min()), "density_ratio_max": float(per_step.max()),
             "recv_words_per_k": float(record["recv_words"][skip:].mean() / k),
             "recv_words_max_per_k": float(record["recv_words"][skip:].max(1).mean() / k),
-            "readme_words_per_k": words, "final_loss": float(record["loss"][-1].mean())}
+            "readme_words_per_k": words, "applied_per_k": float(record["applied"][skip:].mean() / k),
+            "final_loss": float(record["loss"][-1].mean())}
 
 
 def run(names, workers, steps, density, skip, hidden=256, seed=0, progress=None):
@@ -114,12 +118,12 @@ def run(names, workers, steps, density, skip, hidden=256, seed=0, progress=None)
 
 def markdown(rows):
     lines = ["| preset | achieved / asked density: mean (min, max per step) | words received / k: mean rank, "
-             "busiest | the table's | final loss |", "|---|---|---:|---:|---:|"]
+             "busiest | the table's | entries applied / k | final loss |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         readme = "--" if r["readme_words_per_k"] is None else f"{r['readme_words_per_k']:.2f}"
         lines.append(f"| {r['preset']} | {r['density_ratio']:.2f} ({r['density_ratio_min']:.2f}, "
                      f"{r['density_ratio_max']:.2f}) | {r['recv_words_per_k']:.2f}, "
-                     f"{r['recv_words_max_per_k']:.2f} | {readme} | "
+                     f"{r['recv_words_max_per_k']:.2f} | {readme} | {r['applied_per_k']:.2f} | "
                      f"{r['final_loss']:.3f} |")
     return "\n".join(lines)
 

@@ -89,15 +89,19 @@ def test_every_threshold_preset_holds_its_density_while_a_real_model_trains():
     """``bench density``: 100 steps of the digits CNN on P = 4 simulated ranks. Each preset whose count follows a
     threshold selects, on average after its first 10 steps, 0.5-2x the density it was asked for (ExDyna: its ranks
     together), and receives at most 2x the words the presets' table gives for it. (DCT's thresholds, recomputed only
-    every 1000 steps as in its paper, passed 50x its density here.)"""
+    every 1000 steps as in its paper, passed 50x its density here.) The entries a step applies: TopkA the union of
+    the ranks' top-k (at least k), Ok-Topk at most k of their sum, ExDyna no more than its ranks selected."""
     from hvd_sparse.bench import density
 
-    rows = density.run(["gaussiank", "oktopk", "exdyna", "dct"], workers=4, steps=100, density=0.01, skip=10,
-                       hidden=32)
-    for row in rows:
-        assert 0.5 <= row["density_ratio"] <= 2.0, row
+    rows = {r["preset"]: r for r in density.run(["gaussiank", "oktopk", "exdyna", "dct", "topka"], workers=4,
+                                                steps=100, density=0.01, skip=10, hidden=32)}
+    for name, row in rows.items():
+        assert name == "topka" or 0.5 <= row["density_ratio"] <= 2.0, row
         assert row["recv_words_per_k"] <= 2 * row["readme_words_per_k"], row
         assert row["final_loss"] < 1.0, row                  # it trained
+    assert 1.0 < rows["topka"]["applied_per_k"] <= 4.0
+    assert rows["oktopk"]["applied_per_k"] <= 1.0
+    assert rows["exdyna"]["applied_per_k"] <= rows["exdyna"]["density_ratio"]
 
 
 def test_density_cli_writes_a_row_per_preset(tmp_path, capsys):
@@ -108,6 +112,7 @@ def test_density_cli_writes_a_row_per_preset(tmp_path, capsys):
     assert [r["preset"] for r in report["presets"]] == ["topka"]         # dense has no density to hold
     row = report["presets"][0]
     assert row["density_ratio"] == 1.0 and row["recv_words_per_k"] == row["readme_words_per_k"] == 2.0
+    assert 1.0 <= row["applied_per_k"] <= 2.0              # the union of the two ranks' top-k
     assert "| topka |" in capsys.readouterr().out
 
 

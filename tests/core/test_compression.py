@@ -60,8 +60,12 @@ def test_the_name_is_a_call_that_rebuilds_the_same_configuration():
 
 
 def test_a_variant_that_fixes_the_periods_rejects_other_periods():
-    with pytest.raises(ValueError, match="variant='paper' fixes threshold_period and repartition_period"):
+    with pytest.raises(ValueError, match="variant='paper' fixes threshold_period"):
         C.oktopk(0.05, 2, variant="paper")
+    with pytest.raises(ValueError, match="global_threshold_period"):
+        C.oktopk(0.05, variant="paper", global_threshold_period=1)
+    with pytest.raises(ValueError, match="global_threshold_period must be an integer"):
+        C.oktopk(0.05, global_threshold_period=0)
     with pytest.raises(ValueError, match="variant must be one of"):
         C.oktopk(0.05, variant="fast")
 
@@ -73,7 +77,9 @@ def test_variants_are_instances_and_the_preset_applies_the_call_on_top():
         assert c.reducer == dataclasses.replace(v.reducer, max_select_ratio=2.0)
     lib = C.oktopk(0.01, 8, 16)
     assert (lib.sparsifier.threshold_period, lib.reducer.threshold_period, lib.reducer.repartition_period) == \
-        (8, 8, 16)
+        (8, 1, 16)                                   # the library's global selection: exact on every step
+    reused = C.oktopk(0.01, 8, 16, global_threshold_period=8)
+    assert (reused.sparsifier.threshold_period, reused.reducer.threshold_period) == (8, 8)
 
 
 def test_oktopk_refuses_a_balance_policy_with_the_reason():

@@ -26,6 +26,7 @@ CASES.update({
     "topka.P3.momentum": ("topka", 3, "numpy", {"momentum_correction": 0.5}, {}),
     "exdyna.P4.warmup": ("exdyna", 4, "numpy", {"warmup_dense_steps": 2}, {}),
     "oktopk.P4.paper": ("oktopk", 4, "numpy", {}, {"variant": "paper"}),
+    "oktopk.P4.reused": ("oktopk", 4, "numpy", {}, {"global_threshold_period": 32}),
     "oktopk.P4.few": ("oktopk", 4, "numpy", {}, {"few_collectives_from": 1, "threshold_period": 4}),
     "oktopk.P5.periods": ("oktopk", 5, "numpy", {}, {"threshold_period": 3, "repartition_period": 5}),
     "spardl.P4.groups": ("spardl", 4, "numpy", {}, {"groups": 2}),

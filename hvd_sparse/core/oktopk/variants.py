@@ -3,7 +3,8 @@
 (:class:`~hvd_sparse.core.oktopk.exchange.OkTopk`) with the knobs of one variant, each knob given once.
 
 The two halves share the selection rule and τ' (``threshold_period``: the local threshold and the global one are
-re-evaluated on the same steps); each variant names them once and both halves get them. The local controllers
+re-evaluated on the same steps), except where a variant re-evaluates the global threshold on steps of its own
+(``global_threshold_period``: the library's, on every step); each variant names them once and both halves get them. The local controllers
 (guard and band, on |S|) and the global ones (Γ's band or ladder, on K) are distinct controllers of distinct
 counts, so they keep their own knobs. The authors' dense warm-up steps (128 / 512 / 0) are not reproduced.
 """
@@ -21,21 +22,24 @@ from .selection import ThresholdReuse
 class Variant:
     """The knobs of one variant: ``select_rule`` and ``threshold_period`` (τ') of both halves, the local selection's
     controllers (``local``: :class:`ThresholdReuse` options) and the exchange's (``exchange``: :class:`OkTopk`
-    options)."""
+    options); ``global_threshold_period``: the exchange's own τ' where it differs (None: ``threshold_period``)."""
 
     local: dict
     exchange: dict
     select_rule: str = "ge_nonzero"
     threshold_period: int = 32
+    global_threshold_period: int = None
 
 
 #: the variants by name
 VARIANTS = {
-    # the library's default: the paper's algorithm and balancing, exact-k selection, controllers that keep |S| <= k
-    # and K <= k on reuse steps, boundaries that split each step's load evenly (the 6k(P-1)/P bound's assumptions)
-    # and at most 1.25k/P pairs from a rank to an owner in the split and from an owner in the gather (the bound
-    # however the regions and Γ lie: docs/algorithms.md#oktopk)
+    # the library's default: the paper's algorithm and balancing, exact-k selection, a local controller that keeps
+    # |S| <= k, the global threshold re-evaluated on every step (G = the exact top-k of the owners' largest sums:
+    # K = k; with a longer global period, a Γ ladder keeps K <= k on reuse steps), boundaries that split each step's
+    # load evenly (the 6k(P-1)/P bound's assumptions) and at most 1.25k/P pairs from a rank to an owner in the split
+    # and from an owner in the gather (the bound however the regions and Γ lie: docs/algorithms.md#oktopk)
     "library": Variant(
+        global_threshold_period=1,
         local=dict(guard_ratio=1.15, guard_factor=1.03, guard_iters=30, guard_target=1.05, band_lo=0.95,
                    band_relax=1.03),
         exchange=dict(global_control="ladder", boundaries="measured", split_capacity=1.25, gather_capacity=1.25)),
@@ -72,8 +76,9 @@ class OkTopkVariant(NamedTuple):
 def build(variant):
     """The two halves of ``variant`` (a :class:`Variant`), at density 1.0 and repartition period 64."""
     shared = {"select_rule": variant.select_rule, "threshold_period": variant.threshold_period}
+    period = variant.global_threshold_period or variant.threshold_period
     return OkTopkVariant(ThresholdReuse(1.0, **shared, **variant.local),
-                         OkTopk(repartition_period=64, **shared, **variant.exchange))
+                         OkTopk(repartition_period=64, **dict(shared, threshold_period=period), **variant.exchange))
 
 
 #: every variant built (``Compression.oktopk`` replaces the call's options in them)
@@ -81,9 +86,10 @@ OKTOPK_PRESETS = {name: build(v) for name, v in VARIANTS.items()}
 
 
 def pair(variant, density, threshold_period, repartition_period, max_select_ratio, boundaries, few_collectives_from,
-         global_fill, api):
-    """The sparsifier and reducer of ``Compression.oktopk``: ``variant``'s, with the call's options. Every variant
-    but "library" fixes the two periods (other values raise, naming ``api``)."""
+         global_fill, api, global_threshold_period=None):
+    """The sparsifier and reducer of ``Compression.oktopk``: ``variant``'s, with the call's options
+    (``global_threshold_period`` None: the variant's). Every variant but "library" fixes the three periods (other
+    values raise, naming ``api``)."""
     if variant not in OKTOPK_PRESETS:
         raise ValueError(f"{api}: variant must be one of {sorted(OKTOPK_PRESETS)}, got {variant!r}")
     base = OKTOPK_PRESETS[variant]
@@ -93,10 +99,12 @@ def pair(variant, density, threshold_period, repartition_period, max_select_rati
     knobs = {"threshold_period": threshold_period, "repartition_period": repartition_period}
     if variant == "library":
         sp["threshold_period"] = threshold_period
-        rd.update(knobs)
-    elif knobs != {"threshold_period": 32, "repartition_period": 64}:
-        raise ValueError(f"{api}: variant={variant!r} fixes threshold_period and repartition_period, got {knobs}; "
-                         "leave them at their defaults or use variant='library'")
+        rd.update(knobs, threshold_period=global_threshold_period or VARIANTS[variant].global_threshold_period)
+    elif knobs != {"threshold_period": 32, "repartition_period": 64} or global_threshold_period is not None:
+        knobs["global_threshold_period"] = global_threshold_period
+        raise ValueError(f"{api}: variant={variant!r} fixes threshold_period, repartition_period and "
+                         f"global_threshold_period, got {knobs}; leave them at their defaults or use "
+                         "variant='library'")
     if boundaries is not None:
         rd["boundaries"] = boundaries
     return dataclasses.replace(base.sparsifier, **sp), dataclasses.replace(base.reducer, **rd)
