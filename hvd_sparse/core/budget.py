@@ -54,10 +54,11 @@ preset     P = 4   P = 8   P = 64  P = 256 why not 1
 topka      1.00    1.00    0.998   0.973   exact (k = ⌊d·n⌋ rounds down)
 topk_dsa   0.915   0.908   0.883   0.825   N varies with the data (table: 40-step means of b = 0.01-0.2, ~8% margin)
 gtopk      1.00    1.00    1.00    1.00    exact
-oktopk     0.686   0.701   0.711   0.895   the split carries |S| ≈ 0.9k, the host's gather the owners' real
-                                           pairs (a device's, c = ⌈1.25k/P⌉ each: 0.798, 0.811, 0.875, 1.23); at
-                                           P = 256 (k/P = 7.1) a device's gather header (11 words an owner)
-                                           exceeds the model's allowance
+oktopk     0.790   0.802   0.817   0.996   the split carries |S| ≈ 0.9k; the gather its owners' c = ⌈1.25k/P⌉
+                                           largest sums on every step (the exact global selection; a device's
+                                           at P = 4: 0.794; with the global threshold reused the host's gather
+                                           carried fewer, 0.686-0.895, a device's 0.798-1.23); at P = 256
+                                           (k/P = 7.1) the gather's header exceeds the model's allowance
 exdyna     0.775   0.765   0.748   0.749   its indices' capacity is sent whatever it selects; the host's values at
                                            the union's real entries (a device's at all P·c slots: 1.00, 0.998,
                                            0.999, 0.999)
@@ -71,7 +72,8 @@ sends one entry per rank, f(P)·(P−1)/P words, more than the budget (n below a
 n is not known when the density is derived.
 
 Limits of the model: the per-step control words (Ok-Topk's histogram, the gather's header) do not scale with k, so
-where k/P is small they add to the volume (Ok-Topk at k/P = 7.1: 0.90 of the budget on the host, 1.23 on a device); int64 indices (n > 2^31 − 2) make a pair 12 bytes, not 8; the model is
+where k/P is small they add to the volume (Ok-Topk at k/P = 7.1: 0.996 of the budget on the host; 1.23 on a device,
+measured with the global threshold reused); int64 indices (n > 2^31 − 2) make a pair 12 bytes, not 8; the model is
 the library's Ok-Topk variant: "paper" and "ref_*", without its count controllers, select more than k for tens of
 steps (their capacity, 1.25k, bounds them). SparDL with ``groups`` > 1 stays below its bound (P = 64, groups = 4:
 0.64 of the budget; P = 8, groups = 2: 0.88, and 1.00 with ``sag="recursive"``).
