@@ -489,7 +489,8 @@ class Compression:
         keeps the exact top-k of them (the "library" variant; the paper: those above a global threshold, exact every
         ``threshold_period`` steps; ``global_threshold_period``). Error feedback keeps
         S \\ G. Three collectives per step, each of one shape (Horovod's response cache serves them). Cost: at
-        most 6k(P-1)/P words per rank on threshold-reuse steps of balanced input.
+        most 6k(P-1)/P words per rank on every step of the library variant wherever k/P >= 6 (its capacities bound
+        it at 5k(P-1)/P + 6(P-1)), on the threshold-reuse steps of balanced input in the others.
 
         Args:
             density (float): k = max(1, floor(density·n)), in (0, 1].
@@ -498,10 +499,11 @@ class Compression:
             repartition_period (int): tau, steps between region repartitions (64).
             balance (str): "auto", the only value: the paper's balancing step has nothing to do when every owner
                 sends a fixed number of pairs (kept so that existing calls run).
-            variant (str): the threshold controllers, one of ``hvd_sparse.core.oktopk.VARIANTS``. "library" (default): exact-k
-                selection, a guard that brings the local count back to <= k in one step and the global selection
-                exact on every step (K = k; see ThresholdReuse.guard_target and ``global_threshold_period``); "paper"
-                (no controllers), "ref_lstm", "ref_vgg", "ref_bert" (the authors' code, per model). For the
+            variant (str): the threshold controllers, one of ``hvd_sparse.core.oktopk.VARIANTS``. "library"
+                (default): exact-k selection, a guard that brings the local count back to <= k in one step and the
+                global selection exact on every step (K = k; see ThresholdReuse.guard_target and
+                ``global_threshold_period``); "paper" (no controllers), "ref_lstm", "ref_vgg", "ref_bert" (the
+                authors' code, per model). For the
                 "paper"/"ref_*" variants the variant fixes the two periods above and the global one (other values
                 raise).
             max_select_ratio (float >= 1 or None): a hard cap on reuse steps, for every variant (default None:
