@@ -526,8 +526,9 @@ class Compression:
                 on average while the digits CNN trained: docs/benchmarks.md, "Ok-Topk's global selection on every
                 step").
             global_fill (bool): on reuse steps of the global threshold, fill the global count K up to k (within
-                P) from the candidates just below the ladder's rung ("library" variant; ``OkTopk.global_fill``).
-                Default False.
+                P) from the candidates just below the ladder's rung ("library" variant; ``OkTopk.global_fill``);
+                with it the global threshold is reused for ``threshold_period`` steps unless
+                ``global_threshold_period`` says otherwise (1 raises: no reuse step to fill). Default False.
         """
         args = dict(locals())
         return _preset(Compression.oktopk, args, *_oktopk_pair(args))

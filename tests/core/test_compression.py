@@ -66,6 +66,9 @@ def test_a_variant_that_fixes_the_periods_rejects_other_periods():
         C.oktopk(0.05, variant="paper", global_threshold_period=1)
     with pytest.raises(ValueError, match="global_threshold_period must be an integer"):
         C.oktopk(0.05, global_threshold_period=0)
+    with pytest.raises(ValueError, match="global_fill"):             # no reuse step to fill
+        C.oktopk(0.05, global_fill=True, global_threshold_period=1)
+    assert C.oktopk(0.05, 8, global_fill=True).reducer.threshold_period == 8      # fill reuses Γ for τ' steps
     with pytest.raises(ValueError, match="variant must be one of"):
         C.oktopk(0.05, variant="fast")
 

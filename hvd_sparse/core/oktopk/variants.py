@@ -88,8 +88,9 @@ OKTOPK_PRESETS = {name: build(v) for name, v in VARIANTS.items()}
 def pair(variant, density, threshold_period, repartition_period, max_select_ratio, boundaries, few_collectives_from,
          global_fill, api, global_threshold_period=None):
     """The sparsifier and reducer of ``Compression.oktopk``: ``variant``'s, with the call's options
-    (``global_threshold_period`` None: the variant's). Every variant but "library" fixes the three periods (other
-    values raise, naming ``api``)."""
+    (``global_threshold_period`` None: the variant's, or ``threshold_period`` with ``global_fill``, which acts on the
+    global threshold's reuse steps; 1 with ``global_fill`` raises). Every variant but "library" fixes the three
+    periods (other values raise, naming ``api``)."""
     if variant not in OKTOPK_PRESETS:
         raise ValueError(f"{api}: variant must be one of {sorted(OKTOPK_PRESETS)}, got {variant!r}")
     base = OKTOPK_PRESETS[variant]
@@ -97,9 +98,14 @@ def pair(variant, density, threshold_period, repartition_period, max_select_rati
     rd = {"max_select_ratio": max_select_ratio, "few_collectives_from": few_collectives_from,
           **({"global_fill": True} if global_fill else {})}
     knobs = {"threshold_period": threshold_period, "repartition_period": repartition_period}
+    if global_fill and global_threshold_period == 1:
+        raise ValueError(f"{api}: global_fill fills K on the global threshold's reuse steps, and "
+                         "global_threshold_period=1 has none; leave global_threshold_period at None (with global_fill: "
+                         "threshold_period) or give a longer one")
     if variant == "library":
         sp["threshold_period"] = threshold_period
-        rd.update(knobs, threshold_period=global_threshold_period or VARIANTS[variant].global_threshold_period)
+        default = threshold_period if global_fill else VARIANTS[variant].global_threshold_period
+        rd.update(knobs, threshold_period=global_threshold_period or default)
     elif knobs != {"threshold_period": 32, "repartition_period": 64} or global_threshold_period is not None:
         knobs["global_threshold_period"] = global_threshold_period
         raise ValueError(f"{api}: variant={variant!r} fixes threshold_period, repartition_period and "
