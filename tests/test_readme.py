@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from hvd_sparse.core import budget
+
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
@@ -85,12 +87,11 @@ def oktopk_global_budget():
     """Ok-Topk at byte_budget=0.05 with its global selection on every step, against the dense run of the byte-budget
     file (the same seeds): median steps to 95% over dense's, the paired final-accuracy gap, and its mean sent bytes
     per step over the budget's."""
-    r, dense = results("train_digits_p4_oktopk_global_budget.json")["oktopk+b0.05"], \
-        results("train_digits_p4_byte_budget.json")["horovod"]
     run = json.loads((ROOT / "docs" / "train_digits_p4_oktopk_global_budget.json").read_text())
-    P, n = run["workers"], run["numel"]
+    r = {x["config"]: x for x in run["results"]}["oktopk+b0.05"]
+    dense = results("train_digits_p4_byte_budget.json")["horovod"]
     gap = 100 * statistics.mean(d - a for d, a in zip(seeds(dense, "final_accuracy"), seeds(r, "final_accuracy")))
-    sent = statistics.mean(seeds(r, "sent_bytes_per_step")) / (0.05 * 8 * n * (P - 1) / P)
+    sent = statistics.mean(seeds(r, "sent_bytes_per_step")) / (0.05 * budget.dense_bytes(run["numel"], run["workers"]))
     return statistics.median(steps_to(r, 0.95)) / statistics.median(steps_to(dense, 0.95)), gap, sent
 
 

@@ -88,6 +88,8 @@ def run_one(algorithm, data, workers, steps, density, progress=None, local_size=
     selected = np.zeros((steps, workers), np.int64)
     special = np.zeros(steps, bool)
     phases = [[None] * workers for _ in range(steps)]
+    # a periodic exact re-evaluation is special; one on every step is the steady state (Ok-Topk's library preset)
+    periodic = getattr(comp.reducer, "threshold_period", None) != 1
 
     def body(comm):
         r = comm.rank
@@ -104,8 +106,6 @@ def run_one(algorithm, data, workers, steps, density, progress=None, local_size=
             selected[t, r] = eng.last["selected"]
             if r == 0:
                 info = eng.last["info"]
-                # a periodic exact re-evaluation (a global one on every step is the steady state: Ok-Topk's library)
-                periodic = getattr(eng.compression.reducer, "threshold_period", None) != 1
                 special[t] = bool(info.get("reeval") and periodic or info.get("repartition"))
                 if progress:
                     progress(t + 1)
