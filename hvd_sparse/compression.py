@@ -37,7 +37,8 @@ from .core.validate import HVD_AVERAGE, HVD_SUM, check_positive_int
 
 #: the training options every sparse preset takes, and their defaults
 TRAINING_OPTIONS = {"warmup_dense_steps": 0, "momentum_correction": 0.0, "warmup_density": None,
-                    "warmup_stage_steps": 0, "warmup_factor": 4.0, "local_clip_norm": None, "hierarchical": None}
+                    "warmup_stage_steps": 0, "warmup_factor": 4.0, "local_clip_norm": None, "dense_share": 0.0,
+                    "hierarchical": None}
 
 #: Reducers by name (``Compression.sparse(..., allreduce=<name>)``).
 REDUCERS = {
@@ -80,6 +81,22 @@ def _check_warmup(start, stage_steps, factor, sparsifier, budgeted):
     return float(start), stage_steps, float(factor)
 
 
+def _check_dense_share(value, reducer, momentum):
+    """``dense_share`` checked: 0 (off), or a number in (0, 0.5) with a sparse reducer and without momentum
+    correction."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) < 0.5:
+        raise ValueError(f"{_API}: dense_share must be a number in [0, 0.5) (the largest fraction of a unit's entries "
+                         f"that its smallest tensors, exchanged dense, may hold; 0 = off), got {value!r}")
+    if not value:
+        return 0.0
+    if not reducer.sparse:
+        raise ValueError(f"{_API}: dense_share needs a sparse preset (the dense reducer sends every tensor dense)")
+    if momentum:
+        raise ValueError(f"{_API}: dense_share does not combine with momentum_correction (the tensors exchanged "
+                         "dense would need a velocity of their own): set one of them")
+    return float(value)
+
+
 def _check_clip(value, sparse):
     """``local_clip_norm`` checked: None (off), or a finite number > 0 with a sparse reducer."""
     if value is None:
@@ -101,15 +118,15 @@ class SparseCompression:
         sparsifier (Sparsifier or None): chooses local entries; ``None`` only for the dense reducer.
         reducer (Reducer): combines the selections of all ranks.
         preset (str): the preset's name, for ``repr`` and logs (default: ``sparse(...)`` of the arguments).
-        warmup_dense_steps, momentum_correction, warmup_density, warmup_stage_steps, warmup_factor, local_clip_norm:
-            the training options (see ``Compression.topka``).
+        warmup_dense_steps, momentum_correction, warmup_density, warmup_stage_steps, warmup_factor, local_clip_norm,
+        dense_share: the training options (see ``Compression.topka``).
         byte_budget (float or None): the fraction of a dense allreduce's bytes each rank may send: the sparsifier then
             has the density for P = 1, each engine the one for its P (:meth:`for_size`, :mod:`hvd_sparse.core.budget`).
     """
 
     def __init__(self, sparsifier, reducer, preset=None, *, warmup_dense_steps=0, momentum_correction=0.0,
                  warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
-                 byte_budget=None, hierarchical=None):
+                 dense_share=0.0, byte_budget=None, hierarchical=None):
         if isinstance(warmup_dense_steps, bool) or not isinstance(warmup_dense_steps, int) or warmup_dense_steps < 0:
             raise ValueError(f"hvd_sparse.Compression: warmup_dense_steps must be an integer >= 0, "
                              f"got {warmup_dense_steps!r}")
@@ -135,6 +152,9 @@ class SparseCompression:
             warmup_density, warmup_stage_steps, warmup_factor, self.sparsifier, byte_budget is not None)
         #: DGC's local gradient clipping (core/recipe.py): the global threshold c (each rank: c / sqrt(P)); None: off
         self.local_clip_norm = _check_clip(local_clip_norm, reducer.sparse)
+        #: the largest fraction of a unit's entries that its smallest tensors may hold to be allreduced dense on every
+        #: step, beside the sparse step of the others (core/recipe.py, dense_tensors); 0.0: off
+        self.dense_share = _check_dense_share(dense_share, reducer, momentum_correction)
         #: dense allreduce for the first N steps (Engine.step); the sparse schemes start at their step 0 after
         self.warmup_dense_steps = int(warmup_dense_steps)
         #: momentum m of DGC's momentum correction and factor masking (core/state.py); 0.0: off
@@ -415,6 +435,11 @@ _OPTIONS_DOC = """
             local_clip_norm (float or None): DGC's local gradient clipping: each rank scales its gradient g by
                 min(1, c / (sqrt(P)·||g||)) before it enters the velocity and the residual, c this threshold (> 0),
                 on every step, dense warm-up included. Default None (off).
+            dense_share (float): the smallest tensors of a unit (biases, normalisations, small convolutions and
+                output layers), taken smallest first while together they hold at most this fraction of its entries,
+                are allreduced dense on every step beside the sparse step of the others, which selects k =
+                max(1, floor(density·n_sparse)) from them (docs/algorithms.md, "The training recipe"). In [0, 0.5);
+                not with momentum_correction. Default 0.0 (off).
 
         Topology (keyword-only, every sparse preset):
             hierarchical (bool or None): two levels where the ranks sit several to a host: the gradient is summed
@@ -479,8 +504,8 @@ class Compression:
     def oktopk(density=None, threshold_period=32, repartition_period=64, balance="auto", *, variant="library",
                max_select_ratio=None, boundaries=None, few_collectives_from=FEW_COLLECTIVES_FROM, byte_budget=None,
                warmup_dense_steps=0, momentum_correction=0.0, warmup_density=None, warmup_stage_steps=0,
-               warmup_factor=4.0, local_clip_norm=None, global_threshold_period=None, global_fill=False,
-               hierarchical=None):
+               warmup_factor=4.0, local_clip_norm=None, dense_share=0.0, global_threshold_period=None,
+               global_fill=False, hierarchical=None):
         """Ok-Topk (Li & Hoefler, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", PPoPP'22;
         docs/algorithms.md#oktopk): the O(k) sparse allreduce. Each rank selects with a local threshold that is
         exact every ``threshold_period`` steps and reused in between (``ThresholdReuse``); the index space is
@@ -536,7 +561,7 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def topka(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
-              warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
+              warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None, dense_share=0.0,
               hierarchical=None):
         """TopkA (Li & Hoefler, PPoPP'22, §5 baseline; docs/algorithms.md#topka): exact local top-k on every
         rank, allgather of the k (index, value) pairs, sum in rank order. Error feedback keeps what was not
@@ -550,7 +575,7 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def topk_dsa(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
-                 warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
+                 warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None, dense_share=0.0,
                  hierarchical=None):
         """TopkDSA (SparCML's dynamic sparse allreduce as benchmarked by Li & Hoefler, PPoPP'22;
         docs/algorithms.md#topk_dsa): exact local top-k, sparse reduce-scatter over P equal regions (one
@@ -565,7 +590,7 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def gtopk(density=None, *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
-              warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
+              warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None, dense_share=0.0,
               hierarchical=None):
         """gTopk (Shi et al., ICDCS'19, as benchmarked by Li & Hoefler; docs/algorithms.md#gtopk): exact local
         top-k, then a reduction tree of log2 P rounds, each merging two lists and keeping the top k, and a
@@ -580,7 +605,7 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def gaussiank(density=None, adjust="lstm", *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
-                  warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
+                  warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None, dense_share=0.0,
                   hierarchical=None):
         """Gaussiank (Shi et al., 2019, as benchmarked by Li & Hoefler; docs/algorithms.md#gaussiank): threshold
         mu + z·sigma from a Gaussian fit of the accumulator (z = Phi^-1(1 - density/2)), scaled down until at
@@ -597,7 +622,7 @@ class Compression:
     @_documents_training_options
     def exdyna(density=None, threshold_rule="proportional", init_threshold="topk_once", *, byte_budget=None,
                warmup_dense_steps=0, momentum_correction=0.0, warmup_density=None, warmup_stage_steps=0,
-               warmup_factor=4.0, local_clip_norm=None, hierarchical=None):
+               warmup_factor=4.0, local_clip_norm=None, dense_share=0.0, hierarchical=None):
         """ExDyna (Yoon & Oh, CCGrid'24; docs/algorithms.md#exdyna): the flat gradient is cut into blocks grouped in P
         exclusive partitions that rotate over the ranks every step; each rank selects |acc| >= tau inside its
         partition only (no index is ever selected twice), the indices are allgathered and every rank's values
@@ -622,7 +647,7 @@ class Compression:
     @_documents_training_options
     def dct(density=None, lifespan=1000, *, drift=2.0, byte_budget=None, warmup_dense_steps=0,
             momentum_correction=0.0, warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0,
-            local_clip_norm=None, hierarchical=None):
+            local_clip_norm=None, dense_share=0.0, hierarchical=None):
         """DCT-DP (Gupta et al., KDD'21, "Dynamic Communication Thresholding"; docs/algorithms.md#dct): a hard
         threshold per parameter tensor, the K-th largest |acc| of the tensor (K = ceil(density·n_l)),
         recomputed every ``lifespan`` steps, and sooner when the count it passes drifts, and reused in between;
@@ -641,7 +666,7 @@ class Compression:
     @_documents_training_options
     def spardl(density=None, groups=1, *, sag="bruck", selection="lazy", h_mode="adaptive", pack="bitcast",
                byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0, warmup_density=None,
-               warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None, hierarchical=None):
+               warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None, dense_share=0.0, hierarchical=None):
         """SparDL (ICDE'24; docs/algorithms.md#spardl): Spar-Reduce-Scatter (block-wise top-k/P at every hop, dropped
         values kept as residuals where they fall -- global residual collection), then, with ``groups=d > 1``,
         Spar-All-Gather across d teams, then an all-gather inside each team. SparDL picks its own entries
@@ -673,7 +698,7 @@ class Compression:
     @staticmethod
     @_documents_training_options
     def sparse(sparsifier, allreduce="oktopk", *, byte_budget=None, warmup_dense_steps=0, momentum_correction=0.0,
-               warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None,
+               warmup_density=None, warmup_stage_steps=0, warmup_factor=4.0, local_clip_norm=None, dense_share=0.0,
                hierarchical=None):
         """Any pairing of a sparsifier and a sparse allreduce, e.g. ``sparse(GaussianK(0.01))`` (Gaussiank
         selection, Ok-Topk's O(k) allreduce) or ``sparse(TopK(0.01), allreduce="topka")``.

@@ -306,12 +306,13 @@ def _record_step(res, t, r, eng, u, comm, to_numpy):
     if res.updates is not None:
         res.updates[t, r] = to_numpy(u)
     lo, hi = getattr(eng, "shard", (0, None))               # a two-level rank holds its shard's error feedback
+    spread = getattr(eng, "spread", lambda flat: flat)      # zeros at the tensors sent dense (dense_share)
     if res.residuals is not None:
         res.residuals[t, r] = 0.0
         if eng.memory.residual is not None:
-            res.residuals[t, r, lo:hi] = to_numpy(eng.memory.residual)
+            res.residuals[t, r, lo:hi] = spread(to_numpy(eng.memory.residual))
     if res.velocities is not None and eng.memory.velocity is not None:
-        res.velocities[t, r, lo:hi] = to_numpy(eng.memory.velocity)
+        res.velocities[t, r, lo:hi] = spread(to_numpy(eng.memory.velocity))
     if res.volume is not None:
         res.volume[t][r] = {k: last[k] for k in ("sent_words", "recv_words", "sent_bytes", "recv_bytes",
                                                  "collectives", "across", "inside") if k in last}

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import hvd_sparse
+from hvd_sparse.compression import TRAINING_OPTIONS
 from hvd_sparse.bench import presets
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,8 +51,7 @@ def options(table):
 
 
 #: the options every preset takes besides its own (the first options table)
-SHARED = ("density", "byte_budget", "hierarchical", "warmup_dense_steps", "momentum_correction", "warmup_density",
-          "warmup_stage_steps", "warmup_factor", "local_clip_norm")
+SHARED = ("density", "byte_budget", *TRAINING_OPTIONS)
 
 
 def own_signature(preset):

@@ -24,8 +24,9 @@ Configurations (:func:`parse_config`):
                       (oktopk only: ``global_fill=True``, K filled up to k on reuse steps), +h (two levels:
                       ``hierarchical=True``, with ``--hosts``), +s<d0>x<T> (the density warm-up:
                       ``warmup_density=d0, warmup_stage_steps=T``, e.g. +s0.25x40), +c<norm> (local gradient
-                      clipping: ``local_clip_norm=norm``, e.g. +c5), +o (``overlap=True``: buckets exchanged
-                      during backward), +o<MB> (the same with ``bucket_cap_mb=MB``, e.g. +o2)
+                      clipping: ``local_clip_norm=norm``, e.g. +c5), +t<share> (small tensors dense:
+                      ``dense_share=share``, e.g. +t0.02), +o (``overlap=True``: buckets exchanged during
+                      backward), +o<MB> (the same with ``bucket_cap_mb=MB``, e.g. +o2)
     ddp               torch.nn.parallel.DistributedDataParallel over the gloo process group, no hook
     ddp_powersgd_r<R> the same with the PowerSGD hook, matrix_approximation_rank R, vanilla allreduce for the
                       first ``--powersgd-warmup`` steps (``start_powerSGD_iter``)
@@ -66,7 +67,7 @@ def parse_config(name, presets=None):
     if base not in known:
         raise ValueError(f"unknown configuration {name!r}: choose from {', '.join(FIXED)}, ddp_powersgd_r<rank>, "
                          f"or a preset ({', '.join(known)}) with options +w<steps>, +mc, +d<density>, +b<budget>, "
-                         "+s<d0>x<steps>, +c<norm>, +fill, +h, +o[<MB>]")
+                         "+s<d0>x<steps>, +c<norm>, +t<share>, +fill, +h, +o[<MB>]")
     cfg = {"kind": "sparse", "name": name, "preset": base, "warmup_dense_steps": 0, "momentum_correction": False}
     for o in opts:
         if re.fullmatch(r"w\d+", o):
@@ -84,13 +85,16 @@ def parse_config(name, presets=None):
             cfg["warmup_density"], cfg["warmup_stage_steps"] = float(d0), int(steps)
         elif re.fullmatch(r"c(\d+(\.\d*)?|\.\d+)", o) and float(o[1:]) > 0:
             cfg["local_clip_norm"] = float(o[1:])
+        elif re.fullmatch(r"t0?\.\d+", o) and 0 < float(o[1:]) < 0.5:
+            cfg["dense_share"] = float(o[1:])
         elif re.fullmatch(r"[db](0?\.\d+|1(\.0*)?)", o) and 0 < float(o[1:]) <= 1:
             cfg["density" if o[0] == "d" else "byte_budget"] = float(o[1:])
         else:
             raise ValueError(f"configuration {name!r}: unknown option {o!r} (+w<steps>: dense warm-up steps, "
                              "+mc: momentum correction, +d<density>: density in (0, 1], +b<budget>: byte budget "
                              "in (0, 1], +fill: oktopk's global_fill, +h: two levels, +s<d0>x<steps>: the density "
-                             "warm-up, +c<norm>: local clipping, +o[<MB>]: overlap [with bucket_cap_mb=MB])")
+                             "warm-up, +c<norm>: local clipping, +t<share>: small tensors dense, +o[<MB>]: overlap "
+                             "[with bucket_cap_mb=MB])")
     if "density" in cfg and "byte_budget" in cfg:
         raise ValueError(f"configuration {name!r}: give +d<density> or +b<budget>, not both")
     if cfg["momentum_correction"] and base == "spardl":
@@ -242,7 +246,7 @@ def sparse_compression(cfg, density, momentum):
         options["momentum_correction"] = momentum
     if cfg.get("global_fill"):
         options["global_fill"] = True
-    for key in ("hierarchical", "warmup_density", "warmup_stage_steps", "local_clip_norm"):
+    for key in ("hierarchical", "warmup_density", "warmup_stage_steps", "local_clip_norm", "dense_share"):
         if cfg.get(key):
             options[key] = cfg[key]
     if "byte_budget" in cfg:                                # +b<budget>: the preset derives its density

@@ -72,11 +72,11 @@ import warnings
 
 import numpy as np
 
-from .comm import (AGREE_GATHER, AGREE_PHASE, AGREE_WORDS, COUNT, NOTE, Agreement, SkipStep, describe, explain,
-                   fingerprint, finite)
+from .comm import (AGREE_GATHER, AGREE_PHASE, AGREE_WORDS, COUNT, NOTE, SUM, Agreement, SkipStep, describe,
+                   explain, fingerprint, finite)
 from .context import Plan, Prefiltered, StepContext, StepStats
 from .errors import NonFiniteGradientError
-from .recipe import clip_local, stage_at
+from .recipe import clip_local, dense_tensors, stage_at
 from .state import ErrorFeedback
 from .reducers.base import SparseSum
 from .reducers.dense import Dense
@@ -94,6 +94,18 @@ def _offsets(xp, arrays):
     for a in arrays:
         offs.append(offs[-1] + xp.numel(a))
     return offs
+
+
+def _per_tensor(flat, layout):
+    """``flat`` (one 1-D array, or a list of them, laid end to end) as one 1-D slice per tensor of ``layout``
+    (views where the backend has them); a list that already holds one piece per tensor is returned as a list."""
+    pieces = list(flat) if isinstance(flat, (list, tuple)) else [flat]
+    xp = backend_of(pieces[0])
+    if [xp.numel(p) for p in pieces] == list(layout):
+        return pieces
+    whole = pieces[0] if len(pieces) == 1 else xp.concat(pieces)
+    offs = np.concatenate([[0], np.cumsum(layout)]).astype(int)
+    return [whole[offs[i]:offs[i + 1]] for i in range(len(layout))]
 
 
 def _carry_by_name(flat, old, entries):
@@ -195,6 +207,7 @@ class Engine:
         self.share = 1.0        # the factor on the density of the sparse steps (set_share)
         self.share_since = 0    # the step the share was set at: the scheme starts afresh there
         self.tally = False      # the next steps count |acc| in bins of magnitude (last["tally"]; core/allocation.py)
+        self._split = (None, ())  # (layout, dense_share) -> the indexes of its tensors sent dense (_dense_part)
         self._shared = {}       # (sparsifier, share) -> the sparsifier at the shared density
         self.notes = ()         # declared (key, value) pairs the ranks must also agree on
         self.entries = None     # declared layout: ((name, shape, dtype), ...) in exchange order, or None
@@ -232,13 +245,43 @@ class Engine:
         self.layout = [int(np.prod(s)) for _, s, _ in entries]
         if old is None:
             return
-        self.memory.replace(_carry_by_name(self.memory.residual, old, entries))
-        self.memory.velocity = _carry_by_name(self.memory.velocity, old, entries)
+        was, now = self._sparse_entries(old), self._sparse_entries(entries)    # the residual's tensors
+        self.memory.replace(_carry_by_name(self.memory.residual, was, now))
+        self.memory.velocity = _carry_by_name(self.memory.velocity, was, now)
         self.sparsifier_state = self.compression.sparsifier.initial_state() if self.compression.sparsifier else {}
         self.reducer_state = self.compression.reducer.initial_state()
         self.steps = 0
         self.share_since = 0
         self.numel = None
+
+    def _dense_part(self, layout):
+        """The indexes of the tensors of ``layout`` that the compression's ``dense_share`` sends dense on every step
+        (core/recipe.py, dense_tensors), or () -- none, or a unit that is dense anyway."""
+        share = getattr(self.compression, "dense_share", 0.0)
+        if not share or self.dense or layout is None or len(layout) < 2:
+            return ()
+        if self._split[0] != (tuple(layout), share):
+            self._split = ((tuple(layout), share), dense_tensors(list(layout), share))
+        return self._split[1]
+
+    def _sparse_entries(self, entries):
+        """``entries`` less those exchanged dense (``dense_share``): the tensors the residual holds."""
+        dense = set(self._dense_part([int(np.prod(s)) for _, s, _ in entries]))
+        return tuple(e for i, e in enumerate(entries) if i not in dense)
+
+    def spread(self, flat):
+        """``flat`` (numpy: a buffer of the residual's tensors, e.g. the residual) over the whole layout, zeros at
+        the tensors exchanged dense (``dense_share``); ``flat`` itself when there are none."""
+        dense = set(self._dense_part(self.layout))
+        if not dense:
+            return flat
+        out, at, j = np.zeros(sum(self.layout), np.float32), 0, 0
+        for i, m in enumerate(self.layout):
+            if i not in dense:
+                out[at:at + m] = flat[j:j + m]
+                j += m
+            at += m
+        return out
 
     def set_share(self, share):
         """From the next step on, the sparse steps run at ``share`` times the density they would run at (clipped to
@@ -278,6 +321,13 @@ class Engine:
             the reduced flat gradient in ``grad``'s dtype (``out`` None), or ``out``; bit-identical on every
             rank (all NaN when a non-finite gradient on any rank skipped the step: see the module docstring).
         """
+        dense = self._dense_part(self.layout)
+        if dense:
+            return self._step_split(dense, grad, average, prescale, postscale, nonfinite, out, flagged)
+        return self._step(grad, average, prescale, postscale, nonfinite, out, flagged)
+
+    def _step(self, grad, average, prescale, postscale, nonfinite, out, flagged):
+        """:meth:`step` of the tensors the sparse step exchanges (all of them unless ``dense_share`` says)."""
         plan = self._plan(grad, out)
         self._options = (("average", bool(average)), ("prescale", float(prescale)),
                          ("postscale", float(postscale)), ("nonfinite", nonfinite)) + self.notes
@@ -306,6 +356,50 @@ class Engine:
             self.last["tally"] = tally
         scale = float(prescale) * float(postscale) / (self.comm.size if average else 1)
         return self._emit(plan.xp, u, scale, plan.pieces, out, plan.zeroed)
+
+    def _step_split(self, dense, grad, average, prescale, postscale, nonfinite, out, flagged):
+        """:meth:`step` with the tensors ``dense`` (indexes into the layout) allreduced dense beside the sparse step
+        of the others (``dense_share``; core/recipe.py): the gradient is clipped whole (``local_clip_norm``), the
+        dense ones are read first (a NaN or Inf among them flags this rank in the sparse step's opening, so that both
+        parts skip together), then the sparse step runs on the others, with their layout, then one allreduce sums
+        the dense ones (none when the step was skipped: they are NaN as the rest). The statistics count both parts:
+        ``n`` and ``selected`` include the dense entries, ``dense_entries`` says how many, and the traffic includes
+        the allreduce."""
+        pieces, outs, layout = _per_tensor(grad, self.layout), out, self.layout
+        if outs is not None:
+            outs = _per_tensor(outs, layout) if len(outs) != len(layout) else list(outs)
+        xp = backend_of(pieces[0])
+        if self.clip is not None:            # the unit's whole gradient, before the split
+            pieces = _per_tensor(clip_local(xp, pieces, self.clip, self.comm.size), layout)
+        sparse = [i for i in range(len(layout)) if i not in set(dense)]
+        tail = [pieces[i] for i in dense]
+        flat = xp.astype(xp.concat(tail) if len(tail) > 1 else xp.copy(tail[0]), xp.float32)
+        flagged = bool(flagged) or not xp.all_finite(flat)
+        self.layout, clip, self.clip = [layout[i] for i in sparse], self.clip, None
+        try:
+            head = self._step([pieces[i] for i in sparse], average, prescale, postscale, nonfinite,
+                              None if outs is None else [outs[i] for i in sparse], flagged)
+        finally:
+            self.layout, self.clip = layout, clip
+        last = self.last
+        if last["skipped"]:
+            u, scale = xp.full(xp.numel(flat), float("nan"), xp.float32, like=flat), 1.0
+        else:
+            u = flat if self.comm.size == 1 else self.comm.allreduce(flat, SUM, "dense_part")
+            scale = float(prescale) * float(postscale) / (self.comm.size if average else 1)
+            last.update(self._traffic())
+        nd = xp.numel(flat)
+        last.update(n=last["n"] + nd, selected=last["selected"] + (0 if last["skipped"] else nd), dense_entries=nd)
+        last["density"] = last["selected"] / last["n"]
+        rest = self._emit(xp, u, scale, tail, None if outs is None else [outs[i] for i in dense])
+        if outs is not None:
+            return out
+        parts = [None] * len(layout)
+        for i, part in zip(sparse, _per_tensor(head, [layout[i] for i in sparse])):
+            parts[i] = part
+        for i, part in zip(dense, _per_tensor(rest, [layout[i] for i in dense])):
+            parts[i] = part
+        return xp.concat(parts)
 
     def _plan(self, grad, out):
         """Stage 1, check: the step's :class:`~hvd_sparse.core.context.Plan` -- its pieces, the reducer (the
@@ -597,6 +691,8 @@ class Engine:
             state["velocity"] = backend_of(v).to_numpy(v).copy()
         if self.share != 1.0 or self.share_since:       # a share of a split budget (set_share)
             state["share"], state["share_since"] = self.share, self.share_since
+        if getattr(self.compression, "dense_share", 0.0):  # the residual then holds the sparse tensors only
+            state["dense_share"] = self.compression.dense_share
         return state
 
     def load_state_dict(self, state):
@@ -608,6 +704,11 @@ class Engine:
         if state.get("topology") is not None:
             fresh_start(self.name, state["topology"], None)
             return
+        saved, now = float(state.get("dense_share", 0.0)), float(getattr(self.compression, "dense_share", 0.0))
+        if saved != now:
+            raise ValueError(f"hvd_sparse unit '{self.name}': the state was written with dense_share={saved:g} and "
+                             f"this compression has dense_share={now:g} (its residual holds other tensors): load it "
+                             "into a preset with the same dense_share")
         self.numel = state["numel"]
         self.steps = state["steps"]
         self.share, self.share_since = float(state.get("share", 1.0)), int(state.get("share_since", 0))

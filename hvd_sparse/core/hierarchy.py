@@ -90,6 +90,10 @@ class TwoLevelEngine:
         local, cross = topology
         if local.size < 2:
             raise ValueError("TwoLevelEngine: a host of one rank is the flat step; build an Engine instead")
+        if getattr(compression, "dense_share", 0.0):
+            raise ValueError(f"hvd_sparse unit '{name}': dense_share does not apply to the two-level step (a host "
+                             "shard cuts the tensors it would choose among): set dense_share=0, or hierarchical=False "
+                             "(or leave HOROVOD_HIERARCHICAL_ALLREDUCE unset)")
         self.compression = compression
         self.topology = topology
         self.name = name

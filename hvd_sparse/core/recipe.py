@@ -20,6 +20,13 @@ a schedule of S stages adds S message shapes to each of the preset's collectives
 velocity (momentum correction) and error feedback's accumulator, by ``min(1, c / (sqrt(P)·||g||))`` -- the global
 threshold c scaled by P^-1/2, DGC's rule (:func:`clip_local`). ||g|| is the L2 norm of the unit's whole gradient on
 this rank, in float64.
+
+**Small tensors dense** (``dense_share=s``): a unit's smallest tensors, taken smallest first (ties in layout order)
+while together they hold at most s·n of its n entries, are allreduced dense on every step, and the sparse step
+runs on the other tensors alone (:func:`dense_tensors`; the engine's ``_step_split``). A top-k over the whole model
+starves what is small but carries large gradients per entry -- biases, the convolutions of a CNN, the output
+layer -- less than a split by size does, yet their entries still wait in the residual for steps; sent dense they
+are exact on every step, for 8·n_small·(P−1)/P bytes a rank (a ring allreduce). Their error feedback stays empty.
 """
 
 from __future__ import annotations
@@ -65,3 +72,17 @@ def clip_local(xp, pieces, threshold, size):
         factor = xp.astype(xp.clamp_max(limit / norm, 1.0), xp.float32)
     flat = xp.astype(pieces[0] if len(pieces) == 1 else xp.concat(pieces), xp.float32)
     return [xp.mul(flat, factor)]
+
+
+def dense_tensors(layout, share):
+    """The indexes (ascending) of the tensors of ``layout`` (their numels) that ``dense_share=share`` sends dense:
+    the smallest first (ties in layout order) while their sum stays at most ``share`` of the whole; empty when none
+    fits, or when all would (nothing left to sparsify)."""
+    total = sum(layout)
+    picked, held = [], 0
+    for i in sorted(range(len(layout)), key=lambda i: (layout[i], i)):
+        if held + layout[i] > share * total:
+            break
+        picked.append(i)
+        held += layout[i]
+    return () if len(picked) == len(layout) else tuple(sorted(picked))

@@ -95,16 +95,18 @@ def test_configuration_names():
 
 
 def test_the_recipes_options_reach_the_preset():
-    """+s<d0>x<steps> (the density warm-up), +c<norm> (local clipping) and +h (two levels) build the preset with
-    them; a warm-up density above 1 is refused."""
+    """+s<d0>x<steps> (the density warm-up), +c<norm> (local clipping), +h (two levels) and +t<share> (small
+    tensors dense) build the preset with them; a warm-up density above 1 and a share of 0.5 are refused."""
     from hvd_sparse.bench._train_worker import sparse_compression
 
     comp = sparse_compression(parse_config("exdyna+s0.1x20+c2.5+h"), 0.01, 0.9)
     assert (comp.warmup_density, comp.warmup_stage_steps, comp.local_clip_norm, comp.hierarchical) == \
         (0.1, 20, 2.5, True)
     assert comp.density_at(0, 4) == 0.1 and comp.density_at(20, 4) == pytest.approx(0.025)
-    with pytest.raises(ValueError):
-        parse_config("topka+s2x4")
+    assert sparse_compression(parse_config("topka+t0.02"), 0.01, 0.9).dense_share == 0.02
+    for bad in ("topka+s2x4", "topka+t0.5"):
+        with pytest.raises(ValueError):
+            parse_config(bad)
 
 
 def test_a_budget_option_gives_the_preset_a_byte_budget_instead_of_a_density():

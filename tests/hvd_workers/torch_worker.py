@@ -107,6 +107,8 @@ OPTIONS = {"oktopk": dict(warmup_dense_steps=3, momentum_correction=0.5, few_col
            "topka": dict(warmup_dense_steps=2, momentum_correction=0.9, warmup_density=0.4, warmup_stage_steps=3,
                          local_clip_norm=CLIP),
            "exdyna": dict(momentum_correction=0.9, warmup_density=0.2, warmup_stage_steps=4, local_clip_norm=CLIP)}
+#: small tensors dense: the biases and the convolution (32 of 352 entries) allreduced dense, TopkA on the two weights
+DENSE_SHARE = 0.1
 
 
 def scenario_options(out):
@@ -122,6 +124,13 @@ def scenario_options(out):
         raw, red = run_recorded(opt, model, xs[:12], explicit_sync=hvd.rank() % 2 == 1)
         res[f"{name}.raw"], res[f"{name}.red"], res[f"{name}.params"] = raw, red, flat_params(model)
         res[f"{name}.options"] = np.array(json.dumps(options))
+    model, xs = model_and_data(seed=7)
+    opt = hvds.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                    named_parameters=model.named_parameters(),
+                                    compression=make("topka", DENSITY, dense_share=DENSE_SHARE))
+    raw, red = run_recorded(opt, model, xs[:12], explicit_sync=hvd.rank() % 2 == 1)
+    res["dense_share.raw"], res["dense_share.red"], res["dense_share.params"] = raw, red, flat_params(model)
+    res["dense_share.dense_entries"] = np.array(opt.sparse_stats()["dense_entries"])
     res["layout"] = np.array([p.numel() for _, p in sorted(model.named_parameters())])
     np.savez(out, **res)
 

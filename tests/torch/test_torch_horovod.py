@@ -139,6 +139,21 @@ def test_training_options_through_horovod_equal_simulator(job, preset):
             assert got.tobytes() == sim.updates[:, r].tobytes(), f"rank {r} differs from the simulator"
 
 
+def test_small_tensors_dense_through_horovod_equal_simulator(job):
+    """``dense_share``: the optimizer's pieces split into the dense allreduce and TopkA's step, as the simulator
+    does (the dense part a float allreduce: to rounding at P >= 3)."""
+    P, res = job
+    ranks = res["options"]
+    grads = np.stack([r["dense_share.raw"] for r in ranks], axis=1)
+    shapes = [(int(m),) for m in ranks[0]["layout"]]
+    sim = simulate(presets.make("topka", 0.05, dense_share=0.1), grads, shapes=shapes, backend="torch")
+    assert int(ranks[0]["dense_share.dense_entries"]) == 32
+    for r in range(P):
+        assert ranks[r]["dense_share.params"].tobytes() == ranks[0]["dense_share.params"].tobytes()
+        np.testing.assert_allclose(ranks[r]["dense_share.red"], sim.updates[:, r], rtol=1e-6,
+                                   atol=1e-6 * np.abs(grads).max())
+
+
 def test_reduce_op_constants_match_horovod():
     import horovod.torch as hvd_torch
 
