@@ -202,7 +202,8 @@ def simulate_buckets(compression, gradients, buckets, average=True, backend="num
         for b, engine in enumerate(engines):
             lo, hi = getattr(engine, "shard", (0, bounds[b + 1] - bounds[b]))   # two levels: the rank's shard
             if engine.memory.residual is not None:
-                res.residuals[comm.rank, bounds[b] + lo:bounds[b] + hi] = to_numpy(engine.memory.residual)
+                spread = getattr(engine, "spread", lambda flat: flat)     # zeros where dense_share sends dense
+                res.residuals[comm.rank, bounds[b] + lo:bounds[b] + hi] = spread(to_numpy(engine.memory.residual))
 
     world.run(run_rank, comms)
     return res

@@ -157,3 +157,16 @@ def test_clipping_scales_the_whole_gradient_before_the_split():
     plain = simulate(C.topka(0.05, dense_share=SHARE), scaled, shapes=SHAPES)
     np.testing.assert_allclose(clipped.updates, plain.updates, rtol=1e-6, atol=1e-7)
     assert not np.allclose(clipped.updates, simulate(C.topka(0.05, dense_share=SHARE), g, shapes=SHAPES).updates)
+
+
+def test_each_bucket_of_overlap_splits_its_own_tensors_and_conserves_mass():
+    from hvd_sparse.testing import simulate_buckets
+
+    P = 3
+    g = grads(12, P, N, seed=12)
+    res = simulate_buckets(C.topka(0.05, dense_share=SHARE), g, [(SHAPES[:3], False), (SHAPES[3:], False)],
+                           average=False)
+    np.testing.assert_array_equal(res.updates.sum(axis=0)[0] + res.residuals.sum(axis=0), g.sum(axis=(0, 1)))
+    assert not res.residuals[:, _columns([0, 1])].any() and res.residuals[:, _columns([2])].any()
+    for r in range(1, P):
+        np.testing.assert_array_equal(res.updates[:, r], res.updates[:, 0])
