@@ -24,8 +24,8 @@ this rank, in float64.
 **Small tensors dense** (``dense_share=s``): a unit's smallest tensors, taken smallest first (ties in layout order)
 while together they hold at most s·n of its n entries, are allreduced dense on every step, and the sparse step
 runs on the other tensors alone (:func:`dense_tensors`; the engine's ``_step_split``). A top-k over the whole model
-starves what is small but carries large gradients per entry -- biases, the convolutions of a CNN, the output
-layer -- less than a split by size does, yet their entries still wait in the residual for steps; sent dense they
+gives the small tensors whose gradients are large per entry -- biases, the convolutions of a CNN, the output layer --
+more than their size, yet their entries still wait in the residual between the steps that send them; sent dense they
 are exact on every step, for 8·n_small·(P−1)/P bytes a rank (a ring allreduce). Their error feedback stays empty.
 """
 
