@@ -438,8 +438,8 @@ _OPTIONS_DOC = """
             dense_share (float): the smallest tensors of a unit (biases, normalisations, small convolutions and
                 output layers), taken smallest first while together they hold at most this fraction of its entries,
                 are allreduced dense on every step beside the sparse step of the others, which selects k =
-                max(1, floor(density·n_sparse)) from them (docs/algorithms.md, "The training recipe"). In [0, 0.5);
-                not with momentum_correction. Default 0.0 (off).
+                max(1, floor(density·n_sparse)) from them (docs/algorithms.md, "The training recipe"); a byte budget
+                covers both parts. In [0, 0.5); not with momentum_correction. Default 0.0 (off).
 
         Topology (keyword-only, every sparse preset):
             hierarchical (bool or None): two levels where the ranks sit several to a host: the gradient is summed

@@ -72,6 +72,7 @@ import warnings
 
 import numpy as np
 
+from . import budget
 from .comm import (AGREE_GATHER, AGREE_PHASE, AGREE_WORDS, COUNT, NOTE, SUM, Agreement, SkipStep, describe,
                    explain, fingerprint, finite)
 from .context import Plan, Prefiltered, StepContext, StepStats
@@ -208,6 +209,7 @@ class Engine:
         self.share_since = 0    # the step the share was set at: the scheme starts afresh there
         self.tally = False      # the next steps count |acc| in bins of magnitude (last["tally"]; core/allocation.py)
         self._split = (None, ())  # (layout, dense_share) -> the indexes of its tensors sent dense (_dense_part)
+        self._budgeted = (None, None)  # (layout, dense tensors, P) -> the sparse part's compression (_within_budget)
         self._shared = {}       # (sparsifier, share) -> the sparsifier at the shared density
         self.notes = ()         # declared (key, value) pairs the ranks must also agree on
         self.entries = None     # declared layout: ((name, shape, dtype), ...) in exchange order, or None
@@ -362,7 +364,8 @@ class Engine:
         of the others (``dense_share``; core/recipe.py): the gradient is clipped whole (``local_clip_norm``), the
         dense ones are read first (a NaN or Inf among them flags this rank in the sparse step's opening, so that both
         parts skip together), then the sparse step runs on the others, with their layout, then one allreduce sums
-        the dense ones (none when the step was skipped: they are NaN as the rest). The statistics count both parts:
+        the dense ones (none when the step was skipped: they are NaN as the rest). A byte budget covers both parts
+        (:meth:`_within_budget`). The statistics count both parts:
         ``n`` and ``selected`` include the dense entries, ``dense_entries`` says how many, and the traffic includes
         the allreduce."""
         pieces, outs, layout = _per_tensor(grad, self.layout), out, self.layout
@@ -375,12 +378,14 @@ class Engine:
         tail = [pieces[i] for i in dense]
         flat = xp.astype(xp.concat(tail) if len(tail) > 1 else xp.copy(tail[0]), xp.float32)
         flagged = bool(flagged) or not xp.all_finite(flat)
+        comp = self.compression
         self.layout, clip, self.clip = [layout[i] for i in sparse], self.clip, None
+        self.compression = self._within_budget(layout, dense)
         try:
             head = self._step([pieces[i] for i in sparse], average, prescale, postscale, nonfinite,
                               None if outs is None else [outs[i] for i in sparse], flagged)
         finally:
-            self.layout, self.clip = layout, clip
+            self.layout, self.clip, self.compression = layout, clip, comp
         last = self.last
         if last["skipped"]:
             u, scale = xp.full(xp.numel(flat), float("nan"), xp.float32, like=flat), 1.0
@@ -400,6 +405,29 @@ class Engine:
         for i, part in zip(dense, _per_tensor(rest, [layout[i] for i in dense])):
             parts[i] = part
         return xp.concat(parts)
+
+    def _within_budget(self, layout, dense):
+        """The compression the sparse part runs: the engine's, or with a byte budget b a twin whose density spends
+        what the dense tensors leave of it -- the fraction (b·n − n_dense) / n_sparse of the sparse part's own dense
+        allreduce (at most 1) -- so that both parts together send b of the unit's dense bytes; a budget that cannot
+        cover the dense tensors raises, on every rank alike (they share the layout)."""
+        comp = self.compression
+        budget_ = getattr(comp, "byte_budget", None)
+        if budget_ is None:
+            return comp
+        key = (tuple(layout), tuple(dense), self.comm.size)
+        if self._budgeted[0] != key:
+            n, nd = sum(layout), sum(layout[i] for i in dense)
+            left = (budget_ * n - nd) / (n - nd)
+            if left <= 0:
+                raise ValueError(f"hvd_sparse unit '{self.name}': byte_budget={budget_:g} does not cover the {nd} "
+                                 f"entries that dense_share={comp.dense_share:g} sends dense ({nd / n:.3g} of the "
+                                 f"{n}): raise byte_budget above {nd / n:.3g} or lower dense_share")
+            twin = copy.copy(comp)
+            object.__setattr__(twin, "sparsifier", budget.sparsifier_for(min(1.0, left), comp.sparsifier,
+                                                                         comp.reducer, self.comm.size, repr(comp)))
+            self._budgeted = (key, twin)
+        return self._budgeted[1]
 
     def _plan(self, grad, out):
         """Stage 1, check: the step's :class:`~hvd_sparse.core.context.Plan` -- its pieces, the reducer (the

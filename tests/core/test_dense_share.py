@@ -170,3 +170,16 @@ def test_each_bucket_of_overlap_splits_its_own_tensors_and_conserves_mass():
     assert not res.residuals[:, _columns([0, 1])].any() and res.residuals[:, _columns([2])].any()
     for r in range(1, P):
         np.testing.assert_array_equal(res.updates[:, r], res.updates[:, 0])
+
+
+def test_a_byte_budget_covers_both_parts_or_raises_when_the_dense_tensors_exceed_it():
+    from hvd_sparse.core.budget import dense_bytes
+
+    P = 4
+    g = grads(6, P, N, seed=13, normal=True)
+    for share in (0.0, SHARE):                  # TopkA's bytes follow the budget's model exactly
+        res = simulate(C.topka(byte_budget=0.4, dense_share=share), g, shapes=SHAPES, record=("updates", "volume"))
+        sent = np.mean([res.volume[t][0]["sent_bytes"] for t in range(1, 6)])
+        assert sent / dense_bytes(N, P) == pytest.approx(0.4, rel=0.02)
+    with pytest.raises(ValueError, match="byte_budget=0.2 does not cover the 710 entries that dense_share=0.25"):
+        simulate(C.topka(byte_budget=0.2, dense_share=SHARE), g, shapes=SHAPES)
