@@ -109,6 +109,12 @@ def _per_tensor(flat, layout):
     return [whole[offs[i]:offs[i + 1]] for i in range(len(layout))]
 
 
+def _others(count, dense):
+    """The indexes of ``range(count)`` that are not in ``dense``, in order: the tensors of the sparse step."""
+    skip = set(dense)
+    return [i for i in range(count) if i not in skip]
+
+
 def _carry_by_name(flat, old, entries):
     """``flat`` (a per-entry buffer laid out as ``old``, or None) laid out as ``entries``: the part of every
     parameter that stays (same name and shape) is kept, new ones start from zeros."""
@@ -268,21 +274,20 @@ class Engine:
 
     def _sparse_entries(self, entries):
         """``entries`` less those exchanged dense (``dense_share``): the tensors the residual holds."""
-        dense = set(self._dense_part([int(np.prod(s)) for _, s, _ in entries]))
-        return tuple(e for i, e in enumerate(entries) if i not in dense)
+        dense = self._dense_part([int(np.prod(s)) for _, s, _ in entries])
+        return tuple(entries[i] for i in _others(len(entries), dense))
 
     def spread(self, flat):
         """``flat`` (numpy: a buffer of the residual's tensors, e.g. the residual) over the whole layout, zeros at
         the tensors exchanged dense (``dense_share``); ``flat`` itself when there are none."""
-        dense = set(self._dense_part(self.layout))
+        layout = self.layout
+        dense = self._dense_part(layout)
         if not dense:
             return flat
-        out, at, j = np.zeros(sum(self.layout), np.float32), 0, 0
-        for i, m in enumerate(self.layout):
-            if i not in dense:
-                out[at:at + m] = flat[j:j + m]
-                j += m
-            at += m
+        out = np.zeros(sum(layout), np.float32)
+        parts, sparse = _per_tensor(out, layout), _others(len(layout), dense)
+        for i, part in zip(sparse, _per_tensor(flat, [layout[i] for i in sparse])):
+            parts[i][:] = part
         return out
 
     def set_share(self, share):
@@ -356,8 +361,11 @@ class Engine:
                               skipped=False, nonfinite_ranks=[], **self._traffic())
         if tally is not None:
             self.last["tally"] = tally
-        scale = float(prescale) * float(postscale) / (self.comm.size if average else 1)
-        return self._emit(plan.xp, u, scale, plan.pieces, out, plan.zeroed)
+        return self._emit(plan.xp, u, self._scale(prescale, postscale, average), plan.pieces, out, plan.zeroed)
+
+    def _scale(self, prescale, postscale, average):
+        """What a step's sum is multiplied by: the two scales, and 1/P for an average."""
+        return float(prescale) * float(postscale) / (self.comm.size if average else 1)
 
     def _step_split(self, dense, grad, average, prescale, postscale, nonfinite, out, flagged):
         """:meth:`step` with the tensors ``dense`` (indexes into the layout) allreduced dense beside the sparse step
@@ -374,7 +382,7 @@ class Engine:
         xp = backend_of(pieces[0])
         if self.clip is not None:            # the unit's whole gradient, before the split
             pieces = _per_tensor(clip_local(xp, pieces, self.clip, self.comm.size), layout)
-        sparse = [i for i in range(len(layout)) if i not in set(dense)]
+        sparse = _others(len(layout), dense)
         tail = [pieces[i] for i in dense]
         flat = xp.astype(xp.concat(tail) if len(tail) > 1 else xp.copy(tail[0]), xp.float32)
         flagged = bool(flagged) or not xp.all_finite(flat)
@@ -391,7 +399,7 @@ class Engine:
             u, scale = xp.full(xp.numel(flat), float("nan"), xp.float32, like=flat), 1.0
         else:
             u = flat if self.comm.size == 1 else self.comm.allreduce(flat, SUM, "dense_part")
-            scale = float(prescale) * float(postscale) / (self.comm.size if average else 1)
+            scale = self._scale(prescale, postscale, average)
             last.update(self._traffic())
         nd = xp.numel(flat)
         last.update(n=last["n"] + nd, selected=last["selected"] + (0 if last["skipped"] else nd), dense_entries=nd)

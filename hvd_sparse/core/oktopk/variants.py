@@ -6,7 +6,8 @@ The two halves share the selection rule and τ' (``threshold_period``: the local
 re-evaluated on the same steps), except where a variant re-evaluates the global threshold on steps of its own
 (``global_threshold_period``: the library's, on every step); each variant names them once and both halves get
 them. The local controllers (guard and band, on |S|) and the global ones (Γ's band or ladder, on K) are distinct
-controllers of distinct counts, so they keep their own knobs. The authors' dense warm-up steps (128 / 512 / 0) are not reproduced.
+controllers of distinct counts, so they keep their own knobs. The authors' dense warm-up steps (128 / 512 / 0) are
+not reproduced.
 """
 
 from __future__ import annotations
